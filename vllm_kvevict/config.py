@@ -1,0 +1,201 @@
+"""Plugin configuration: one pydantic model, read from vLLM's ``--additional-config`` and an env var.
+
+    vllm serve MODEL --attention-backend kvevict \\
+        --additional-config '{"kvevict": {"policy": "streamingllm", "budget": 256}}'
+    KVEVICT_CONFIG='{"policy": "keydiff", "budget": 1024}' vllm serve MODEL --attention-backend kvevict
+
+Both hold the same JSON object; when both are given they are merged and ``--additional-config``
+wins key by key. Errors are reported as :class:`KVEvictConfigError`, whose message is one line that
+names the field and the allowed values. Every field is documented in ``docs/configuration.md``.
+"""
+
+from __future__ import annotations
+
+import json
+import os
+from functools import lru_cache
+from typing import Any
+
+from pydantic import BaseModel, ConfigDict, Field, ValidationError, field_validator, model_validator
+
+from vllm_kvevict.policies import POLICIES, PolicyParams
+
+ENV_VAR = "KVEVICT_CONFIG"
+ADDITIONAL_CONFIG_KEY = "kvevict"
+
+
+class KVEvictConfigError(Exception):
+    """A bad kvevict configuration. ``str(err)`` is a single line meant for the user.
+
+    Deliberately not a ``ValueError``: vLLM's config classes are pydantic dataclasses, which would
+    wrap a ValueError raised during their validation into a multi-line ValidationError.
+    """
+
+
+def _policy_fields() -> dict[str, Any]:
+    # One optional sub-object per policy that has parameters, named after the policy.
+    fields: dict[str, Any] = {}
+    for name, cls in POLICIES.items():
+        if cls.Params is not PolicyParams:
+            fields[name] = (cls.Params, Field(default_factory=cls.Params, description=f"parameters of {name}"))
+    return fields
+
+
+class _Base(BaseModel):
+    model_config = ConfigDict(extra="forbid", frozen=True)
+
+    enabled: bool = Field(True, description="evict at all; false keeps every token (stock vLLM behaviour)")
+    policy: str = Field("keydiff", description="eviction policy, one of POLICIES")
+    budget: int = Field(2048, description="tokens kept per sequence, per layer and KV head")
+
+    @field_validator("policy")
+    @classmethod
+    def _known_policy(cls, v: str) -> str:
+        if v not in POLICIES:
+            raise ValueError(f"unknown policy {v!r}")
+        return v
+
+    @field_validator("budget")
+    @classmethod
+    def _positive_budget(cls, v: int) -> int:
+        if v < 1:
+            raise ValueError("must be a positive number of tokens")
+        return v
+
+
+def _build_model() -> type[_Base]:
+    from pydantic import create_model
+
+    model = create_model("KVEvictConfig", __base__=_Base, **_policy_fields())
+    model.__doc__ = "The ``kvevict`` configuration object (see docs/configuration.md)."
+    return model
+
+
+class KVEvictConfig(_build_model()):  # type: ignore[misc]
+    """The ``kvevict`` configuration object (see docs/configuration.md)."""
+
+    @model_validator(mode="after")
+    def _budget_above_protected(self) -> KVEvictConfig:
+        floor = self.policy_params.min_budget()
+        if self.budget < floor:
+            raise ValueError(
+                f"budget {self.budget} is below the minimum {floor} for policy {self.policy!r} "
+                f"(its protected sink/recent tokens plus one)"
+            )
+        return self
+
+    @property
+    def policy_params(self) -> PolicyParams:
+        params = getattr(self, self.policy, None)
+        return params if isinstance(params, PolicyParams) else POLICIES[self.policy].Params()
+
+    def summary(self) -> str:
+        if not self.enabled:
+            return "eviction disabled"
+        extra = self.policy_params.model_dump()
+        args = "".join(f", {k}={v}" for k, v in extra.items())
+        return f"policy={self.policy}, budget={self.budget}{args}"
+
+
+def _allowed_values(field_path: list[str]) -> str:
+    """The allowed values/keys at a location of the config, for error messages."""
+    model: type[BaseModel] = KVEvictConfig
+    for part in field_path:
+        ann = model.model_fields[part].annotation if part in model.model_fields else None
+        if isinstance(ann, type) and issubclass(ann, BaseModel):
+            model = ann
+        else:
+            break
+    return ", ".join(sorted(model.model_fields))
+
+
+def _one_line(err: ValidationError, source: str) -> str:
+    e = err.errors(include_url=False)[0]
+    loc = [str(p) for p in e["loc"]]
+    where = ".".join(["kvevict", *loc]) if loc else "kvevict"
+    msg = e["msg"].removeprefix("Value error, ")
+    if e["type"] == "extra_forbidden":
+        parent = loc[:-1]
+        text = f"unknown key {where!r}; allowed keys: {_allowed_values(parent)}"
+    elif loc == ["policy"]:
+        text = f"{where}: {msg}; allowed values: {', '.join(sorted(POLICIES))}"
+    elif not loc:
+        text = msg  # model-level (budget vs. policy minimum)
+        where = "kvevict.budget"
+        text = f"{where}: {text}"
+    else:
+        got = e.get("input")
+        text = f"{where}: {msg} (got {json.dumps(got) if _jsonable(got) else repr(got)})"
+    if len(err.errors()) > 1:
+        text += f" (and {len(err.errors()) - 1} more error(s))"
+    return f"invalid kvevict configuration ({source}): {text}"
+
+
+def _jsonable(x: Any) -> bool:
+    try:
+        json.dumps(x)
+        return True
+    except (TypeError, ValueError):
+        return False
+
+
+def _merge(base: dict[str, Any], over: dict[str, Any]) -> dict[str, Any]:
+    out = dict(base)
+    for k, v in over.items():
+        out[k] = _merge(out[k], v) if isinstance(v, dict) and isinstance(out.get(k), dict) else v
+    return out
+
+
+def _env_config() -> dict[str, Any]:
+    raw = os.environ.get(ENV_VAR, "").strip()
+    if not raw:
+        return {}
+    try:
+        data = json.loads(raw)
+    except json.JSONDecodeError as exc:
+        raise KVEvictConfigError(f"invalid kvevict configuration ({ENV_VAR}): not valid JSON: {exc}") from None
+    if not isinstance(data, dict):
+        raise KVEvictConfigError(f"invalid kvevict configuration ({ENV_VAR}): expected a JSON object, got {raw!r}")
+    return data
+
+
+def parse_config(data: Any, source: str = "--additional-config") -> KVEvictConfig:
+    """Validate a ``kvevict`` dict; raise :class:`KVEvictConfigError` with one line on failure."""
+    if data is None:
+        data = {}
+    if not isinstance(data, dict):
+        raise KVEvictConfigError(
+            f"invalid kvevict configuration ({source}): 'kvevict' must be a JSON object, got {json.dumps(data)}"
+        )
+    try:
+        return KVEvictConfig.model_validate(data)
+    except ValidationError as err:
+        raise KVEvictConfigError(_one_line(err, source)) from None
+
+
+def raw_config(additional_config: Any) -> tuple[dict[str, Any] | None, str]:
+    """The merged raw ``kvevict`` dict from the env var and vLLM's additional_config, and its source.
+
+    Returns ``(None, ...)`` when neither holds a kvevict configuration.
+    """
+    env = _env_config()
+    extra = additional_config.get(ADDITIONAL_CONFIG_KEY) if isinstance(additional_config, dict) else None
+    if extra is not None and not isinstance(extra, dict):
+        raise KVEvictConfigError(
+            f"invalid kvevict configuration (--additional-config): 'kvevict' must be a JSON object, got {json.dumps(extra)}"
+        )
+    sources = [s for s, d in ((ENV_VAR, env if os.environ.get(ENV_VAR) else None), ("--additional-config", extra)) if d is not None]
+    if not sources:
+        return None, "defaults"
+    return _merge(env, extra or {}), " + ".join(sources)
+
+
+def config_from_vllm(vllm_config: Any) -> KVEvictConfig:
+    """The plugin config for a ``VllmConfig`` (cached per distinct JSON)."""
+    data, source = raw_config(getattr(vllm_config, "additional_config", None))
+    return _parse_cached(json.dumps(data or {}, sort_keys=True), source)
+
+
+@lru_cache(maxsize=16)
+def _parse_cached(data_json: str, source: str) -> KVEvictConfig:
+    return parse_config(json.loads(data_json), source)

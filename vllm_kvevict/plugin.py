@@ -1,0 +1,125 @@
+"""Registration of the kvevict attention backend in every vLLM process (written against vLLM 0.32.0).
+
+vLLM calls :func:`register` (the ``vllm.general_plugins`` entry point) in the API server, the engine
+core and every worker. It must be idempotent. What it does, and why (VLLM_INTEGRATION.md 1.4):
+
+1. ``register_backend(AttentionBackendEnum.CUSTOM, <our class>)``: CUSTOM is the one enum member
+   that pickles into spawned processes; the override is re-installed in each of them.
+2. ``--attention-backend kvevict`` is an alias of CUSTOM (``--attention-backend custom`` also works).
+3. On CPU, ``CpuPlatform.get_attn_backend_cls`` ignores every backend but CPU_ATTN; it is wrapped to
+   honour CUSTOM.
+4. The platform's ``check_and_update_config`` is wrapped to validate the kvevict configuration as
+   soon as the ``VllmConfig`` exists: a bad configuration stops vLLM before any weight is loaded.
+"""
+
+from __future__ import annotations
+
+import os
+import sys
+
+from vllm_kvevict._logging import logger
+from vllm_kvevict.backends import CPU_BACKEND, CUDA_BACKEND
+from vllm_kvevict.config import KVEvictConfigError, config_from_vllm, raw_config
+
+#: vLLM versions whose internals this plugin was written and tested against.
+SUPPORTED_VLLM = ("0.32.",)
+ALLOW_UNTESTED_ENV = "KVEVICT_ALLOW_UNTESTED_VLLM"
+ALIAS = "KVEVICT"
+
+_registered = False
+
+
+def _check_vllm_version() -> None:
+    import vllm
+
+    version = getattr(vllm, "__version__", "unknown")
+    if not version.startswith(SUPPORTED_VLLM) and os.environ.get(ALLOW_UNTESTED_ENV) != "1":
+        raise RuntimeError(
+            f"vllm-kvevict supports vLLM {', '.join(v + 'x' for v in SUPPORTED_VLLM)} but found {version}; "
+            f"set {ALLOW_UNTESTED_ENV}=1 to try anyway"
+        )
+
+
+def _is_kvevict_selected(vllm_config) -> bool:
+    from vllm.v1.attention.backends.registry import AttentionBackendEnum
+
+    attn = getattr(vllm_config, "attention_config", None)
+    return attn is not None and attn.backend is AttentionBackendEnum.CUSTOM
+
+
+def _wrap_check_and_update_config(platform_cls) -> None:
+    """Validate the kvevict config when vLLM finalises its config (first thing, every process)."""
+    if platform_cls.__dict__.get("_kvevict_config_hook"):
+        return
+    orig = platform_cls.check_and_update_config.__func__
+
+    def check_and_update_config(cls, vllm_config) -> None:
+        data, source = raw_config(getattr(vllm_config, "additional_config", None))
+        selected = _is_kvevict_selected(vllm_config)
+        if data is not None or selected:
+            cfg = config_from_vllm(vllm_config)  # raises KVEvictConfigError: one line
+            if selected:
+                logger.debug("kvevict: configuration from %s: %s", source, cfg.summary())
+            else:
+                logger.warning(
+                    "kvevict: a kvevict configuration was given (%s) but the attention backend is not "
+                    "kvevict; pass --attention-backend kvevict to evict", source
+                )
+        orig(cls, vllm_config)
+
+    platform_cls.check_and_update_config = classmethod(check_and_update_config)
+    platform_cls._kvevict_config_hook = True
+
+
+def _wrap_cpu_selector() -> None:
+    from vllm.platforms.cpu import CpuPlatform
+    from vllm.v1.attention.backends.registry import AttentionBackendEnum
+
+    if CpuPlatform.__dict__.get("_kvevict_selector_hook"):
+        return
+    orig = CpuPlatform.get_attn_backend_cls.__func__
+
+    def get_attn_backend_cls(cls, selected_backend, attn_selector_config, num_heads=None):
+        if selected_backend is AttentionBackendEnum.CUSTOM and not attn_selector_config.use_mla:
+            return selected_backend.get_path()
+        return orig(cls, selected_backend, attn_selector_config, num_heads)
+
+    CpuPlatform.get_attn_backend_cls = classmethod(get_attn_backend_cls)
+    CpuPlatform._kvevict_selector_hook = True
+
+
+def _install_excepthook() -> None:
+    """Print a KVEvictConfigError as its one line (the CLI would otherwise show a long traceback)."""
+    if getattr(sys.excepthook, "_kvevict", False):
+        return
+    previous = sys.excepthook
+
+    def hook(exc_type, exc, tb):
+        if issubclass(exc_type, KVEvictConfigError) and not os.environ.get("KVEVICT_TRACEBACK"):
+            print(f"ERROR: {exc}", file=sys.stderr, flush=True)
+            return
+        previous(exc_type, exc, tb)
+
+    hook._kvevict = True  # type: ignore[attr-defined]
+    sys.excepthook = hook
+
+
+def register() -> None:
+    """The ``vllm.general_plugins`` entry point; safe to call any number of times."""
+    global _registered
+    if _registered:
+        return
+    _check_vllm_version()
+    from vllm.platforms import current_platform
+    from vllm.v1.attention.backends.registry import AttentionBackendEnum, register_backend
+
+    path = CPU_BACKEND if current_platform.is_cpu() else CUDA_BACKEND
+    register_backend(AttentionBackendEnum.CUSTOM, path)
+    # The CLI upper-cases the value and looks it up by name: make KVEVICT name the CUSTOM member.
+    AttentionBackendEnum._member_map_.setdefault(ALIAS, AttentionBackendEnum.CUSTOM)
+    if current_platform.is_cpu():
+        _wrap_cpu_selector()
+    _wrap_check_and_update_config(type(current_platform))
+    _install_excepthook()
+    _registered = True
+    logger.debug("kvevict: registered %s as attention backend CUSTOM (alias %s)", path, ALIAS)

@@ -1,0 +1,30 @@
+"""StreamingLLM ("Sink"): keep the first ``sink_tokens`` tokens and the most recent ones.
+
+Xiao et al., *Efficient Streaming Language Models with Attention Sinks*; as used by the seed papers
+(KeyDiff App. B.2): the first 4 tokens plus the most recent ``N - 4``. ALGORITHMS.md section 0.2.
+"""
+
+from __future__ import annotations
+
+import torch
+from pydantic import Field
+
+from vllm_kvevict.policies.base import KVView, Policy, PolicyParams
+
+
+class StreamingLLMParams(PolicyParams):
+    sink_tokens: int = Field(4, ge=0, description="initial tokens always kept (attention sinks)")
+
+    def min_budget(self) -> int:
+        return self.sink_tokens + 1
+
+
+class StreamingLLM(Policy):
+    name = "streamingllm"
+    Params = StreamingLLMParams
+    evicts_during_decode = True
+
+    def score(self, view: KVView) -> torch.Tensor:
+        # Recency is the score; sinks are protected.
+        s = view.pos.to(torch.float32)
+        return torch.where(view.pos < self.params.sink_tokens, torch.full_like(s, float("inf")), s)

@@ -1,0 +1,1 @@
+"""Test helpers that ship with the package: offline test models and a ``vllm serve`` runner."""

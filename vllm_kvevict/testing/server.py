@@ -1,0 +1,141 @@
+"""Start and stop a real ``vllm serve`` subprocess on a loopback port (for tests and benchmarks)."""
+
+from __future__ import annotations
+
+import os
+import signal
+import socket
+import subprocess
+import sys
+import time
+import urllib.error
+import urllib.request
+from pathlib import Path
+
+# Environment for a vLLM subprocess on this kind of machine: no model hub, a fixed KV cache size.
+BASE_ENV = {
+    "HF_HUB_OFFLINE": "1",
+    "TRANSFORMERS_OFFLINE": "1",
+    "VLLM_NO_USAGE_STATS": "1",
+    "DO_NOT_TRACK": "1",
+    "TOKENIZERS_PARALLELISM": "false",
+}
+
+
+def free_port() -> int:
+    with socket.socket(socket.AF_INET, socket.SOCK_STREAM) as s:
+        s.bind(("127.0.0.1", 0))
+        return s.getsockname()[1]
+
+
+def vllm_executable() -> str:
+    """The ``vllm`` console script of the running interpreter's environment."""
+    exe = Path(sys.executable).with_name("vllm")
+    return str(exe) if exe.exists() else "vllm"
+
+
+class ServerExited(RuntimeError):
+    """The server process ended before it was ready."""
+
+
+class VLLMServer:
+    """``with VLLMServer(model, ["--attention-backend", "kvevict"]) as srv: srv.base_url ...``
+
+    The server's combined stdout/stderr goes to ``log_path`` (``srv.log()`` reads it).
+    """
+
+    def __init__(
+        self,
+        model: str | os.PathLike,
+        args: list[str] | None = None,
+        *,
+        log_path: str | os.PathLike,
+        env: dict[str, str] | None = None,
+        port: int | None = None,
+        startup_timeout: float = 300.0,
+        served_model_name: str = "test-model",
+    ):
+        self.model = str(model)
+        self.args = list(args or [])
+        self.port = port or free_port()
+        self.log_path = Path(log_path)
+        self.env = {**os.environ, **BASE_ENV, **(env or {})}
+        self.startup_timeout = startup_timeout
+        self.served_model_name = served_model_name
+        self.proc: subprocess.Popen | None = None
+
+    @property
+    def base_url(self) -> str:
+        return f"http://127.0.0.1:{self.port}"
+
+    def command(self) -> list[str]:
+        return [
+            vllm_executable(), "serve", self.model, "--host", "127.0.0.1", "--port", str(self.port),
+            "--served-model-name", self.served_model_name, *self.args,
+        ]
+
+    def start(self) -> VLLMServer:
+        self.log_path.parent.mkdir(parents=True, exist_ok=True)
+        self._log_file = open(self.log_path, "wb")
+        self.proc = subprocess.Popen(
+            self.command(), stdout=self._log_file, stderr=subprocess.STDOUT, env=self.env,
+            start_new_session=True,  # own process group: stop() ends the engine core and workers too
+        )
+        deadline = time.monotonic() + self.startup_timeout
+        while time.monotonic() < deadline:
+            if self.proc.poll() is not None:
+                raise ServerExited(f"vllm serve exited with {self.proc.returncode}; log tail:\n{self.tail()}")
+            try:
+                with urllib.request.urlopen(self.base_url + "/health", timeout=2) as r:
+                    if r.status == 200:
+                        return self
+            except (urllib.error.URLError, ConnectionError, TimeoutError, OSError):
+                pass
+            time.sleep(0.5)
+        self.stop()
+        raise TimeoutError(f"vllm serve not ready after {self.startup_timeout}s; log tail:\n{self.tail()}")
+
+    def wait_exit(self, timeout: float) -> int:
+        """Start the process and wait for it to exit on its own (for start-up failures)."""
+        self.log_path.parent.mkdir(parents=True, exist_ok=True)
+        with open(self.log_path, "wb") as log:
+            proc = subprocess.run(self.command(), stdout=log, stderr=subprocess.STDOUT, env=self.env, timeout=timeout)
+        return proc.returncode
+
+    def stop(self, timeout: float = 30.0) -> None:
+        if self.proc is None:
+            return
+        if self.proc.poll() is None:
+            with _suppress_lookup():
+                os.killpg(self.proc.pid, signal.SIGTERM)
+            try:
+                self.proc.wait(timeout)
+            except subprocess.TimeoutExpired:
+                with _suppress_lookup():
+                    os.killpg(self.proc.pid, signal.SIGKILL)
+                self.proc.wait(10)
+        else:
+            with _suppress_lookup():  # the API server is gone; make sure its children are too
+                os.killpg(self.proc.pid, signal.SIGKILL)
+        self._log_file.close()
+        self.proc = None
+
+    def log(self) -> str:
+        return self.log_path.read_text(errors="replace") if self.log_path.exists() else ""
+
+    def tail(self, n: int = 60) -> str:
+        return "\n".join(self.log().splitlines()[-n:])
+
+    def __enter__(self) -> VLLMServer:
+        return self.start()
+
+    def __exit__(self, *exc) -> None:
+        self.stop()
+
+
+class _suppress_lookup:
+    def __enter__(self):
+        return self
+
+    def __exit__(self, exc_type, exc, tb):
+        return exc_type is not None and issubclass(exc_type, ProcessLookupError)
