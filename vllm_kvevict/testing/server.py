@@ -54,6 +54,7 @@ class VLLMServer:
         port: int | None = None,
         startup_timeout: float = 300.0,
         served_model_name: str = "test-model",
+        command: list[str] | None = None,
     ):
         self.model = str(model)
         self.args = list(args or [])
@@ -63,12 +64,17 @@ class VLLMServer:
         self.startup_timeout = startup_timeout
         self.served_model_name = served_model_name
         self.proc: subprocess.Popen | None = None
+        # A full command line replaces `vllm serve MODEL ...` (e.g. `make serve PORT=...`);
+        # it must listen on self.port.
+        self._command = command
 
     @property
     def base_url(self) -> str:
         return f"http://127.0.0.1:{self.port}"
 
     def command(self) -> list[str]:
+        if self._command is not None:
+            return list(self._command)
         return [
             vllm_executable(), "serve", self.model, "--host", "127.0.0.1", "--port", str(self.port),
             "--served-model-name", self.served_model_name, *self.args,

