@@ -19,6 +19,7 @@ from typing import Any
 from pydantic import BaseModel, ConfigDict, Field, ValidationError, field_validator, model_validator
 
 from vllm_kvevict.policies import POLICIES, PolicyParams
+from vllm_kvevict.window import WindowConfig
 
 ENV_VAR = "KVEVICT_CONFIG"
 ADDITIONAL_CONFIG_KEY = "kvevict"
@@ -88,6 +89,18 @@ class KVEvictConfig(_build_model()):  # type: ignore[misc]
     def policy_params(self) -> PolicyParams:
         params = getattr(self, self.policy, None)
         return params if isinstance(params, PolicyParams) else POLICIES[self.policy].Params()
+
+    @property
+    def eviction_active(self) -> bool:
+        """Whether any token is ever evicted (``enabled`` and a policy other than ``none``)."""
+        return self.enabled and self.policy != "none"
+
+    def window(self, block_size: int) -> WindowConfig:
+        """The physical-window parameters for a KV cache with this block size."""
+        return WindowConfig(
+            budget=self.budget, block_size=block_size, trigger="chunked",
+            decode=POLICIES[self.policy].evicts_during_decode, enabled=self.eviction_active,
+        )
 
     def summary(self) -> str:
         if not self.enabled:

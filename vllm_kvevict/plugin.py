@@ -60,6 +60,7 @@ def _wrap_check_and_update_config(platform_cls) -> None:
             cfg = config_from_vllm(vllm_config)  # raises KVEvictConfigError: one line
             if selected:
                 logger.debug("kvevict: configuration from %s: %s", source, cfg.summary())
+                _disable_prefix_caching(vllm_config, cfg)
             else:
                 logger.warning(
                     "kvevict: a kvevict configuration was given (%s) but the attention backend is not "
@@ -69,6 +70,17 @@ def _wrap_check_and_update_config(platform_cls) -> None:
 
     platform_cls.check_and_update_config = classmethod(check_and_update_config)
     platform_cls._kvevict_config_hook = True
+
+
+def _disable_prefix_caching(vllm_config, cfg) -> None:
+    """Compaction rewrites blocks in place, so evicting requests must not share or hash blocks."""
+    cache = getattr(vllm_config, "cache_config", None)
+    if cfg.eviction_active and cache is not None and cache.enable_prefix_caching:
+        cache.enable_prefix_caching = False
+        logger.warning(
+            "kvevict: prefix caching is turned off: compaction rewrites KV blocks in place, so they "
+            "cannot be shared between requests or reused from the prefix cache"
+        )
 
 
 def _wrap_cpu_selector() -> None:
@@ -120,6 +132,9 @@ def register() -> None:
     if current_platform.is_cpu():
         _wrap_cpu_selector()
     _wrap_check_and_update_config(type(current_platform))
+    from vllm_kvevict.scheduler import register_spec
+
+    register_spec()
     _install_excepthook()
     _registered = True
     logger.debug("kvevict: registered %s as attention backend CUSTOM (alias %s)", path, ALIAS)

@@ -4,38 +4,170 @@ The backend is registered on ``AttentionBackendEnum.CUSTOM``, so ``get_name()`` 
 ``"CUSTOM"``: ``Attention.__init__`` maps the name back to an enum member, and CUSTOM is the only
 member that survives pickling into the spawned engine-core and worker processes
 (VLLM_INTEGRATION.md sections 1.3-1.4).
+
+Three mixins put the eviction into vLLM's own classes:
+
+* :class:`KVEvictBackendMixin`: ``customize_spec`` turns a plain full-attention layer's spec into a
+  :class:`~vllm_kvevict.scheduler.KVEvictSpec`, so the engine core frees evicted blocks;
+* :class:`KVEvictBuilderMixin`: plans the step's windows and hands the kernel the shifted view;
+* :class:`KVEvictImplMixin`: after attention, records positions and compacts the rows whose
+  window moved.
 """
 
 from __future__ import annotations
 
 import os
 
-from vllm_kvevict._logging import info_once
+import torch
+
+from vllm_kvevict._logging import info_once, logger
+from vllm_kvevict.backends.step import get_step_context, install_runner_hook, plan_step, shifted_metadata
 from vllm_kvevict.config import KVEvictConfig, config_from_vllm
+from vllm_kvevict.kernels.compact import compact_step
+from vllm_kvevict.policies import get_policy
 
 BACKEND_NAME = "CUSTOM"
 
+#: Debugging and testing: write every compaction's kept positions (JSON lines) into this directory.
+DUMP_DIR = os.environ.get("KVEVICT_DUMP_DIR")
+
+
+def _dump_kept(plan, rows: list[int], layer: int, kept: list[torch.Tensor]) -> None:
+    import json
+
+    os.makedirs(DUMP_DIR, exist_ok=True)
+    with open(os.path.join(DUMP_DIR, f"kept-{os.getpid()}.jsonl"), "a") as f:
+        for r, pos in zip(rows, kept):
+            f.write(json.dumps({
+                "req_id": plan.req_ids[r] if plan.req_ids else None, "layer": layer, "e_prev": plan.e_prev[r],
+                "e_new": plan.e_new[r], "L": plan.seq_lens[r], "kept": pos.transpose(0, 1).tolist(),
+            }) + "\n")
+
+
+# The worker's VllmConfig, seen while the model is built (inside vLLM's config context).
+# ``customize_spec`` runs later, outside that context, and reads it from here.
+_worker_vllm_config = None
+
+
+def _current_config() -> KVEvictConfig:
+    global _worker_vllm_config
+    from vllm.config import get_current_vllm_config
+
+    _worker_vllm_config = get_current_vllm_config()
+    return config_from_vllm(_worker_vllm_config)
+
+
+class KVEvictBackendMixin:
+    @classmethod
+    def customize_spec(cls, spec):
+        from vllm.config import get_current_vllm_config_or_none
+        from vllm.v1.kv_cache_interface import FullAttentionSpec
+
+        from vllm_kvevict.scheduler import KVEvictSpec
+
+        spec = super().customize_spec(spec)
+        vllm_config = get_current_vllm_config_or_none() or _worker_vllm_config
+        if vllm_config is None:
+            raise RuntimeError("kvevict: customize_spec called before any kvevict attention layer was built")
+        cfg = config_from_vllm(vllm_config)
+        # Only plain full attention: sliding-window, chunked-local, MLA, cross-attention keep theirs.
+        if cfg.eviction_active and type(spec) is FullAttentionSpec and spec.sliding_window is None:
+            chunk = vllm_config.scheduler_config.max_num_batched_tokens
+            return KVEvictSpec.from_spec(spec, cfg.window(spec.block_size), chunk)
+        return spec
+
+
+class KVEvictBuilderMixin:
+    def _kvevict_builder_init(self, block_size: int, vllm_config) -> None:
+        cfg = config_from_vllm(vllm_config)
+        self.kvevict_block_size = block_size
+        self.kvevict_window = cfg.window(block_size) if cfg.eviction_active else None
+        if self.kvevict_window is not None:
+            install_runner_hook()
+
+    def build(self, common_prefix_len, common_attn_metadata, fast_build: bool = False):
+        if self.kvevict_window is None:
+            return super().build(common_prefix_len, common_attn_metadata, fast_build)
+        plan = plan_step(common_attn_metadata, self.kvevict_window, get_step_context())
+        cm = shifted_metadata(common_attn_metadata, plan, self.kvevict_block_size)
+        md = super().build(common_prefix_len, cm, fast_build)
+        md.kvevict_plan = plan
+        return md
+
 
 class KVEvictImplMixin:
-    """Mixed into vLLM's attention impls: resolves the plugin config once per layer."""
+    """Mixed into vLLM's attention impls: attention over the window, then compaction."""
 
     kvevict_config: KVEvictConfig
 
     def _kvevict_init(self, base_name: str) -> None:
-        from vllm.config import get_current_vllm_config
-
-        self.kvevict_config = config_from_vllm(get_current_vllm_config())
-        self._kvevict_base = base_name
+        self.kvevict_config = _current_config()
+        self.kvevict_policy = get_policy(self.kvevict_config.policy, self.kvevict_config.policy_params)
+        self._kvevict_slot_pos: torch.Tensor | None = None
+        self._kvevict_layer_index: int | None = None
         info_once(
             f"kvevict: attention backend {type(self).__name__} (base {base_name}) in pid {os.getpid()}; "
-            f"{self.kvevict_config.summary()}; note: this version does not evict yet, the KV cache is kept in full"
+            f"{self.kvevict_config.summary()}"
         )
         self._kvevict_forward_seen = False
+
+    # Device-specific: read K/V [n, H, D] of (block, offset) pairs; write K/V into physical slots.
+    def _kvevict_gather(self, layer, kv_cache, blocks, offsets):  # pragma: no cover - abstract
+        raise NotImplementedError
+
+    def _kvevict_write(self, layer, kv_cache, slots, K, V):  # pragma: no cover - abstract
+        raise NotImplementedError
 
     def forward(self, layer, query, key, value, kv_cache, attn_metadata, *args, **kwargs):
         if not self._kvevict_forward_seen and attn_metadata is not None:
             self._kvevict_forward_seen = True
             name = getattr(layer, "layer_name", type(layer).__name__)
             info_once(f"kvevict: first forward through {type(self).__name__} ({name})", key="forward")
-        return super().forward(layer, query, key, value, kv_cache, attn_metadata, *args, **kwargs)
+        out = super().forward(layer, query, key, value, kv_cache, attn_metadata, *args, **kwargs)
+        plan = getattr(attn_metadata, "kvevict_plan", None)
+        if plan is not None:
+            self._kvevict_after_attention(layer, kv_cache, plan)
+        return out
 
+    def _slot_pos(self, kv_cache: torch.Tensor) -> torch.Tensor:
+        """Per-slot, per-head absolute positions, moved with the tokens at every compaction."""
+        nb, H, bs = kv_cache.shape[:3]
+        if self._kvevict_slot_pos is None or self._kvevict_slot_pos.shape[0] != nb * bs:
+            self._kvevict_slot_pos = torch.zeros(nb * bs, H, dtype=torch.int32, device=kv_cache.device)
+        return self._kvevict_slot_pos
+
+    def _layer_index(self, layer) -> int:
+        if self._kvevict_layer_index is None:
+            from vllm.model_executor.models.utils import extract_layer_index
+
+            try:
+                self._kvevict_layer_index = extract_layer_index(getattr(layer, "layer_name", ""))
+            except (AssertionError, ValueError):
+                self._kvevict_layer_index = 0
+        return self._kvevict_layer_index
+
+    def _kvevict_after_attention(self, layer, kv_cache, plan) -> None:
+        slot_pos = self._slot_pos(kv_cache)
+        slots = plan.slot_mapping
+        valid = slots >= 0
+        slot_pos[slots[valid]] = plan.positions[valid].to(torch.int32)[:, None]
+        rows = plan.compact_rows
+        if not rows:
+            return
+        bs = kv_cache.shape[2]
+        layer_idx = self._layer_index(layer)
+        kept = compact_step(
+            plan, rows, self.kvevict_policy, bs,
+            gather=lambda b, o: self._kvevict_gather(layer, kv_cache, b, o),
+            write=lambda s, K, V: self._kvevict_write(layer, kv_cache, s, K, V),
+            slot_pos=slot_pos, layer=layer_idx, G=self.num_heads // self.num_kv_heads,
+        )
+        if DUMP_DIR:
+            _dump_kept(plan, rows, layer_idx, kept)
+        if layer_idx == 0:
+            for r in rows:
+                rid = plan.req_ids[r] if plan.req_ids else f"row {r}"
+                logger.debug(
+                    "kvevict: %s compacted [%d, %d) -> [%d, %d) (%s)", rid, plan.e_prev[r], plan.seq_lens[r],
+                    plan.e_new[r], plan.seq_lens[r], self.kvevict_config.policy,
+                )

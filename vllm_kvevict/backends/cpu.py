@@ -5,9 +5,11 @@ from __future__ import annotations
 from vllm.v1.attention.backends.cpu_attn import (
     CPUAttentionBackend,
     CPUAttentionBackendImpl,
+    CPUAttentionMetadataBuilder,
 )
 
-from vllm_kvevict.backends.common import BACKEND_NAME, KVEvictImplMixin
+from vllm_kvevict.backends.common import BACKEND_NAME, KVEvictBackendMixin, KVEvictBuilderMixin, KVEvictImplMixin
+from vllm_kvevict.kernels.cpu_cache import gather_tokens, write_tokens
 
 
 class KVEvictCPUImpl(KVEvictImplMixin, CPUAttentionBackendImpl):
@@ -15,8 +17,20 @@ class KVEvictCPUImpl(KVEvictImplMixin, CPUAttentionBackendImpl):
         super().__init__(*args, **kwargs)
         self._kvevict_init("CPU_ATTN")
 
+    def _kvevict_gather(self, layer, kv_cache, blocks, offsets):
+        return gather_tokens(kv_cache, layer.isa, blocks, offsets)
 
-class KVEvictCPUBackend(CPUAttentionBackend):
+    def _kvevict_write(self, layer, kv_cache, slots, K, V):
+        write_tokens(kv_cache, layer.isa, slots, K, V)
+
+
+class KVEvictCPUMetadataBuilder(KVEvictBuilderMixin, CPUAttentionMetadataBuilder):
+    def __init__(self, kv_cache_spec, layer_names, vllm_config, device) -> None:
+        super().__init__(kv_cache_spec, layer_names, vllm_config, device)
+        self._kvevict_builder_init(kv_cache_spec.block_size, vllm_config)
+
+
+class KVEvictCPUBackend(KVEvictBackendMixin, CPUAttentionBackend):
     @staticmethod
     def get_name() -> str:
         return BACKEND_NAME
@@ -24,3 +38,7 @@ class KVEvictCPUBackend(CPUAttentionBackend):
     @staticmethod
     def get_impl_cls() -> type[KVEvictCPUImpl]:
         return KVEvictCPUImpl
+
+    @staticmethod
+    def get_builder_cls() -> type[KVEvictCPUMetadataBuilder]:
+        return KVEvictCPUMetadataBuilder

@@ -109,20 +109,18 @@ class VLLMServer:
         return proc.returncode
 
     def stop(self, timeout: float = 30.0) -> None:
+        """SIGTERM to the API server (vLLM then shuts its engine down), then SIGKILL to what is left."""
         if self.proc is None:
             return
         if self.proc.poll() is None:
-            with _suppress_lookup():
-                os.killpg(self.proc.pid, signal.SIGTERM)
+            self.proc.terminate()
             try:
                 self.proc.wait(timeout)
             except subprocess.TimeoutExpired:
-                with _suppress_lookup():
-                    os.killpg(self.proc.pid, signal.SIGKILL)
-                self.proc.wait(10)
-        else:
-            with _suppress_lookup():  # the API server is gone; make sure its children are too
-                os.killpg(self.proc.pid, signal.SIGKILL)
+                pass
+        with _suppress_lookup():  # the process group: engine core and workers, if any survived
+            os.killpg(self.proc.pid, signal.SIGKILL)
+        self.proc.wait(10)
         self._log_file.close()
         self.proc = None
 

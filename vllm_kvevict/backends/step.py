@@ -1,0 +1,124 @@
+"""Per-step planning on the worker: which window each request attends over, and which compact.
+
+Device-agnostic (CPU and CUDA builders share it). The runner's ``CommonAttentionMetadata`` carries
+*logical* sequence lengths and block tables; for the kernel we hand it the physical window
+``[e_prev, L)``: ``block_table[r, e_prev/bs:]`` and ``seq_lens - e_prev`` (ARCHITECTURE.md).
+Positions and slot_mapping stay logical, so RoPE and the KV write are untouched.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import threading
+from dataclasses import dataclass
+
+import torch
+
+from vllm_kvevict.window import WindowConfig, evicted_tokens
+
+_tls = threading.local()
+
+
+@dataclass
+class StepContext:
+    """What the model runner knows about the rows of this step (set by the runner hook)."""
+
+    req_ids: list[str]
+    prompt_lens: list[int]
+
+
+def set_step_context(ctx: StepContext | None) -> None:
+    _tls.ctx = ctx
+
+
+def get_step_context() -> StepContext | None:
+    return getattr(_tls, "ctx", None)
+
+
+@dataclass
+class StepPlan:
+    """The window of every row in this step; shared by all layers of the KV cache group."""
+
+    e_prev: list[int]
+    e_new: list[int]
+    seq_lens: list[int]  # logical L after this step
+    block_table: torch.Tensor  # the runner's unshifted [rows, max_blocks] table
+    slot_mapping: torch.Tensor  # [num_actual_tokens] logical slots of this step's tokens
+    positions: torch.Tensor  # [num_actual_tokens]
+    req_ids: list[str] | None
+
+    @property
+    def compact_rows(self) -> list[int]:
+        return [r for r, (a, b) in enumerate(zip(self.e_prev, self.e_new)) if b > a]
+
+
+def plan_step(cm, window: WindowConfig, ctx: StepContext | None) -> StepPlan:
+    n = cm.num_reqs
+    seq_lens = cm.seq_lens[:n].tolist()
+    qsl = cm.query_start_loc_cpu[: n + 1].tolist()
+    prompt_lens = ctx.prompt_lens[:n] if ctx is not None and len(ctx.prompt_lens) >= n else None
+    if prompt_lens is None and (window.trigger != "chunked" or not window.decode):
+        raise RuntimeError("kvevict: this trigger mode needs the prompt lengths, but the runner hook is missing")
+    e_prev, e_new = [], []
+    for r in range(n):
+        L = seq_lens[r]
+        L_prev = L - (qsl[r + 1] - qsl[r])
+        P = prompt_lens[r] if prompt_lens is not None else L
+        e_prev.append(evicted_tokens(L_prev, P, window))
+        e_new.append(evicted_tokens(L, P, window))
+    T = cm.num_actual_tokens
+    return StepPlan(
+        e_prev=e_prev, e_new=e_new, seq_lens=seq_lens, block_table=cm.block_table_tensor[:n],
+        slot_mapping=cm.slot_mapping[:T], positions=cm.positions[:T] if cm.positions is not None else None,
+        req_ids=ctx.req_ids[:n] if ctx is not None else None,
+    )
+
+
+def shift_block_table(block_table: torch.Tensor, shift_blocks: torch.Tensor) -> torch.Tensor:
+    """Row r of the result is ``block_table[r, shift_blocks[r]:]``, padded with the null block 0."""
+    rows, width = block_table.shape
+    idx = torch.arange(width, device=block_table.device)[None, :] + shift_blocks[:, None]
+    out = torch.gather(block_table, 1, idx.clamp(max=width - 1))
+    return out.masked_fill(idx >= width, 0)
+
+
+def shifted_metadata(cm, plan: StepPlan, block_size: int):
+    """``cm`` with the kernel's view of the window: shifted block table and physical lengths."""
+    if not any(plan.e_prev):
+        return cm
+    n = cm.num_reqs
+    e_prev = torch.tensor(plan.e_prev, dtype=cm.seq_lens.dtype, device=cm.seq_lens.device)
+    seq_lens = cm.seq_lens.clone()
+    seq_lens[:n] -= e_prev
+    bt = cm.block_table_tensor.clone()
+    bt[:n] = shift_block_table(cm.block_table_tensor[:n], (e_prev // block_size).to(torch.long))
+    return dataclasses.replace(cm, seq_lens=seq_lens, block_table_tensor=bt, max_seq_len=int(seq_lens[:n].max()))
+
+
+def install_runner_hook() -> None:
+    """Give the builders the request ids and prompt lengths of each step's rows.
+
+    vLLM 0.32.0's ``CommonAttentionMetadata`` carries neither; the V1 model runner (used on CPU,
+    and on GPU with ``VLLM_USE_V2_MODEL_RUNNER=0``) has them in ``input_batch``. One wrap of
+    ``GPUModelRunner._build_attention_metadata`` (the runner calls every builder from inside it)
+    publishes them for the duration of the call. Idempotent; called from the builder, i.e. only
+    in worker processes.
+    """
+    from vllm.v1.worker.gpu_model_runner import GPUModelRunner
+
+    if GPUModelRunner.__dict__.get("_kvevict_step_hook"):
+        return
+    orig = GPUModelRunner._build_attention_metadata
+
+    def _build_attention_metadata(self, num_tokens, num_reqs, *args, **kwargs):
+        batch = self.input_batch
+        set_step_context(StepContext(
+            req_ids=list(batch.req_ids[:num_reqs]), prompt_lens=batch.num_prompt_tokens[:num_reqs].tolist()
+        ))
+        try:
+            return orig(self, num_tokens, num_reqs, *args, **kwargs)
+        finally:
+            set_step_context(None)
+
+    GPUModelRunner._build_attention_metadata = _build_attention_metadata
+    GPUModelRunner._kvevict_step_hook = True
