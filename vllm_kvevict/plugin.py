@@ -60,6 +60,7 @@ def _wrap_check_and_update_config(platform_cls) -> None:
             cfg = config_from_vllm(vllm_config)  # raises KVEvictConfigError: one line
             if selected:
                 logger.debug("kvevict: configuration from %s: %s", source, cfg.summary())
+                _check_kv_cache_dtype(vllm_config, cfg)
                 _disable_prefix_caching(vllm_config, cfg)
             else:
                 logger.warning(
@@ -70,6 +71,15 @@ def _wrap_check_and_update_config(platform_cls) -> None:
 
     platform_cls.check_and_update_config = classmethod(check_and_update_config)
     platform_cls._kvevict_config_hook = True
+
+
+def _check_kv_cache_dtype(vllm_config, cfg) -> None:
+    cache = getattr(vllm_config, "cache_config", None)
+    dtype = getattr(cache, "cache_dtype", "auto")
+    if cfg.eviction_active and dtype not in ("auto", None):
+        raise KVEvictConfigError(
+            f"invalid kvevict configuration: --kv-cache-dtype {dtype} is not supported with eviction; allowed: auto"
+        )
 
 
 def _disable_prefix_caching(vllm_config, cfg) -> None:

@@ -10,39 +10,43 @@ from vllm_kvevict.testing.server import VLLMServer
 
 pytestmark = [pytest.mark.engine, pytest.mark.timeout(300)]
 
-CASES = {
+CASES = {  # name: (--additional-config, KVEVICT_CONFIG, extra vllm args, the one line)
     "unknown_key": (
-        {"kvevict": {"budgett": 64}}, None,
+        {"kvevict": {"budgett": 64}}, None, [],
         "invalid kvevict configuration (--additional-config): unknown key 'kvevict.budgett'; "
         "allowed keys: budget, enabled, policy, streamingllm",
     ),
     "wrong_type": (
-        {"kvevict": {"budget": "lots"}}, None,
+        {"kvevict": {"budget": "lots"}}, None, [],
         "invalid kvevict configuration (--additional-config): kvevict.budget: Input should be a valid integer, "
         'unable to parse string as an integer (got "lots")',
     ),
     "budget_below_minimum": (
-        {"kvevict": {"policy": "streamingllm", "budget": 3}}, None,
+        {"kvevict": {"policy": "streamingllm", "budget": 3}}, None, [],
         "invalid kvevict configuration (--additional-config): kvevict.budget: budget 3 is below the minimum 5 "
         "for policy 'streamingllm' (its protected sink/recent tokens plus one)",
     ),
     "unknown_policy": (
-        {"kvevict": {"policy": "h3o", "budget": 64}}, None,
+        {"kvevict": {"policy": "h3o", "budget": 64}}, None, [],
         "invalid kvevict configuration (--additional-config): kvevict.policy: unknown policy 'h3o'; "
         "allowed values: keydiff, none, streamingllm",
     ),
     "env_wrong_type": (
-        None, {"enabled": "perhaps"},
+        None, {"enabled": "perhaps"}, [],
         "invalid kvevict configuration (KVEVICT_CONFIG): kvevict.enabled: Input should be a valid boolean, "
         'unable to interpret input (got "perhaps")',
+    ),
+    "fp8_kv_cache": (
+        {"kvevict": {"policy": "keydiff", "budget": 64}}, None, ["--kv-cache-dtype", "fp8"],
+        "invalid kvevict configuration: --kv-cache-dtype fp8 is not supported with eviction; allowed: auto",
     ),
 }
 
 
 @pytest.mark.parametrize("case", list(CASES))
 def test_bad_config_fails_fast_with_one_line(case, tiny_model, server_log):
-    additional, env_cfg, expected = CASES[case]
-    args = ["--attention-backend", "kvevict", "--dtype", "float32", "--block-size", "32", "--enforce-eager"]
+    additional, env_cfg, extra, expected = CASES[case]
+    args = ["--attention-backend", "kvevict", "--dtype", "float32", "--block-size", "32", "--enforce-eager", *extra]
     if additional is not None:
         args += ["--additional-config", json.dumps(additional)]
     env = {"KVEVICT_CONFIG": json.dumps(env_cfg)} if env_cfg is not None else {"KVEVICT_CONFIG": ""}

@@ -32,16 +32,30 @@ BACKEND_NAME = "CUSTOM"
 DUMP_DIR = os.environ.get("KVEVICT_DUMP_DIR")
 
 
-def _dump_kept(plan, rows: list[int], layer: int, kept: list[torch.Tensor]) -> None:
+def _dump(records: list[dict]) -> None:
     import json
 
     os.makedirs(DUMP_DIR, exist_ok=True)
     with open(os.path.join(DUMP_DIR, f"kept-{os.getpid()}.jsonl"), "a") as f:
-        for r, pos in zip(rows, kept):
-            f.write(json.dumps({
-                "req_id": plan.req_ids[r] if plan.req_ids else None, "layer": layer, "e_prev": plan.e_prev[r],
-                "e_new": plan.e_new[r], "L": plan.seq_lens[r], "kept": pos.transpose(0, 1).tolist(),
-            }) + "\n")
+        f.writelines(json.dumps(rec) + "\n" for rec in records)
+
+
+def _dump_kept(plan, rows: list[int], layer: int, kept: list[torch.Tensor]) -> None:
+    _dump([
+        {"req_id": plan.req_ids[r] if plan.req_ids else None, "layer": layer, "e_prev": plan.e_prev[r],
+         "e_new": plan.e_new[r], "L": plan.seq_lens[r], "kept": pos.transpose(0, 1).tolist()}
+        for r, pos in zip(rows, kept)
+    ])
+
+
+def _dump_starts(plan, ctx) -> None:
+    """A request's first step (also after preemption, when vLLM recomputes it from scratch)."""
+    if ctx is None:
+        return
+    _dump([
+        {"req_id": plan.req_ids[r], "start": True, "num_tokens": ctx.num_tokens[r]}
+        for r in range(len(plan.seq_lens)) if plan.L_prev[r] == 0
+    ])
 
 
 # The worker's VllmConfig, seen while the model is built (inside vLLM's config context).
@@ -72,8 +86,7 @@ class KVEvictBackendMixin:
         cfg = config_from_vllm(vllm_config)
         # Only plain full attention: sliding-window, chunked-local, MLA, cross-attention keep theirs.
         if cfg.eviction_active and type(spec) is FullAttentionSpec and spec.sliding_window is None:
-            chunk = vllm_config.scheduler_config.max_num_batched_tokens
-            return KVEvictSpec.from_spec(spec, cfg.window(spec.block_size), chunk)
+            return KVEvictSpec.from_spec(spec, cfg.window(spec.block_size), vllm_config.max_in_flight_tokens)
         return spec
 
 
@@ -88,7 +101,10 @@ class KVEvictBuilderMixin:
     def build(self, common_prefix_len, common_attn_metadata, fast_build: bool = False):
         if self.kvevict_window is None:
             return super().build(common_prefix_len, common_attn_metadata, fast_build)
-        plan = plan_step(common_attn_metadata, self.kvevict_window, get_step_context())
+        ctx = get_step_context()
+        plan = plan_step(common_attn_metadata, self.kvevict_window, ctx)
+        if DUMP_DIR:
+            _dump_starts(plan, ctx)
         cm = shifted_metadata(common_attn_metadata, plan, self.kvevict_block_size)
         md = super().build(common_prefix_len, cm, fast_build)
         md.kvevict_plan = plan

@@ -25,6 +25,7 @@ class StepContext:
 
     req_ids: list[str]
     prompt_lens: list[int]
+    num_tokens: list[int]  # prompt + output tokens known so far (a resumed request re-prefills them)
 
 
 def set_step_context(ctx: StepContext | None) -> None:
@@ -39,6 +40,7 @@ def get_step_context() -> StepContext | None:
 class StepPlan:
     """The window of every row in this step; shared by all layers of the KV cache group."""
 
+    L_prev: list[int]  # logical tokens computed before this step
     e_prev: list[int]
     e_new: list[int]
     seq_lens: list[int]  # logical L after this step
@@ -59,16 +61,15 @@ def plan_step(cm, window: WindowConfig, ctx: StepContext | None) -> StepPlan:
     prompt_lens = ctx.prompt_lens[:n] if ctx is not None and len(ctx.prompt_lens) >= n else None
     if prompt_lens is None and (window.trigger != "chunked" or not window.decode):
         raise RuntimeError("kvevict: this trigger mode needs the prompt lengths, but the runner hook is missing")
+    L_prev = [seq_lens[r] - (qsl[r + 1] - qsl[r]) for r in range(n)]
     e_prev, e_new = [], []
     for r in range(n):
-        L = seq_lens[r]
-        L_prev = L - (qsl[r + 1] - qsl[r])
-        P = prompt_lens[r] if prompt_lens is not None else L
-        e_prev.append(evicted_tokens(L_prev, P, window))
-        e_new.append(evicted_tokens(L, P, window))
+        P = prompt_lens[r] if prompt_lens is not None else seq_lens[r]
+        e_prev.append(evicted_tokens(L_prev[r], P, window))
+        e_new.append(evicted_tokens(seq_lens[r], P, window))
     T = cm.num_actual_tokens
     return StepPlan(
-        e_prev=e_prev, e_new=e_new, seq_lens=seq_lens, block_table=cm.block_table_tensor[:n],
+        L_prev=L_prev, e_prev=e_prev, e_new=e_new, seq_lens=seq_lens, block_table=cm.block_table_tensor[:n],
         slot_mapping=cm.slot_mapping[:T], positions=cm.positions[:T] if cm.positions is not None else None,
         req_ids=ctx.req_ids[:n] if ctx is not None else None,
     )
@@ -113,7 +114,8 @@ def install_runner_hook() -> None:
     def _build_attention_metadata(self, num_tokens, num_reqs, *args, **kwargs):
         batch = self.input_batch
         set_step_context(StepContext(
-            req_ids=list(batch.req_ids[:num_reqs]), prompt_lens=batch.num_prompt_tokens[:num_reqs].tolist()
+            req_ids=list(batch.req_ids[:num_reqs]), prompt_lens=batch.num_prompt_tokens[:num_reqs].tolist(),
+            num_tokens=batch.num_tokens_no_spec[:num_reqs].tolist(),
         ))
         try:
             return orig(self, num_tokens, num_reqs, *args, **kwargs)

@@ -17,6 +17,7 @@ from typing import Self
 from vllm.v1.core.single_type_kv_cache_manager import FullAttentionManager
 from vllm.v1.kv_cache_interface import FullAttentionSpec
 
+from vllm_kvevict._logging import logger
 from vllm_kvevict.window import WindowConfig, evicted_tokens, window_bound_blocks
 
 
@@ -27,7 +28,7 @@ class KVEvictSpec(FullAttentionSpec):
     evict_budget: int
     evict_trigger: str = "chunked"
     evict_decode: bool = True
-    evict_max_chunk: int = 0  # the scheduler's token budget per step (bounds the in-step peak)
+    evict_max_in_flight: int = 0  # tokens scheduled but not yet processed (vLLM's max_in_flight_tokens)
 
     @property
     def window(self) -> WindowConfig:
@@ -37,30 +38,76 @@ class KVEvictSpec(FullAttentionSpec):
         )
 
     @classmethod
-    def from_spec(cls, spec: FullAttentionSpec, window: WindowConfig, max_chunk: int) -> KVEvictSpec:
+    def from_spec(cls, spec: FullAttentionSpec, window: WindowConfig, max_in_flight: int) -> KVEvictSpec:
         base = {f.name: getattr(spec, f.name) for f in fields(FullAttentionSpec) if f.init}
         return cls(**base, evict_budget=window.budget, evict_trigger=window.trigger, evict_decode=window.decode,
-                   evict_max_chunk=max_chunk)
+                   evict_max_in_flight=max_in_flight)
+
+    def max_admission_blocks_per_request(self, max_model_len: int | None = None) -> int | None:
+        """Most blocks one request ever holds: the window bound in ``chunked`` mode, else ``None``.
+
+        The single source for the start-up memory check and the scheduler's admission gate, as for
+        vLLM's sliding-window specs: a prompt longer than the whole KV cache is admitted, because its
+        blocks are recycled as the window moves.
+        """
+        if self.evict_trigger != "chunked":  # nothing is evicted before the prompt is complete
+            return None
+        bound = window_bound_blocks(self.window, self.evict_max_in_flight)
+        return bound if max_model_len is None else min(bound, -(-max_model_len // self.block_size))
 
     def max_memory_usage_bytes(self, vllm_config) -> int:
-        full = super().max_memory_usage_bytes(vllm_config)
-        if self.evict_trigger != "chunked":  # nothing is evicted before the prompt is complete
-            return full
-        chunk = self.evict_max_chunk or vllm_config.scheduler_config.max_num_batched_tokens
-        return min(full, window_bound_blocks(self.window, chunk) * self.page_size_bytes)
+        cap = self.max_admission_blocks_per_request(vllm_config.model_config.max_model_len)
+        if cap is None:
+            return super().max_memory_usage_bytes(vllm_config)
+        return cap * self.page_size_bytes
 
     @classmethod
     def merge(cls, specs: list[Self]) -> Self:
         merged = FullAttentionSpec.merge.__func__(FullAttentionSpec, specs)  # checks the common fields
         first = specs[0]
-        extra = ("evict_budget", "evict_trigger", "evict_decode", "evict_max_chunk")
+        extra = ("evict_budget", "evict_trigger", "evict_decode", "evict_max_in_flight")
         for s in specs:
             assert all(getattr(s, k) == getattr(first, k) for k in extra), "kvevict layers disagree on the window"
-        return cls.from_spec(merged, first.window, first.evict_max_chunk)
+        return cls.from_spec(merged, first.window, first.evict_max_in_flight)
 
 
 class KVEvictManager(FullAttentionManager):
     """Frees the blocks of evicted tokens as soon as the processed-token count crosses a trigger."""
+
+    def __init__(self, kv_cache_spec: KVEvictSpec, **kwargs) -> None:
+        super().__init__(kv_cache_spec, **kwargs)
+        # vLLM 0.32 passes the admission cap only to its own recycling specs; set ours the same way.
+        if self.max_admission_blocks_per_request is None:
+            self.max_admission_blocks_per_request = kv_cache_spec.max_admission_blocks_per_request()
+        # Per request: [leading blocks nulled (= freed by eviction), peak blocks held].
+        self._stats: dict[str, list[int]] = {}
+        #: Peak of blocks in use in the whole pool (vLLM's free-block count), since start.
+        self.pool_peak_used = 0
+
+    def _held(self, request_id: str) -> int:
+        # The nulled blocks are exactly a prefix of vLLM's block list (the evicted window start).
+        st = self._stats.get(request_id)
+        return len(self.req_to_blocks.get(request_id, ())) - (st[0] if st else 0)
+
+    def allocate_new_blocks(self, request_id: str, num_tokens: int, num_tokens_main_model: int):
+        new = super().allocate_new_blocks(request_id, num_tokens, num_tokens_main_model)
+        st = self._stats.setdefault(request_id, [0, 0])
+        st[1] = max(st[1], self._held(request_id))
+        pool = self.block_pool
+        self.pool_peak_used = max(self.pool_peak_used, pool.num_gpu_blocks - 1 - pool.get_num_free_blocks())
+        return new
+
+    def free(self, request_id: str) -> None:
+        st = self._stats.pop(request_id, None)
+        super().free(request_id)
+        if st is not None and st[0]:
+            pool = self.block_pool
+            logger.info(
+                "kvevict: request %s released: %d blocks freed by eviction, peak %d blocks held "
+                "(window bound %s); pool %d/%d blocks free, peak %d used",
+                request_id, st[0], st[1], self.max_admission_blocks_per_request, pool.get_num_free_blocks(),
+                pool.num_gpu_blocks - 1, self.pool_peak_used,
+            )
 
     def remove_skipped_blocks(
         self, request_id: str, processed_computed_tokens: int, num_prompt_tokens: int | None = None
@@ -77,7 +124,10 @@ class KVEvictManager(FullAttentionManager):
         if blocks is None:
             return
         # Backward scan that stops at the first null block: frees exactly [E_prev/bs, E/bs).
-        self._remove_blocks_in_range(request_id, 0, min(e // self.block_size, len(blocks)))
+        n_evicted = min(e // self.block_size, len(blocks))
+        self._remove_blocks_in_range(request_id, 0, n_evicted)
+        st = self._stats.setdefault(request_id, [0, 0])
+        st[0] = max(st[0], n_evicted)
 
     def cache_blocks(self, request, num_tokens, retention_interval=None, *, replay_boundaries) -> None:
         # Compaction rewrites blocks in place: they must never enter the prefix cache. The plugin

@@ -12,31 +12,64 @@ from __future__ import annotations
 
 import json
 from collections import defaultdict
+from dataclasses import dataclass, field
 from pathlib import Path
 
 import torch
 
 
-def load_events(dump_dir: str | Path) -> dict[str, dict[int, dict[int, list[list[int]]]]]:
-    """``{req_id: {L: {layer: kept[h][j]}}}`` from every worker's dump file."""
-    events: dict[str, dict[int, dict[int, list[list[int]]]]] = defaultdict(lambda: defaultdict(dict))
+Events = dict[int, dict[int, list[list[int]]]]  # {L: {layer: kept[h][j]}}
+
+
+@dataclass
+class Attempt:
+    """One computation of a request: the first, or a recompute after preemption.
+
+    A recompute re-prefills the prompt and the ``num_tokens - prompt_len`` tokens generated before
+    it was preempted; tokens generated from then on come from this attempt.
+    """
+
+    num_tokens: int
+    events: Events = field(default_factory=lambda: defaultdict(dict))
+
+
+def load_attempts(dump_dir: str | Path) -> dict[str, list[Attempt]]:
+    """``{req_id: [Attempt, ...]}`` from every worker's dump file, in order."""
+    attempts: dict[str, list[Attempt]] = defaultdict(list)
     for path in sorted(Path(dump_dir).glob("kept-*.jsonl")):
         for line in path.read_text().splitlines():
             rec = json.loads(line)
-            events[rec["req_id"]][rec["L"]][rec["layer"]] = rec["kept"]
-    return events
+            if rec.get("start"):
+                attempts[rec["req_id"]].append(Attempt(num_tokens=rec["num_tokens"]))
+            else:
+                attempts[rec["req_id"]][-1].events[rec["L"]][rec["layer"]] = rec["kept"]
+    return attempts
 
 
-def events_for(events, request_id: str) -> dict[int, dict[int, list[list[int]]]]:
-    """The events of the engine request whose id starts with the OpenAI response id."""
-    matches = [k for k in events if k == request_id or k.startswith(request_id + "-")]
+def attempts_for(attempts: dict[str, list[Attempt]], request_id: str) -> list[Attempt]:
+    """The attempts of the engine request whose id starts with the OpenAI response id."""
+    matches = [k for k in attempts if k == request_id or k.startswith(request_id + "-")]
     if len(matches) > 1:
         raise KeyError(f"ambiguous request id {request_id}: {matches}")
-    return events[matches[0]] if matches else {}
+    return attempts[matches[0]] if matches else []
+
+
+def replay_attempts(model, prompt: list[int], generated: list[int], attempts: list[Attempt]) -> torch.Tensor:
+    """``[len(generated), vocab]`` log-probabilities, each from the attempt that generated the token."""
+    ids = prompt + generated[:-1]
+    P = len(prompt)
+    rows = []
+    for k, att in enumerate(attempts):
+        first = att.num_tokens - P  # generated tokens already known when this attempt started
+        last = attempts[k + 1].num_tokens - P if k + 1 < len(attempts) else len(generated)
+        if last > first:
+            logp = replay(model, ids, att.events)
+            rows.append(logp[P - 1 + first: P - 1 + last])
+    return torch.cat(rows)
 
 
 @torch.no_grad()
-def replay(model, token_ids: list[int], events: dict[int, dict[int, list[list[int]]]]) -> torch.Tensor:
+def replay(model, token_ids: list[int], events: Events) -> torch.Tensor:
     """Log-probabilities ``[len(token_ids), vocab]`` (row i predicts token i + 1) under eviction."""
     from transformers import DynamicCache
 

@@ -1,0 +1,43 @@
+"""Helpers shared by the engine tests that evict: requests with logprobs, and the reference check."""
+
+from __future__ import annotations
+
+import random
+
+from openai import OpenAI
+
+from vllm_kvevict.testing.hf_reference import attempts_for, replay_attempts
+from vllm_kvevict.testing.server import VLLMServer
+
+TOL = 1e-4
+
+
+def make_prompt(n: int, seed: int, vocab: int) -> list[int]:
+    rng = random.Random(seed)
+    return [rng.randrange(3, vocab) for _ in range(n)]
+
+
+def complete(srv: VLLMServer, prompt: list[int], max_tokens: int, **kw) -> dict:
+    """A greedy completion of token ids, with the chosen tokens' ids and logprobs."""
+    client = OpenAI(base_url=srv.base_url + "/v1", api_key="unused", max_retries=0)
+    r = client.completions.create(
+        model=srv.served_model_name, prompt=prompt, max_tokens=max_tokens, temperature=0, logprobs=1,
+        extra_body={"ignore_eos": True, "return_tokens_as_token_ids": True}, **kw,
+    )
+    lp = r.choices[0].logprobs
+    return {
+        "id": r.id, "prompt": prompt,
+        "tokens": [int(t.removeprefix("token_id:")) for t in lp.tokens], "logprobs": lp.token_logprobs,
+    }
+
+
+def check_against_reference(hf_model, out: dict, attempts) -> list:
+    """Greedy tokens and logprobs of one engine request equal the reference's; returns its attempts."""
+    atts = attempts_for(attempts, out["id"])
+    assert atts and any(a.events for a in atts), f"no compaction recorded for {out['id']}"
+    logp = replay_attempts(hf_model, out["prompt"], out["tokens"], atts)
+    for j, (tok, lp) in enumerate(zip(out["tokens"], out["logprobs"], strict=True)):
+        row = logp[j]
+        assert int(row.argmax()) == tok, f"{out['id']}: token {j}: engine {tok}, reference argmax {int(row.argmax())}"
+        assert abs(float(row[tok]) - lp) <= TOL, f"{out['id']}: token {j}: logprob {lp} vs {float(row[tok])}"
+    return atts

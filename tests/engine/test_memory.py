@@ -1,0 +1,117 @@
+"""Memory: the window bound holds inside vLLM's block pool, prompts longer than the whole KV cache
+run, and a mixed run (finished, aborted mid-prefill, preempted requests) returns every block.
+
+The KV cache is 9 blocks of 32 tokens (8 usable: block 0 is vLLM's null block), i.e. 256 tokens.
+Block counts come from vLLM's own block lists and free-block count, read by the plugin's manager in
+the engine core and logged once per request ("kvevict: request ... released: ...").
+"""
+
+from __future__ import annotations
+
+import json
+import re
+import threading
+import time
+import urllib.request
+from concurrent.futures import ThreadPoolExecutor
+
+import pytest
+import requests
+
+from tests.conftest import CPU_SERVER_ARGS
+from tests.engine.evict_common import check_against_reference, complete, make_prompt
+from vllm_kvevict.testing.hf_reference import load_attempts
+from vllm_kvevict.testing.server import VLLMServer
+from vllm_kvevict.window import WindowConfig, window_bound_blocks
+
+pytestmark = [pytest.mark.engine, pytest.mark.timeout(900)]
+
+BUDGET, BS, CHUNK = 96, 32, 64
+BOUND = window_bound_blocks(WindowConfig(BUDGET, BS), CHUNK)  # 6 blocks per running request
+POOL = 8
+ABORTED_PROMPT = 30000
+RELEASED = re.compile(
+    r"kvevict: request (\S+) released: (\d+) blocks freed by eviction, peak (\d+) blocks held "
+    r"\(window bound (\d+)\); pool (\d+)/(\d+) blocks free, peak (\d+) used"
+)
+
+
+@pytest.fixture(scope="module")
+def server(gqa_model, tmp_path_factory):
+    base = tmp_path_factory.mktemp("memory")
+    cfg = {"kvevict": {"policy": "keydiff", "budget": BUDGET}}
+    args = [
+        "--attention-backend", "kvevict", *CPU_SERVER_ARGS, "--num-gpu-blocks-override", str(POOL + 1),
+        # Admit on the first chunk only (vLLM's default reserves the whole window bound per request,
+        # which avoids preemption altogether); over-admission makes vLLM preempt, as under load.
+        "--no-scheduler-reserve-full-isl", "--max-model-len", "32768",
+        "--max-num-batched-tokens", str(CHUNK), "--max-num-seqs", "4", "--additional-config", json.dumps(cfg),
+    ]
+    srv = VLLMServer(gqa_model, args, log_path=base / "server.log", env={"KVEVICT_DUMP_DIR": str(base / "dump")})
+    with srv:
+        srv.dump_dir = base / "dump"
+        yield srv
+
+
+def _released(srv: VLLMServer) -> list[tuple]:
+    return [(m[1], *map(int, m.groups()[1:])) for m in RELEASED.finditer(srv.log())]
+
+
+def _line_for(srv: VLLMServer, request_id: str) -> tuple:
+    lines = [r for r in _released(srv) if r[0].startswith(request_id + "-")]
+    assert lines, f"no release line for {request_id}"
+    return lines[-1]
+
+
+def test_prompt_longer_than_whole_cache_runs_within_bound(server, hf_model):
+    prompt = make_prompt(8 * BUDGET + 40, 11, hf_model.config.vocab_size)  # 808 tokens > 256 in the cache
+    out = complete(server, prompt, 40)
+    assert len(out["tokens"]) == 40
+    time.sleep(0.5)
+    _, freed, peak, bound, free, total, pool_peak = _line_for(server, out["id"])
+    assert (bound, total) == (BOUND, POOL)
+    assert peak <= BOUND and pool_peak <= BOUND  # one running request: the whole pool stayed in the bound
+    assert freed == (len(prompt) + 39 - BUDGET) // BS  # every evicted block went back to the pool
+    assert free == POOL
+    check_against_reference(hf_model, out, load_attempts(server.dump_dir))
+
+
+def _metric(srv: VLLMServer, name: str) -> float:
+    text = urllib.request.urlopen(srv.base_url + "/metrics").read().decode()
+    return sum(float(line.rsplit(" ", 1)[1]) for line in text.splitlines() if line.startswith(name + "{"))
+
+
+def test_mixed_run_returns_every_block(server, hf_model):
+    vocab = hf_model.config.vocab_size
+    preemptions_before = _metric(server, "vllm:num_preemptions_total")
+    released_before = len(_released(server))
+    # 1. A client that disconnects mid-prefill: 30000 tokens take ~470 steps of 64.
+    with pytest.raises(requests.exceptions.ReadTimeout):
+        requests.post(server.base_url + "/v1/completions", timeout=1.0, json={
+            "model": server.served_model_name, "prompt": make_prompt(ABORTED_PROMPT, 21, vocab), "max_tokens": 4,
+        })
+    # vLLM notices the disconnect at its next check; wait until it has released the request.
+    full_prefill_frees = (ABORTED_PROMPT - BUDGET) // BS
+    deadline = time.monotonic() + 60
+    while len(_released(server)) == released_before and time.monotonic() < deadline:
+        time.sleep(0.2)
+    aborted = _released(server)[released_before]
+    # 2. Four concurrent requests that need up to 4 x 6 blocks from a pool of 8: vLLM preempts.
+    specs = [(300, 22), (450, 23), (600, 24), (700, 25)]
+    with ThreadPoolExecutor(4) as pool:
+        outs = list(pool.map(lambda a: complete(server, make_prompt(*a, vocab), 64), specs))
+    assert all(len(o["tokens"]) == 64 for o in outs)
+    assert _metric(server, "vllm:num_preemptions_total") > preemptions_before, "expected preemptions"
+    # Preempted requests were recomputed and still equal the reference (per attempt).
+    attempts = load_attempts(server.dump_dir)
+    recomputed = [o for o in outs if len(check_against_reference(hf_model, o, attempts)) > 1]
+    assert recomputed, "expected at least one recomputed request"
+    # 3. The aborted request was released mid-prefill, after some eviction.
+    assert 0 < aborted[1] < full_prefill_frees - 2, f"aborted request not released mid-prefill: {aborted}"
+    # 4. Afterwards every block is free again.
+    last = complete(server, make_prompt(200, 26, vocab), 8)
+    time.sleep(0.5)
+    line = _line_for(server, last["id"])
+    assert line[4] == POOL, f"{POOL - line[4]} blocks leaked"
+    for r in _released(server):
+        assert r[2] <= BOUND, f"request {r[0]} held {r[2]} blocks"
