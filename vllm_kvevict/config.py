@@ -122,10 +122,14 @@ def _allowed_values(field_path: list[str]) -> str:
     return ", ".join(sorted(model.model_fields))
 
 
-def _one_line(err: ValidationError, source: str) -> str:
+def _config_key(loc: list[str]) -> str:
+    return ".".join(["kvevict", *loc])
+
+
+def _one_line(err: ValidationError, source: str, key=_config_key) -> str:
     e = err.errors(include_url=False)[0]
     loc = [str(p) for p in e["loc"]]
-    where = ".".join(["kvevict", *loc]) if loc else "kvevict"
+    where = key(loc)
     msg = e["msg"].removeprefix("Value error, ")
     if e["type"] == "extra_forbidden":
         parent = loc[:-1]
@@ -133,15 +137,13 @@ def _one_line(err: ValidationError, source: str) -> str:
     elif loc == ["policy"]:
         text = f"{where}: {msg}; allowed values: {', '.join(sorted(POLICIES))}"
     elif not loc:
-        text = msg  # model-level (budget vs. policy minimum)
-        where = "kvevict.budget"
-        text = f"{where}: {text}"
+        text = f"{key(['budget'])}: {msg}"  # model-level (budget vs. policy minimum)
     else:
         got = e.get("input")
         text = f"{where}: {msg} (got {json.dumps(got) if _jsonable(got) else repr(got)})"
     if len(err.errors()) > 1:
         text += f" (and {len(err.errors()) - 1} more error(s))"
-    return f"invalid kvevict configuration ({source}): {text}"
+    return f"invalid kvevict configuration ({source}): {text}" if source else text
 
 
 def _jsonable(x: Any) -> bool:
@@ -212,3 +214,70 @@ def config_from_vllm(vllm_config: Any) -> KVEvictConfig:
 @lru_cache(maxsize=16)
 def _parse_cached(data_json: str, source: str) -> KVEvictConfig:
     return parse_config(json.loads(data_json), source)
+
+
+# ---------------------------------------------------------------------------------------------
+# Per-request overrides: OpenAI ``vllm_xargs`` / SamplingParams ``extra_args``.
+
+#: request key -> configuration field
+REQUEST_KEYS = {"kvevict_policy": "policy", "kvevict_budget": "budget", "kvevict_enabled": "enabled"}
+_FIELD_TO_KEY = {v: k for k, v in REQUEST_KEYS.items()}
+
+
+class RequestConfigError(KVEvictConfigError):
+    """A bad per-request override; ``key`` is the request key it names."""
+
+    def __init__(self, message: str, key: str):
+        super().__init__(message)
+        self.key = key
+
+
+def request_overrides(extra_args: Any) -> tuple[tuple[str, Any], ...] | None:
+    """The kvevict overrides of a request's ``extra_args`` as a hashable, sorted tuple (or None)."""
+    if not extra_args:
+        return None
+    unknown = sorted(k for k in extra_args if k.startswith("kvevict_") and k not in REQUEST_KEYS)
+    if unknown:
+        raise RequestConfigError(
+            f"unknown request key {unknown[0]!r}; allowed keys: {', '.join(sorted(REQUEST_KEYS))}", unknown[0]
+        )
+    raw = {REQUEST_KEYS[k]: v for k, v in extra_args.items() if k in REQUEST_KEYS}
+    if not raw:
+        return None
+    try:
+        typed = _Overrides.model_validate(raw)
+    except ValidationError as err:
+        raise _request_error(err) from None
+    return tuple(sorted((k, v) for k, v in typed.model_dump().items() if v is not None))
+
+
+class _Overrides(BaseModel):
+    """The types of the per-request keys (their values are checked against the server's config later)."""
+
+    model_config = ConfigDict(extra="forbid", frozen=True)
+    policy: str | None = None
+    budget: int | None = None
+    enabled: bool | None = None
+
+
+def _request_error(err: ValidationError) -> RequestConfigError:
+    loc = [str(p) for p in err.errors()[0]["loc"]]
+
+    def key(loc: list[str]) -> str:
+        return _FIELD_TO_KEY.get(loc[0] if loc else "budget", ".".join(loc))
+
+    return RequestConfigError(_one_line(err, "", key=key), key(loc))
+
+
+def request_config(server: KVEvictConfig, overrides: tuple[tuple[str, Any], ...] | None) -> KVEvictConfig:
+    """The server configuration with one request's overrides applied (validated, cached)."""
+    return _request_config(server, overrides) if overrides else server
+
+
+@lru_cache(maxsize=1024)
+def _request_config(server: KVEvictConfig, overrides: tuple[tuple[str, Any], ...]) -> KVEvictConfig:
+    data = {**server.model_dump(), **dict(overrides)}
+    try:
+        return KVEvictConfig.model_validate(data)
+    except ValidationError as err:
+        raise _request_error(err) from None

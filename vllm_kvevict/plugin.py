@@ -19,7 +19,14 @@ import sys
 
 from vllm_kvevict._logging import logger
 from vllm_kvevict.backends import CPU_BACKEND, CUDA_BACKEND
-from vllm_kvevict.config import KVEvictConfigError, config_from_vllm, raw_config
+from vllm_kvevict.config import (
+    KVEvictConfigError,
+    RequestConfigError,
+    config_from_vllm,
+    raw_config,
+    request_config,
+    request_overrides,
+)
 
 #: vLLM versions whose internals this plugin was written and tested against.
 SUPPORTED_VLLM = ("0.32.",)
@@ -93,6 +100,46 @@ def _disable_prefix_caching(vllm_config, cfg) -> None:
         )
 
 
+def validate_request(vllm_config, extra_args) -> None:
+    """Check one request's ``kvevict_*`` keys; raises :class:`RequestConfigError` naming the key."""
+    overrides = request_overrides(extra_args)
+    if not overrides:
+        return
+    key = "kvevict_" + overrides[0][0]
+    if not _is_kvevict_selected(vllm_config):
+        raise RequestConfigError(f"{key}: this server was not started with --attention-backend kvevict", key)
+    server = config_from_vllm(vllm_config)
+    cfg = request_config(server, overrides)
+    if cfg.eviction_active and not server.eviction_active and vllm_config.cache_config.enable_prefix_caching:
+        raise RequestConfigError(
+            f"{key}: eviction is off on this server and prefix caching is on, so a request cannot turn it on; "
+            "start the server with --no-enable-prefix-caching (or with eviction enabled)", key,
+        )
+
+
+def _wrap_request_validation() -> None:
+    """HTTP 400 for a bad per-request override (vLLM 0.32.0 ``InputProcessor._validate_params``)."""
+    from vllm.exceptions import VLLMValidationError
+    from vllm.v1.engine.input_processor import InputProcessor
+
+    if InputProcessor.__dict__.get("_kvevict_validation_hook"):
+        return
+    orig = InputProcessor._validate_params
+
+    def _validate_params(self, params, supported_tasks):
+        result = orig(self, params, supported_tasks)
+        extra = getattr(params, "extra_args", None)
+        if extra and any(str(k).startswith("kvevict_") for k in extra):
+            try:
+                validate_request(self.vllm_config, extra)
+            except RequestConfigError as err:
+                raise VLLMValidationError(str(err), parameter=err.key) from None
+        return result
+
+    InputProcessor._validate_params = _validate_params
+    InputProcessor._kvevict_validation_hook = True
+
+
 def _wrap_cpu_selector() -> None:
     from vllm.platforms.cpu import CpuPlatform
     from vllm.v1.attention.backends.registry import AttentionBackendEnum
@@ -142,9 +189,11 @@ def register() -> None:
     if current_platform.is_cpu():
         _wrap_cpu_selector()
     _wrap_check_and_update_config(type(current_platform))
-    from vllm_kvevict.scheduler import register_spec
+    from vllm_kvevict.scheduler import install_scheduler_hooks, register_spec
 
     register_spec()
+    install_scheduler_hooks()
+    _wrap_request_validation()
     _install_excepthook()
     _registered = True
     logger.debug("kvevict: registered %s as attention backend CUSTOM (alias %s)", path, ALIAS)

@@ -17,12 +17,18 @@ def make_prompt(n: int, seed: int, vocab: int) -> list[int]:
     return [rng.randrange(3, vocab) for _ in range(n)]
 
 
-def complete(srv: VLLMServer, prompt: list[int], max_tokens: int, **kw) -> dict:
-    """A greedy completion of token ids, with the chosen tokens' ids and logprobs."""
+def complete(srv: VLLMServer, prompt: list[int], max_tokens: int, xargs: dict | None = None) -> dict:
+    """A greedy completion of token ids, with the chosen tokens' ids and logprobs.
+
+    ``xargs``: the request's ``vllm_xargs`` (per-request kvevict overrides).
+    """
     client = OpenAI(base_url=srv.base_url + "/v1", api_key="unused", max_retries=0)
+    body = {"ignore_eos": True, "return_tokens_as_token_ids": True}
+    if xargs is not None:
+        body["vllm_xargs"] = xargs
     r = client.completions.create(
         model=srv.served_model_name, prompt=prompt, max_tokens=max_tokens, temperature=0, logprobs=1,
-        extra_body={"ignore_eos": True, "return_tokens_as_token_ids": True}, **kw,
+        extra_body=body,
     )
     lp = r.choices[0].logprobs
     return {

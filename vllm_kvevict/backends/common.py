@@ -71,6 +71,12 @@ def _current_config() -> KVEvictConfig:
     return config_from_vllm(_worker_vllm_config)
 
 
+def may_evict(vllm_config) -> bool:
+    """Whether any request of this server can evict: by default, or by a per-request override
+    (which needs prefix caching off, see plugin.validate_request)."""
+    return config_from_vllm(vllm_config).eviction_active or not vllm_config.cache_config.enable_prefix_caching
+
+
 class KVEvictBackendMixin:
     @classmethod
     def customize_spec(cls, spec):
@@ -83,26 +89,25 @@ class KVEvictBackendMixin:
         vllm_config = get_current_vllm_config_or_none() or _worker_vllm_config
         if vllm_config is None:
             raise RuntimeError("kvevict: customize_spec called before any kvevict attention layer was built")
-        cfg = config_from_vllm(vllm_config)
         # Only plain full attention: sliding-window, chunked-local, MLA, cross-attention keep theirs.
-        if cfg.eviction_active and type(spec) is FullAttentionSpec and spec.sliding_window is None:
+        if may_evict(vllm_config) and type(spec) is FullAttentionSpec and spec.sliding_window is None:
+            cfg = config_from_vllm(vllm_config)
             return KVEvictSpec.from_spec(spec, cfg.window(spec.block_size), vllm_config.max_in_flight_tokens)
         return spec
 
 
 class KVEvictBuilderMixin:
     def _kvevict_builder_init(self, block_size: int, vllm_config) -> None:
-        cfg = config_from_vllm(vllm_config)
         self.kvevict_block_size = block_size
-        self.kvevict_window = cfg.window(block_size) if cfg.eviction_active else None
-        if self.kvevict_window is not None:
+        self.kvevict_config = config_from_vllm(vllm_config) if may_evict(vllm_config) else None
+        if self.kvevict_config is not None:
             install_runner_hook()
 
     def build(self, common_prefix_len, common_attn_metadata, fast_build: bool = False):
-        if self.kvevict_window is None:
+        if self.kvevict_config is None:
             return super().build(common_prefix_len, common_attn_metadata, fast_build)
         ctx = get_step_context()
-        plan = plan_step(common_attn_metadata, self.kvevict_window, ctx)
+        plan = plan_step(common_attn_metadata, self.kvevict_config, self.kvevict_block_size, ctx)
         if DUMP_DIR:
             _dump_starts(plan, ctx)
         cm = shifted_metadata(common_attn_metadata, plan, self.kvevict_block_size)
@@ -118,7 +123,7 @@ class KVEvictImplMixin:
 
     def _kvevict_init(self, base_name: str) -> None:
         self.kvevict_config = _current_config()
-        self.kvevict_policy = get_policy(self.kvevict_config.policy, self.kvevict_config.policy_params)
+        self._kvevict_policies: dict = {}  # config -> Policy: requests may choose their own
         self._kvevict_slot_pos: torch.Tensor | None = None
         self._kvevict_layer_index: int | None = None
         info_once(
@@ -144,6 +149,12 @@ class KVEvictImplMixin:
         if plan is not None:
             self._kvevict_after_attention(layer, kv_cache, plan)
         return out
+
+    def _policy(self, config):
+        policy = self._kvevict_policies.get(config)
+        if policy is None:
+            policy = self._kvevict_policies[config] = get_policy(config.policy, config.policy_params)
+        return policy
 
     def _slot_pos(self, kv_cache: torch.Tensor) -> torch.Tensor:
         """Per-slot, per-head absolute positions, moved with the tokens at every compaction."""
@@ -172,8 +183,9 @@ class KVEvictImplMixin:
             return
         bs = kv_cache.shape[2]
         layer_idx = self._layer_index(layer)
+        policies = [self._policy(plan.configs[r]) for r in rows]
         kept = compact_step(
-            plan, rows, self.kvevict_policy, bs,
+            plan, rows, policies, bs,
             gather=lambda b, o: self._kvevict_gather(layer, kv_cache, b, o),
             write=lambda s, K, V: self._kvevict_write(layer, kv_cache, s, K, V),
             slot_pos=slot_pos, layer=layer_idx, G=self.num_heads // self.num_kv_heads,
@@ -185,5 +197,5 @@ class KVEvictImplMixin:
                 rid = plan.req_ids[r] if plan.req_ids else f"row {r}"
                 logger.debug(
                     "kvevict: %s compacted [%d, %d) -> [%d, %d) (%s)", rid, plan.e_prev[r], plan.seq_lens[r],
-                    plan.e_new[r], plan.seq_lens[r], self.kvevict_config.policy,
+                    plan.e_new[r], plan.seq_lens[r], plan.configs[r].policy,
                 )

@@ -11,6 +11,7 @@ from __future__ import annotations
 import dataclasses
 import threading
 from dataclasses import dataclass
+from functools import lru_cache
 
 import torch
 
@@ -26,6 +27,7 @@ class StepContext:
     req_ids: list[str]
     prompt_lens: list[int]
     num_tokens: list[int]  # prompt + output tokens known so far (a resumed request re-prefills them)
+    overrides: list[tuple | None]  # per-request kvevict overrides (config.request_overrides)
 
 
 def set_step_context(ctx: StepContext | None) -> None:
@@ -48,31 +50,42 @@ class StepPlan:
     slot_mapping: torch.Tensor  # [num_actual_tokens] logical slots of this step's tokens
     positions: torch.Tensor  # [num_actual_tokens]
     req_ids: list[str] | None
+    configs: list  # per row: the request's KVEvictConfig (server config with its overrides)
 
     @property
     def compact_rows(self) -> list[int]:
         return [r for r, (a, b) in enumerate(zip(self.e_prev, self.e_new)) if b > a]
 
 
-def plan_step(cm, window: WindowConfig, ctx: StepContext | None) -> StepPlan:
+def plan_step(cm, server_config, block_size: int, ctx: StepContext | None) -> StepPlan:
+    """Each row's window for this step, from its request's configuration."""
+    from vllm_kvevict.config import request_config
+
     n = cm.num_reqs
     seq_lens = cm.seq_lens[:n].tolist()
     qsl = cm.query_start_loc_cpu[: n + 1].tolist()
-    prompt_lens = ctx.prompt_lens[:n] if ctx is not None and len(ctx.prompt_lens) >= n else None
-    if prompt_lens is None and (window.trigger != "chunked" or not window.decode):
+    have_ctx = ctx is not None and len(ctx.req_ids) >= n
+    configs = [request_config(server_config, ctx.overrides[r] if have_ctx else None) for r in range(n)]
+    windows = [_window(c, block_size) for c in configs]
+    if not have_ctx and any(w.trigger != "chunked" or not w.decode for w in windows):
         raise RuntimeError("kvevict: this trigger mode needs the prompt lengths, but the runner hook is missing")
     L_prev = [seq_lens[r] - (qsl[r + 1] - qsl[r]) for r in range(n)]
     e_prev, e_new = [], []
     for r in range(n):
-        P = prompt_lens[r] if prompt_lens is not None else seq_lens[r]
-        e_prev.append(evicted_tokens(L_prev[r], P, window))
-        e_new.append(evicted_tokens(seq_lens[r], P, window))
+        P = ctx.prompt_lens[r] if have_ctx else seq_lens[r]
+        e_prev.append(evicted_tokens(L_prev[r], P, windows[r]))
+        e_new.append(evicted_tokens(seq_lens[r], P, windows[r]))
     T = cm.num_actual_tokens
     return StepPlan(
         L_prev=L_prev, e_prev=e_prev, e_new=e_new, seq_lens=seq_lens, block_table=cm.block_table_tensor[:n],
         slot_mapping=cm.slot_mapping[:T], positions=cm.positions[:T] if cm.positions is not None else None,
-        req_ids=ctx.req_ids[:n] if ctx is not None else None,
+        req_ids=ctx.req_ids[:n] if have_ctx else None, configs=configs,
     )
+
+
+@lru_cache(maxsize=1024)
+def _window(config, block_size: int) -> WindowConfig:
+    return config.window(block_size)
 
 
 def shift_block_table(block_table: torch.Tensor, shift_blocks: torch.Tensor) -> torch.Tensor:
@@ -96,6 +109,13 @@ def shifted_metadata(cm, plan: StepPlan, block_size: int):
     return dataclasses.replace(cm, seq_lens=seq_lens, block_table_tensor=bt, max_seq_len=int(seq_lens[:n].max()))
 
 
+def _overrides(state) -> tuple | None:
+    from vllm_kvevict.config import request_overrides
+
+    params = getattr(state, "sampling_params", None)
+    return request_overrides(getattr(params, "extra_args", None))
+
+
 def install_runner_hook() -> None:
     """Give the builders the request ids and prompt lengths of each step's rows.
 
@@ -113,9 +133,11 @@ def install_runner_hook() -> None:
 
     def _build_attention_metadata(self, num_tokens, num_reqs, *args, **kwargs):
         batch = self.input_batch
+        req_ids = list(batch.req_ids[:num_reqs])
         set_step_context(StepContext(
-            req_ids=list(batch.req_ids[:num_reqs]), prompt_lens=batch.num_prompt_tokens[:num_reqs].tolist(),
+            req_ids=req_ids, prompt_lens=batch.num_prompt_tokens[:num_reqs].tolist(),
             num_tokens=batch.num_tokens_no_spec[:num_reqs].tolist(),
+            overrides=[_overrides(self.requests.get(rid)) for rid in req_ids],
         ))
         try:
             return orig(self, num_tokens, num_reqs, *args, **kwargs)

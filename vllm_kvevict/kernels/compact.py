@@ -26,10 +26,11 @@ def logical_slots(block_table_row: torch.Tensor, start: int, end: int, block_siz
 
 
 def compact_step(
-    plan, rows: list[int], policy: Policy, block_size: int, gather: Gather, write: Write,
+    plan, rows: list[int], policies: list[Policy], block_size: int, gather: Gather, write: Write,
     slot_pos: torch.Tensor, layer: int = 0, G: int = 1,
 ) -> list[torch.Tensor]:
-    """Compact ``rows`` of ``plan``; returns, per row, the kept positions ``[keep, H]``."""
+    """Compact ``rows`` of ``plan`` (``policies[i]`` scores ``rows[i]``); returns the kept positions
+    ``[keep, H]`` per row."""
     if not rows:
         return []
     src = [logical_slots(plan.block_table[r], plan.e_prev[r], plan.seq_lens[r], block_size) for r in rows]
@@ -39,7 +40,7 @@ def compact_step(
     pos_all = slot_pos[blocks * block_size + offs]  # [N, H]
     out_slots, out_K, out_V, out_pos = [], [], [], []
     start = 0
-    for r, (_, o) in zip(rows, src):
+    for r, policy, (_, o) in zip(rows, policies, src, strict=True):
         n = o.numel()
         K, V, pos = K_all[start:start + n], V_all[start:start + n], pos_all[start:start + n]
         start += n

@@ -29,19 +29,20 @@ class KVEvictSpec(FullAttentionSpec):
     evict_trigger: str = "chunked"
     evict_decode: bool = True
     evict_max_in_flight: int = 0  # tokens scheduled but not yet processed (vLLM's max_in_flight_tokens)
+    evict_enabled: bool = True  # the server default; requests may override it (``kvevict_enabled``)
 
     @property
     def window(self) -> WindowConfig:
         return WindowConfig(
             budget=self.evict_budget, block_size=self.block_size, trigger=self.evict_trigger,  # type: ignore[arg-type]
-            decode=self.evict_decode,
+            decode=self.evict_decode, enabled=self.evict_enabled,
         )
 
     @classmethod
     def from_spec(cls, spec: FullAttentionSpec, window: WindowConfig, max_in_flight: int) -> KVEvictSpec:
         base = {f.name: getattr(spec, f.name) for f in fields(FullAttentionSpec) if f.init}
         return cls(**base, evict_budget=window.budget, evict_trigger=window.trigger, evict_decode=window.decode,
-                   evict_max_in_flight=max_in_flight)
+                   evict_max_in_flight=max_in_flight, evict_enabled=window.enabled)
 
     def max_admission_blocks_per_request(self, max_model_len: int | None = None) -> int | None:
         """Most blocks one request ever holds: the window bound in ``chunked`` mode, else ``None``.
@@ -50,7 +51,7 @@ class KVEvictSpec(FullAttentionSpec):
         vLLM's sliding-window specs: a prompt longer than the whole KV cache is admitted, because its
         blocks are recycled as the window moves.
         """
-        if self.evict_trigger != "chunked":  # nothing is evicted before the prompt is complete
+        if self.evict_trigger != "chunked" or not self.evict_enabled:  # unbounded before/without eviction
             return None
         bound = window_bound_blocks(self.window, self.evict_max_in_flight)
         return bound if max_model_len is None else min(bound, -(-max_model_len // self.block_size))
@@ -65,7 +66,7 @@ class KVEvictSpec(FullAttentionSpec):
     def merge(cls, specs: list[Self]) -> Self:
         merged = FullAttentionSpec.merge.__func__(FullAttentionSpec, specs)  # checks the common fields
         first = specs[0]
-        extra = ("evict_budget", "evict_trigger", "evict_decode", "evict_max_in_flight")
+        extra = ("evict_budget", "evict_trigger", "evict_decode", "evict_max_in_flight", "evict_enabled")
         for s in specs:
             assert all(getattr(s, k) == getattr(first, k) for k in extra), "kvevict layers disagree on the window"
         return cls.from_spec(merged, first.window, first.evict_max_in_flight)
@@ -109,10 +110,17 @@ class KVEvictManager(FullAttentionManager):
                 pool.num_gpu_blocks - 1, self.pool_peak_used,
             )
 
+    def window_for(self, request_id: str) -> WindowConfig:
+        """The server's window, or the request's own when it overrides policy/budget/enabled."""
+        overrides = REQUEST_OVERRIDES.get(request_id)
+        if not overrides:
+            return self.kv_cache_spec.window
+        return request_window(self.kv_cache_spec.window, overrides)
+
     def remove_skipped_blocks(
         self, request_id: str, processed_computed_tokens: int, num_prompt_tokens: int | None = None
     ) -> None:
-        window = self.kv_cache_spec.window
+        window = self.window_for(request_id)
         if num_prompt_tokens is None:
             if window.trigger != "chunked" or not window.decode:
                 return  # E depends on the prompt length; without it, free nothing (never too much)
@@ -133,6 +141,53 @@ class KVEvictManager(FullAttentionManager):
         # Compaction rewrites blocks in place: they must never enter the prefix cache. The plugin
         # turns prefix caching off when eviction is on; this guards against it being on anyway.
         return None
+
+
+#: Engine-core process: request id -> its kvevict overrides (set when vLLM first allocates for it).
+REQUEST_OVERRIDES: dict[str, tuple] = {}
+
+
+def request_window(server: WindowConfig, overrides: tuple) -> WindowConfig:
+    """A request's window: the server's, with its overridden budget, policy and enabled flag."""
+    from vllm_kvevict.policies import POLICIES
+
+    o = dict(overrides)  # typed and validated (config.request_overrides; the API server checked the rest)
+    policy = o.get("policy")
+    decode = POLICIES[policy].evicts_during_decode if policy else server.decode
+    enabled = o.get("enabled", server.enabled) and policy != "none"
+    return WindowConfig(budget=o.get("budget", server.budget), block_size=server.block_size,
+                        trigger=server.trigger, decode=decode, enabled=enabled)
+
+
+def install_scheduler_hooks() -> None:
+    """Record each request's kvevict overrides for the manager (vLLM 0.32.0 ``KVCacheManager``).
+
+    The single-type managers only see request ids; ``KVCacheManager.allocate_slots`` sees the
+    request. One wrap records its overrides, one wrap of ``free`` forgets them. Idempotent.
+    """
+    from vllm.v1.core.kv_cache_manager import KVCacheManager
+
+    from vllm_kvevict.config import request_overrides
+
+    if KVCacheManager.__dict__.get("_kvevict_hooks"):
+        return
+    orig_allocate, orig_free = KVCacheManager.allocate_slots, KVCacheManager.free
+
+    def allocate_slots(self, request, *args, **kwargs):
+        if request.request_id not in REQUEST_OVERRIDES:
+            params = getattr(request, "sampling_params", None)
+            REQUEST_OVERRIDES[request.request_id] = request_overrides(getattr(params, "extra_args", None)) or ()
+        return orig_allocate(self, request, *args, **kwargs)
+
+    def free(self, request, *args, **kwargs):
+        try:
+            return orig_free(self, request, *args, **kwargs)
+        finally:
+            REQUEST_OVERRIDES.pop(request.request_id, None)
+
+    KVCacheManager.allocate_slots = allocate_slots
+    KVCacheManager.free = free
+    KVCacheManager._kvevict_hooks = True
 
 
 def register_spec() -> None:
