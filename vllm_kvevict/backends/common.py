@@ -78,6 +78,10 @@ def may_evict(vllm_config) -> bool:
 
 
 class KVEvictBackendMixin:
+    @staticmethod
+    def get_name() -> str:
+        return BACKEND_NAME
+
     @classmethod
     def customize_spec(cls, spec):
         from vllm.config import get_current_vllm_config_or_none

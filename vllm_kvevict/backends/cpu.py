@@ -8,7 +8,7 @@ from vllm.v1.attention.backends.cpu_attn import (
     CPUAttentionMetadataBuilder,
 )
 
-from vllm_kvevict.backends.common import BACKEND_NAME, KVEvictBackendMixin, KVEvictBuilderMixin, KVEvictImplMixin
+from vllm_kvevict.backends.common import KVEvictBackendMixin, KVEvictBuilderMixin, KVEvictImplMixin
 from vllm_kvevict.kernels.cpu_cache import gather_tokens, write_tokens
 
 
@@ -31,10 +31,6 @@ class KVEvictCPUMetadataBuilder(KVEvictBuilderMixin, CPUAttentionMetadataBuilder
 
 
 class KVEvictCPUBackend(KVEvictBackendMixin, CPUAttentionBackend):
-    @staticmethod
-    def get_name() -> str:
-        return BACKEND_NAME
-
     @staticmethod
     def get_impl_cls() -> type[KVEvictCPUImpl]:
         return KVEvictCPUImpl

@@ -16,7 +16,7 @@ from vllm.v1.attention.backends.flash_attn import (
     FlashAttentionMetadataBuilder,
 )
 
-from vllm_kvevict.backends.common import BACKEND_NAME, KVEvictBackendMixin, KVEvictBuilderMixin, KVEvictImplMixin
+from vllm_kvevict.backends.common import KVEvictBackendMixin, KVEvictBuilderMixin, KVEvictImplMixin
 from vllm_kvevict.kernels.flash_cache import gather_tokens, write_tokens
 
 
@@ -43,10 +43,6 @@ class KVEvictFlashAttentionMetadataBuilder(KVEvictBuilderMixin, FlashAttentionMe
 
 
 class KVEvictFlashAttentionBackend(KVEvictBackendMixin, FlashAttentionBackend):
-    @staticmethod
-    def get_name() -> str:
-        return BACKEND_NAME
-
     @staticmethod
     def get_impl_cls() -> type[KVEvictFlashAttentionImpl]:
         return KVEvictFlashAttentionImpl

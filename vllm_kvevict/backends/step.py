@@ -15,7 +15,7 @@ from functools import lru_cache
 
 import torch
 
-from vllm_kvevict.window import WindowConfig, evicted_tokens
+from vllm_kvevict.window import WindowConfig, step_window
 
 _tls = threading.local()
 
@@ -70,11 +70,11 @@ def plan_step(cm, server_config, block_size: int, ctx: StepContext | None) -> St
     if not have_ctx and any(w.trigger != "chunked" or not w.decode for w in windows):
         raise RuntimeError("kvevict: this trigger mode needs the prompt lengths, but the runner hook is missing")
     L_prev = [seq_lens[r] - (qsl[r + 1] - qsl[r]) for r in range(n)]
-    e_prev, e_new = [], []
-    for r in range(n):
-        P = ctx.prompt_lens[r] if have_ctx else seq_lens[r]
-        e_prev.append(evicted_tokens(L_prev[r], P, windows[r]))
-        e_new.append(evicted_tokens(seq_lens[r], P, windows[r]))
+    steps = [
+        step_window(L_prev[r], seq_lens[r], ctx.prompt_lens[r] if have_ctx else seq_lens[r], windows[r])
+        for r in range(n)
+    ]
+    e_prev, e_new = [s.e_prev for s in steps], [s.e_new for s in steps]
     T = cm.num_actual_tokens
     return StepPlan(
         L_prev=L_prev, e_prev=e_prev, e_new=e_new, seq_lens=seq_lens, block_table=cm.block_table_tensor[:n],
