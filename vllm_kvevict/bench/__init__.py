@@ -1,0 +1,1 @@
+"""Benchmarks: long-context quality under eviction, against the same engine without eviction."""
