@@ -14,7 +14,7 @@ from __future__ import annotations
 import json
 import os
 from functools import lru_cache
-from typing import Any
+from typing import Any, Literal
 
 from pydantic import BaseModel, ConfigDict, Field, ValidationError, field_validator, model_validator
 
@@ -48,6 +48,9 @@ class _Base(BaseModel):
     enabled: bool = Field(True, description="evict at all; false keeps every token (stock vLLM behaviour)")
     policy: str = Field("keydiff", description="eviction policy, one of POLICIES")
     budget: int = Field(2048, description="tokens kept per sequence, per layer and KV head")
+    trigger: Literal["chunked", "once"] = Field(
+        "chunked", description="chunked: compact after every step; once: only when the prompt completes"
+    )
 
     @field_validator("policy")
     @classmethod
@@ -98,7 +101,7 @@ class KVEvictConfig(_build_model()):  # type: ignore[misc]
     def window(self, block_size: int) -> WindowConfig:
         """The physical-window parameters for a KV cache with this block size."""
         return WindowConfig(
-            budget=self.budget, block_size=block_size, trigger="chunked",
+            budget=self.budget, block_size=block_size, trigger=self.trigger,
             decode=POLICIES[self.policy].evicts_during_decode, enabled=self.eviction_active,
         )
 
@@ -107,7 +110,8 @@ class KVEvictConfig(_build_model()):  # type: ignore[misc]
             return "eviction disabled"
         extra = self.policy_params.model_dump()
         args = "".join(f", {k}={v}" for k, v in extra.items())
-        return f"policy={self.policy}, budget={self.budget}{args}"
+        trigger = "" if self.trigger == "chunked" else f", trigger={self.trigger}"
+        return f"policy={self.policy}, budget={self.budget}{trigger}{args}"
 
 
 def _allowed_values(field_path: list[str]) -> str:

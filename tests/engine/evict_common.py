@@ -37,10 +37,11 @@ def complete(srv: VLLMServer, prompt: list[int], max_tokens: int, xargs: dict | 
     }
 
 
-def check_against_reference(hf_model, out: dict, attempts) -> list:
+def check_against_reference(hf_model, out: dict, attempts, expect_compaction: bool = True) -> list:
     """Greedy tokens and logprobs of one engine request equal the reference's; returns its attempts."""
     atts = attempts_for(attempts, out["id"])
-    assert atts and any(a.events for a in atts), f"no compaction recorded for {out['id']}"
+    assert atts, f"request {out['id']} not seen by the workers"
+    assert any(a.events for a in atts) == expect_compaction, f"compactions of {out['id']}: {atts}"
     logp = replay_attempts(hf_model, out["prompt"], out["tokens"], atts)
     for j, (tok, lp) in enumerate(zip(out["tokens"], out["logprobs"], strict=True)):
         row = logp[j]

@@ -24,14 +24,15 @@ BUDGET = 80  # not a multiple of the block size (32)
 MAX_TOKENS = 72  # crosses at least two decode-time compactions
 
 
-@pytest.mark.parametrize("policy", ["keydiff", "streamingllm"])
-def test_engine_equals_reference_with_same_kept_sets(policy, gqa_model, hf_model, tmp_path, server_log):
+@pytest.mark.parametrize("policy, trigger", [("keydiff", "chunked"), ("streamingllm", "chunked"), ("keydiff", "once")])
+def test_engine_equals_reference_with_same_kept_sets(policy, trigger, gqa_model, hf_model, tmp_path, server_log):
     dump = tmp_path / "dump"
-    cfg = {"kvevict": {"policy": policy, "budget": BUDGET}}
+    cfg = {"kvevict": {"policy": policy, "budget": BUDGET, "trigger": trigger}}
     args = ["--attention-backend", "kvevict", *CPU_SERVER_ARGS, "--max-model-len", "2048",
             "--max-num-batched-tokens", "64", "--max-num-seqs", "4", "--additional-config", json.dumps(cfg)]
     vocab = hf_model.config.vocab_size
-    with VLLMServer(gqa_model, args, log_path=server_log(policy), env={"KVEVICT_DUMP_DIR": str(dump)}) as srv:
+    with VLLMServer(gqa_model, args, log_path=server_log(f"{policy}-{trigger}"),
+                    env={"KVEVICT_DUMP_DIR": str(dump)}) as srv:
         single = complete(srv, make_prompt(300, 1, vocab), MAX_TOKENS)
         with ThreadPoolExecutor(3) as pool:  # three concurrent requests of different lengths
             concurrent = list(pool.map(
@@ -39,12 +40,16 @@ def test_engine_equals_reference_with_same_kept_sets(policy, gqa_model, hf_model
             ))
     attempts = load_attempts(dump)
     for out in [single, *concurrent]:
-        (att,) = check_against_reference(hf_model, out, attempts)  # no preemption here
         P = len(out["prompt"])
+        compacts = trigger == "chunked" or P >= BUDGET + 32
+        (att,) = check_against_reference(hf_model, out, attempts, compacts)  # no preemption here
         # Every compaction keeps the same count per head, within [budget, budget + block_size).
         for L, layers in att.events.items():
             for kept in layers.values():
                 assert all(BUDGET <= len(h) < BUDGET + 32 for h in kept) and len({len(h) for h in kept}) == 1
+        if trigger == "once":  # one compaction, when the prompt completes; none while decoding
+            assert list(att.events) == ([P] if compacts else [])
+            continue
         assert sum(L > P for L in att.events) >= 2, "expected compactions during decoding"
         if P > BUDGET + 64:
             assert sum(L <= P for L in att.events) >= 2, "expected several compactions during the prompt"

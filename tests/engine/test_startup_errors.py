@@ -14,7 +14,7 @@ CASES = {  # name: (--additional-config, KVEVICT_CONFIG, extra vllm args, the on
     "unknown_key": (
         {"kvevict": {"budgett": 64}}, None, [],
         "invalid kvevict configuration (--additional-config): unknown key 'kvevict.budgett'; "
-        "allowed keys: budget, enabled, policy, streamingllm",
+        "allowed keys: budget, enabled, policy, streamingllm, trigger",
     ),
     "wrong_type": (
         {"kvevict": {"budget": "lots"}}, None, [],
