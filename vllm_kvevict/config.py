@@ -220,6 +220,11 @@ def _parse_cached(data_json: str, source: str) -> KVEvictConfig:
     return parse_config(json.loads(data_json), source)
 
 
+def config_from_json(data_json: str) -> KVEvictConfig:
+    """A configuration serialised with ``model_dump_json()`` (cached)."""
+    return _parse_cached(data_json, "serialised")
+
+
 # ---------------------------------------------------------------------------------------------
 # Per-request overrides: OpenAI ``vllm_xargs`` / SamplingParams ``extra_args``.
 

@@ -96,7 +96,7 @@ class KVEvictBackendMixin:
         # Only plain full attention: sliding-window, chunked-local, MLA, cross-attention keep theirs.
         if may_evict(vllm_config) and type(spec) is FullAttentionSpec and spec.sliding_window is None:
             cfg = config_from_vllm(vllm_config)
-            return KVEvictSpec.from_spec(spec, cfg.window(spec.block_size), vllm_config.max_in_flight_tokens)
+            return KVEvictSpec.from_spec(spec, cfg, vllm_config.max_in_flight_tokens)
         return spec
 
 

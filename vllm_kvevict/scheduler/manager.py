@@ -18,6 +18,7 @@ from vllm.v1.core.single_type_kv_cache_manager import FullAttentionManager
 from vllm.v1.kv_cache_interface import FullAttentionSpec
 
 from vllm_kvevict._logging import logger
+from vllm_kvevict.config import KVEvictConfig, config_from_json, request_config
 from vllm_kvevict.window import WindowConfig, evicted_tokens, window_bound_blocks
 
 
@@ -25,24 +26,22 @@ from vllm_kvevict.window import WindowConfig, evicted_tokens, window_bound_block
 class KVEvictSpec(FullAttentionSpec):
     """A full-attention layer whose per-request KV is bounded by the kvevict window."""
 
-    evict_budget: int
-    evict_trigger: str = "chunked"
-    evict_decode: bool = True
+    evict_config: str  # the server's kvevict configuration, as JSON (the spec is pickled to the engine core)
     evict_max_in_flight: int = 0  # tokens scheduled but not yet processed (vLLM's max_in_flight_tokens)
-    evict_enabled: bool = True  # the server default; requests may override it (``kvevict_enabled``)
+
+    @property
+    def config(self) -> KVEvictConfig:
+        return config_from_json(self.evict_config)
 
     @property
     def window(self) -> WindowConfig:
-        return WindowConfig(
-            budget=self.evict_budget, block_size=self.block_size, trigger=self.evict_trigger,  # type: ignore[arg-type]
-            decode=self.evict_decode, enabled=self.evict_enabled,
-        )
+        """The server's window; a request's own is ``request_config(...).window(block_size)``."""
+        return self.config.window(self.block_size)
 
     @classmethod
-    def from_spec(cls, spec: FullAttentionSpec, window: WindowConfig, max_in_flight: int) -> KVEvictSpec:
+    def from_spec(cls, spec: FullAttentionSpec, config: KVEvictConfig, max_in_flight: int) -> KVEvictSpec:
         base = {f.name: getattr(spec, f.name) for f in fields(FullAttentionSpec) if f.init}
-        return cls(**base, evict_budget=window.budget, evict_trigger=window.trigger, evict_decode=window.decode,
-                   evict_max_in_flight=max_in_flight, evict_enabled=window.enabled)
+        return cls(**base, evict_config=config.model_dump_json(), evict_max_in_flight=max_in_flight)
 
     def max_admission_blocks_per_request(self, max_model_len: int | None = None) -> int | None:
         """Most blocks one request ever holds: the window bound in ``chunked`` mode, else ``None``.
@@ -51,9 +50,10 @@ class KVEvictSpec(FullAttentionSpec):
         vLLM's sliding-window specs: a prompt longer than the whole KV cache is admitted, because its
         blocks are recycled as the window moves.
         """
-        if self.evict_trigger != "chunked" or not self.evict_enabled:  # unbounded before/without eviction
+        window = self.window
+        if window.trigger != "chunked" or not window.enabled:  # unbounded before/without eviction
             return None
-        bound = window_bound_blocks(self.window, self.evict_max_in_flight)
+        bound = window_bound_blocks(window, self.evict_max_in_flight)
         return bound if max_model_len is None else min(bound, -(-max_model_len // self.block_size))
 
     def max_memory_usage_bytes(self, vllm_config) -> int:
@@ -66,10 +66,10 @@ class KVEvictSpec(FullAttentionSpec):
     def merge(cls, specs: list[Self]) -> Self:
         merged = FullAttentionSpec.merge.__func__(FullAttentionSpec, specs)  # checks the common fields
         first = specs[0]
-        extra = ("evict_budget", "evict_trigger", "evict_decode", "evict_max_in_flight", "evict_enabled")
+        extra = ("evict_config", "evict_max_in_flight")
         for s in specs:
             assert all(getattr(s, k) == getattr(first, k) for k in extra), "kvevict layers disagree on the window"
-        return cls.from_spec(merged, first.window, first.evict_max_in_flight)
+        return cls.from_spec(merged, first.config, first.evict_max_in_flight)
 
 
 class KVEvictManager(FullAttentionManager):
@@ -112,10 +112,10 @@ class KVEvictManager(FullAttentionManager):
 
     def window_for(self, request_id: str) -> WindowConfig:
         """The server's window, or the request's own when it overrides policy/budget/enabled."""
+        spec = self.kv_cache_spec
         overrides = REQUEST_OVERRIDES.get(request_id)
-        if not overrides:
-            return self.kv_cache_spec.window
-        return request_window(self.kv_cache_spec.window, overrides)
+        # The same resolution as the workers' (backends/step.py), so both sides agree on E.
+        return request_config(spec.config, overrides).window(spec.block_size) if overrides else spec.window
 
     def remove_skipped_blocks(
         self, request_id: str, processed_computed_tokens: int, num_prompt_tokens: int | None = None
@@ -145,18 +145,6 @@ class KVEvictManager(FullAttentionManager):
 
 #: Engine-core process: request id -> its kvevict overrides (set when vLLM first allocates for it).
 REQUEST_OVERRIDES: dict[str, tuple] = {}
-
-
-def request_window(server: WindowConfig, overrides: tuple) -> WindowConfig:
-    """A request's window: the server's, with its overridden budget, policy and enabled flag."""
-    from vllm_kvevict.policies import POLICIES
-
-    o = dict(overrides)  # typed and validated (config.request_overrides; the API server checked the rest)
-    policy = o.get("policy")
-    decode = POLICIES[policy].evicts_during_decode if policy else server.decode
-    enabled = o.get("enabled", server.enabled) and policy != "none"
-    return WindowConfig(budget=o.get("budget", server.budget), block_size=server.block_size,
-                        trigger=server.trigger, decode=decode, enabled=enabled)
 
 
 def install_scheduler_hooks() -> None:
