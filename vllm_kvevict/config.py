@@ -48,8 +48,10 @@ class _Base(BaseModel):
     enabled: bool = Field(True, description="evict at all; false keeps every token (stock vLLM behaviour)")
     policy: str = Field("keydiff", description="eviction policy, one of POLICIES")
     budget: int = Field(2048, description="tokens kept per sequence, per layer and KV head")
-    trigger: Literal["chunked", "once"] = Field(
-        "chunked", description="chunked: compact after every step; once: only when the prompt completes"
+    trigger: Literal["chunked", "once"] | None = Field(
+        None,
+        description="chunked: compact after every step; once: only when the prompt completes; "
+        "unset: the policy's own (once for criticalkv and kvmerger, chunked otherwise)",
     )
 
     @field_validator("policy")
@@ -98,10 +100,14 @@ class KVEvictConfig(_build_model()):  # type: ignore[misc]
         """Whether any token is ever evicted (``enabled`` and a policy other than ``none``)."""
         return self.enabled and self.policy != "none"
 
+    @property
+    def effective_trigger(self) -> str:
+        return self.trigger or POLICIES[self.policy].default_trigger
+
     def window(self, block_size: int) -> WindowConfig:
         """The physical-window parameters for a KV cache with this block size."""
         return WindowConfig(
-            budget=self.budget, block_size=block_size, trigger=self.trigger,
+            budget=self.budget, block_size=block_size, trigger=self.effective_trigger,
             decode=POLICIES[self.policy].evicts_during_decode, enabled=self.eviction_active,
         )
 
@@ -110,7 +116,7 @@ class KVEvictConfig(_build_model()):  # type: ignore[misc]
             return "eviction disabled"
         extra = self.policy_params.model_dump()
         args = "".join(f", {k}={v}" for k, v in extra.items())
-        trigger = "" if self.trigger == "chunked" else f", trigger={self.trigger}"
+        trigger = "" if self.effective_trigger == "chunked" else f", trigger={self.effective_trigger}"
         return f"policy={self.policy}, budget={self.budget}{trigger}{args}"
 
 
@@ -229,7 +235,10 @@ def config_from_json(data_json: str) -> KVEvictConfig:
 # Per-request overrides: OpenAI ``vllm_xargs`` / SamplingParams ``extra_args``.
 
 #: request key -> configuration field
-REQUEST_KEYS = {"kvevict_policy": "policy", "kvevict_budget": "budget", "kvevict_enabled": "enabled"}
+REQUEST_KEYS = {
+    "kvevict_policy": "policy", "kvevict_budget": "budget", "kvevict_enabled": "enabled",
+    "kvevict_params": "params",  # an object: parameters of the request's policy (its config sub-object)
+}
 _FIELD_TO_KEY = {v: k for k, v in REQUEST_KEYS.items()}
 
 
@@ -257,7 +266,10 @@ def request_overrides(extra_args: Any) -> tuple[tuple[str, Any], ...] | None:
         typed = _Overrides.model_validate(raw)
     except ValidationError as err:
         raise _request_error(err) from None
-    return tuple(sorted((k, v) for k, v in typed.model_dump().items() if v is not None))
+    items = {k: v for k, v in typed.model_dump().items() if v is not None}
+    if "params" in items:  # hashable: the tuple keys per-request config caches
+        items["params"] = json.dumps(items["params"], sort_keys=True)
+    return tuple(sorted(items.items()))
 
 
 class _Overrides(BaseModel):
@@ -267,12 +279,29 @@ class _Overrides(BaseModel):
     policy: str | None = None
     budget: int | None = None
     enabled: bool | None = None
+    # vLLM's ``vllm_xargs`` carries strings, numbers and lists: the parameters come as a JSON object
+    # in a string (a dict passes too, from the Python API's ``extra_args``).
+    params: dict[str, Any] | None = None
+
+    @field_validator("params", mode="before")
+    @classmethod
+    def _json_object(cls, v: Any) -> Any:
+        if isinstance(v, str):
+            try:
+                v = json.loads(v)
+            except json.JSONDecodeError:
+                raise ValueError("must be a JSON object of the policy's parameters") from None
+            if not isinstance(v, dict):
+                raise ValueError("must be a JSON object of the policy's parameters")
+        return v
 
 
 def _request_error(err: ValidationError) -> RequestConfigError:
     loc = [str(p) for p in err.errors()[0]["loc"]]
 
     def key(loc: list[str]) -> str:
+        if loc and loc[0] in POLICIES:  # a parameter of the policy's sub-object
+            return "kvevict_params." + ".".join(loc[1:]) if len(loc) > 1 else "kvevict_params"
         return _FIELD_TO_KEY.get(loc[0] if loc else "budget", ".".join(loc))
 
     return RequestConfigError(_one_line(err, "", key=key), key(loc))
@@ -285,7 +314,14 @@ def request_config(server: KVEvictConfig, overrides: tuple[tuple[str, Any], ...]
 
 @lru_cache(maxsize=1024)
 def _request_config(server: KVEvictConfig, overrides: tuple[tuple[str, Any], ...]) -> KVEvictConfig:
-    data = {**server.model_dump(), **dict(overrides)}
+    over = dict(overrides)
+    params = over.pop("params", None)
+    data = {**server.model_dump(), **over}
+    if params is not None:
+        name = data["policy"]
+        if POLICIES[name].Params is PolicyParams:
+            raise RequestConfigError(f"kvevict_params: policy {name!r} has no parameters", "kvevict_params")
+        data[name] = {**data.get(name, {}), **json.loads(params)}
     try:
         return KVEvictConfig.model_validate(data)
     except ValidationError as err:

@@ -6,7 +6,7 @@ import random
 
 from openai import OpenAI
 
-from vllm_kvevict.testing.hf_reference import attempts_for, replay_attempts
+from vllm_kvevict.testing.hf_reference import PolicyCheck, attempts_for, replay_attempts
 from vllm_kvevict.testing.server import VLLMServer
 
 TOL = 1e-4
@@ -37,12 +37,28 @@ def complete(srv: VLLMServer, prompt: list[int], max_tokens: int, xargs: dict | 
     }
 
 
-def check_against_reference(hf_model, out: dict, attempts, expect_compaction: bool = True) -> list:
-    """Greedy tokens and logprobs of one engine request equal the reference's; returns its attempts."""
+def check_against_reference(hf_model, out: dict, attempts, expect_compaction: bool = True, config=None) -> list:
+    """Greedy tokens and logprobs of one engine request equal the reference's; returns its attempts.
+
+    ``config``: the request's KVEvictConfig; when given, the reference also recomputes the policy's
+    kept sets from its own tensors and compares them with the engine's (PolicyCheck).
+    """
     atts = attempts_for(attempts, out["id"])
     assert atts, f"request {out['id']} not seen by the workers"
     assert any(a.events for a in atts) == expect_compaction, f"compactions of {out['id']}: {atts}"
-    logp = replay_attempts(hf_model, out["prompt"], out["tokens"], atts)
+    make_check = None
+    if config is not None:
+        from vllm_kvevict.policies import get_policy
+
+        def make_check():
+            check = PolicyCheck(hf_model, get_policy(config.policy, config.policy_params), config.budget)
+            checks.append(check)
+            return check
+    checks: list[PolicyCheck] = []
+    logp = replay_attempts(hf_model, out["prompt"], out["tokens"], atts, make_check)
+    if config is not None:  # every (event, layer) of every attempt was recomputed and compared
+        n_events = sum(len(layers) for a in atts for layers in a.events.values())
+        assert sum(c.compared for c in checks) == n_events, (n_events, [c.compared for c in checks])
     for j, (tok, lp) in enumerate(zip(out["tokens"], out["logprobs"], strict=True)):
         row = logp[j]
         assert int(row.argmax()) == tok, f"{out['id']}: token {j}: engine {tok}, reference argmax {int(row.argmax())}"

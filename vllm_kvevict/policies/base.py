@@ -1,13 +1,22 @@
 """The interface every eviction policy implements (ALGORITHMS.md section 6.2).
 
 Policies work on plain tensors of one (sequence, layer) and know nothing of vLLM: the attention
-backend gathers a :class:`KVView`, asks the policy for scores and lets :meth:`Policy.select` pick the
-kept slots per KV head. Higher score = keep. Every KV head keeps the same number of tokens (one
-block table serves all heads of a layer), but heads may keep different tokens.
+backend (or the transformers reference, vllm_kvevict/testing/hf_reference.py) gathers a
+:class:`KVView` and
+
+* every step, for policies with per-slot state (H2O accumulators, LSH codes), calls
+  :meth:`Policy.observe`, which updates ``view.state`` in place;
+* when the window moves, asks for scores and lets :meth:`Policy.select` pick the kept slots per KV
+  head (and :meth:`Policy.merge` rewrite them, for merging policies).
+
+Higher score = keep. Every KV head keeps the same number of tokens (one block table serves all
+heads of a layer), but heads may keep different tokens. Slot order within a head is position
+order, always: compaction keeps the kept slots in order.
 """
 
 from __future__ import annotations
 
+import math
 from dataclasses import dataclass, field
 from typing import Any, ClassVar
 
@@ -29,19 +38,46 @@ class PolicyParams(BaseModel):
 class KVView:
     """What a policy sees of one (sequence, layer) at a trigger point.
 
-    ``K``/``V``: ``[H_kv, n, d]`` keys (post-RoPE, as stored) and values, cached + newly appended.
-    ``pos``: ``[H_kv, n]`` absolute token position of each slot (heads diverge after compaction).
-    ``is_new``: ``[H_kv, n]`` True for slots written by the current chunk/step.
+    ``K``/``V``: ``[H_kv, n, d]`` keys (post-RoPE, as stored) and values of the window: cached +
+    written by this step. ``pos``: ``[H_kv, n]`` absolute token position of each slot (heads
+    diverge after compaction). ``L``: tokens computed so far (every position is ``< L``).
+    ``Q``/``q_pos``: ``[H_q, m, d]`` queries (post-RoPE) of the tokens of this step, and their
+    positions ``[m]``; ``Q_window``/``w_pos``: the last ``query_window`` queries of the sequence
+    (this step's included). ``scale``/``softcap``: the model's attention scaling. ``W_O``:
+    ``[H_q, d, D]`` this layer's output projection per query head. ``state``: per-slot tensors
+    ``[H_kv, n]`` named by :attr:`Policy.slot_state`, moved with the tokens. ``budget``: the
+    configured budget; ``keep``: the count kept at this compaction (at least the budget, less than
+    a block more).
     """
 
     K: torch.Tensor
     V: torch.Tensor
     pos: torch.Tensor
-    is_new: torch.Tensor | None = None
     layer: int = 0
     G: int = 1
+    L: int | None = None
     Q: torch.Tensor | None = None
+    q_pos: torch.Tensor | None = None
+    Q_window: torch.Tensor | None = None
+    w_pos: torch.Tensor | None = None
+    scale: float | None = None
+    softcap: float | None = None
+    W_O: torch.Tensor | None = None
+    budget: int | None = None
+    keep: int | None = None
     state: dict[str, Any] = field(default_factory=dict)
+
+    @property
+    def num_heads(self) -> int:
+        return self.K.shape[0]
+
+    @property
+    def attn_scale(self) -> float:
+        return self.scale if self.scale is not None else 1.0 / math.sqrt(self.K.shape[-1])
+
+    @property
+    def length(self) -> int:
+        return self.L if self.L is not None else int(self.pos.max()) + 1
 
 
 class Policy:
@@ -51,9 +87,37 @@ class Policy:
     Params: ClassVar[type[PolicyParams]] = PolicyParams
     #: the policy also compacts while decoding (every block_size generated tokens)
     evicts_during_decode: ClassVar[bool] = False
+    #: trigger when the configuration leaves it unset: "chunked" (every step) or "once" (prompt end)
+    default_trigger: ClassVar[str] = "chunked"
+    #: the policy needs ``W_O`` (the backend finds the layer's output projection once)
+    needs_w_o: ClassVar[bool] = False
 
     def __init__(self, params: PolicyParams | None = None):
         self.params = params if params is not None else self.Params()
+
+    # What the backend must provide; instance-level because they may depend on the parameters.
+    @property
+    def query_window(self) -> int:
+        """How many of the latest queries the policy reads (``view.Q_window``); 0 = none."""
+        return 0
+
+    @property
+    def needs_queries(self) -> bool:
+        """Whether ``view.Q`` (this step's queries) is read."""
+        return self.query_window > 0 or self.observes
+
+    @property
+    def slot_state(self) -> dict[str, tuple[torch.dtype, float]]:
+        """Per-slot state ``{name: (dtype, initial value)}``, kept beside the KV cache."""
+        return {}
+
+    @property
+    def observes(self) -> bool:
+        """Whether :meth:`observe` must run every step (not only when compacting)."""
+        return bool(self.slot_state)
+
+    def observe(self, view: KVView) -> None:
+        """Update ``view.state`` with this step's tokens (``view.Q``/``q_pos``); in place."""
 
     def score(self, view: KVView) -> torch.Tensor:  # pragma: no cover - abstract
         """``[H_kv, n]`` float32 scores, higher = keep; ``+inf`` marks protected slots."""
@@ -65,12 +129,27 @@ class Policy:
         Deterministic tie rule (ALGORITHMS.md 6.5 #21): among equal scores the newer token
         (larger position) is kept.
         """
-        n = scores.shape[-1]
-        if keep >= n:
-            return torch.arange(n, device=scores.device).expand(scores.shape[0], n).clone()
-        # Sort by (score desc, position desc): sort by position first, then a stable sort by score.
-        by_pos = torch.argsort(view.pos, dim=-1, descending=True, stable=True)
-        s = torch.gather(scores.float(), -1, by_pos)
-        order = torch.argsort(s, dim=-1, descending=True, stable=True)
-        kept = torch.gather(by_pos, -1, order[:, :keep])
-        return torch.sort(kept, dim=-1).values
+        return topk_newer(scores, keep, view.pos)
+
+    def merge(self, view: KVView, kept: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor] | None:
+        """Merging policies: new ``(K, V)`` ``[H_kv, keep, d]`` for the kept slots; None = unchanged."""
+        return None
+
+    def evict(self, view: KVView, keep: int) -> tuple[torch.Tensor, tuple[torch.Tensor, torch.Tensor] | None]:
+        """Kept slot indices ``[H_kv, keep]`` and, for merging policies, their new K/V."""
+        view.keep = keep
+        kept = self.select(self.score(view), keep, view)
+        return kept, self.merge(view, kept)
+
+
+def topk_newer(scores: torch.Tensor, keep: int, pos: torch.Tensor) -> torch.Tensor:
+    """The ``keep`` best slots per row, ties to the larger position, returned in slot order."""
+    n = scores.shape[-1]
+    if keep >= n:
+        return torch.arange(n, device=scores.device).expand(scores.shape[0], n).clone()
+    # Sort by (score desc, position desc): sort by position first, then a stable sort by score.
+    by_pos = torch.argsort(pos, dim=-1, descending=True, stable=True)
+    s = torch.gather(scores.float(), -1, by_pos)
+    order = torch.argsort(s, dim=-1, descending=True, stable=True)
+    kept = torch.gather(by_pos, -1, order[:, :keep])
+    return torch.sort(kept, dim=-1).values

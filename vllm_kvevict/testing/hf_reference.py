@@ -54,8 +54,13 @@ def attempts_for(attempts: dict[str, list[Attempt]], request_id: str) -> list[At
     return attempts[matches[0]] if matches else []
 
 
-def replay_attempts(model, prompt: list[int], generated: list[int], attempts: list[Attempt]) -> torch.Tensor:
-    """``[len(generated), vocab]`` log-probabilities, each from the attempt that generated the token."""
+def replay_attempts(
+    model, prompt: list[int], generated: list[int], attempts: list[Attempt], make_check=None,
+) -> torch.Tensor:
+    """``[len(generated), vocab]`` log-probabilities, each from the attempt that generated the token.
+
+    ``make_check``: a callable returning a fresh :class:`PolicyCheck` per attempt (or None).
+    """
     ids = prompt + generated[:-1]
     P = len(prompt)
     rows = []
@@ -63,14 +68,121 @@ def replay_attempts(model, prompt: list[int], generated: list[int], attempts: li
         first = att.num_tokens - P  # generated tokens already known when this attempt started
         last = attempts[k + 1].num_tokens - P if k + 1 < len(attempts) else len(generated)
         if last > first:
-            logp = replay(model, ids, att.events)
+            if make_check is None:
+                logp = replay(model, ids, att.events)
+            else:
+                with make_check() as check:
+                    logp = replay(model, ids, att.events, check)
             rows.append(logp[P - 1 + first: P - 1 + last])
     return torch.cat(rows)
 
 
+class PolicyCheck:
+    """Recomputes, from the reference's own tensors, what a policy keeps at each compaction.
+
+    The engine decides *when* (the dumped events); at each event the reference builds the
+    policy's :class:`~vllm_kvevict.policies.KVView` from transformers' cache, its own post-RoPE
+    queries, its own per-entry state (H2O accumulators, LSH codes and victims, updated over every
+    query it ran) and the model's ``o_proj``, runs the policy, and compares the kept positions with
+    the engine's. Float scores may differ in the last bits, so a differing set is accepted only
+    when the engine's choice is a top-``keep`` under the reference's scores within ``tol``.
+    Merged vectors (KVMerger) come from the reference's own merge.
+    """
+
+    def __init__(self, model, policy, budget: int, tol: float = 1e-4):
+        self.model, self.policy, self.budget, self.tol = model, policy, budget, tol
+        cfg = model.config
+        self.G = cfg.num_attention_heads // cfg.num_key_value_heads
+        n_layers = cfg.num_hidden_layers
+        self.state: list[dict[str, torch.Tensor]] = [{} for _ in range(n_layers)]
+        self.qwin: list[torch.Tensor | None] = [None] * n_layers
+        self.queries: dict[int, torch.Tensor] = {}
+        self.compared = 0
+        self.differing = 0  # events whose kept set differed within tolerance
+        self._hooks = []
+
+    def __enter__(self):
+        from transformers.models.llama.modeling_llama import apply_rotary_pos_emb
+
+        def hook(module, args, kwargs, _out):
+            h = kwargs.get("hidden_states", args[0] if args else None)
+            cos, sin = kwargs["position_embeddings"]
+            q = module.q_proj(h).view(*h.shape[:-1], -1, module.head_dim).transpose(1, 2)
+            self.queries[module.layer_idx] = apply_rotary_pos_emb(q, q, cos, sin)[0][0]  # [H_q, m, d]
+
+        for layer in self.model.model.layers:
+            self._hooks.append(layer.self_attn.register_forward_hook(hook, with_kwargs=True))
+        return self
+
+    def __exit__(self, *exc):
+        for h in self._hooks:
+            h.remove()
+
+    def _view(self, i: int, layer, pos: torch.Tensor, L: int, q_pos: torch.Tensor):
+        from vllm_kvevict.policies import KVView
+
+        attn = self.model.model.layers[i].self_attn
+        W = attn.o_proj.weight.float()
+        return KVView(
+            K=layer.keys[0].float(), V=layer.values[0].float(), pos=pos, layer=i, G=self.G, L=L,
+            Q=self.queries[i].float(), q_pos=q_pos, scale=attn.scaling, budget=self.budget,
+            W_O=W.reshape(W.shape[0], -1, attn.head_dim).permute(1, 2, 0), state=self.state[i],
+        )
+
+    def after_segment(self, i: int, layer, pos: torch.Tensor, L: int, q_pos: torch.Tensor) -> None:
+        """Every segment: the policy's per-entry state and query window, as the engine's steps did."""
+        p = self.policy
+        H, n = pos.shape
+        for name, (dtype, init) in p.slot_state.items():
+            old = self.state[i].get(name)
+            new = torch.full((H, n - (0 if old is None else old.shape[1])), init, dtype=dtype)
+            self.state[i][name] = new if old is None else torch.cat([old, new], dim=1)
+        if p.query_window:
+            q = self.queries[i].float()
+            self.qwin[i] = (q if self.qwin[i] is None else torch.cat([self.qwin[i], q], dim=1))[:, -p.query_window:]
+        if p.observes:
+            p.observe(self._view(i, layer, pos, L, q_pos))
+
+    def at_event(self, i: int, layer, pos: torch.Tensor, L: int, q_pos: torch.Tensor, kept_engine: torch.Tensor):
+        """Check the engine's kept positions ``[H, keep]``; return (cache indices, merged K/V or None)."""
+        view = self._view(i, layer, pos, L, q_pos)
+        if self.policy.query_window:
+            view.Q_window = self.qwin[i]
+            view.w_pos = torch.arange(L - self.qwin[i].shape[1], L)
+        keep = kept_engine.shape[1]
+        kept_ref, merged = self.policy.evict(view, keep)
+        ref_pos = torch.gather(pos, 1, kept_ref)
+        idx = torch.stack([torch.nonzero(pos[h][None, :] == kept_engine[h][:, None])[:, 1] for h in range(pos.shape[0])])
+        if idx.shape != kept_engine.shape:
+            raise AssertionError(f"layer {i}: kept positions not all in the reference cache at L={L}")
+        self.compared += 1
+        if not torch.equal(ref_pos, kept_engine):
+            self._accept_near_tie(view, idx, keep, i, L, ref_pos, kept_engine, merged is not None)
+            self.differing += 1
+        if merged is not None:
+            merged = (merged[0][None], merged[1][None])
+        return idx, merged
+
+    def _accept_near_tie(self, view, idx, keep, i, L, ref_pos, kept_engine, merges) -> None:
+        detail = f"layer {i} at L={L}: engine kept {kept_engine.tolist()}, reference {ref_pos.tolist()}"
+        if merges:
+            raise AssertionError("kept sets differ: " + detail)
+        s = self.policy.score(view).double()
+        for h in range(s.shape[0]):
+            mask = torch.zeros(s.shape[1], dtype=torch.bool)
+            mask[idx[h]] = True
+            lo, hi = s[h][mask].min(), s[h][~mask].max() if (~mask).any() else float("-inf")
+            if lo < hi - self.tol * (1 + abs(float(hi))):
+                raise AssertionError(f"kept sets differ beyond tolerance ({float(lo)} < {float(hi)}): " + detail)
+
+
 @torch.no_grad()
-def replay(model, token_ids: list[int], events: Events) -> torch.Tensor:
-    """Log-probabilities ``[len(token_ids), vocab]`` (row i predicts token i + 1) under eviction."""
+def replay(model, token_ids: list[int], events: Events, check: PolicyCheck | None = None) -> torch.Tensor:
+    """Log-probabilities ``[len(token_ids), vocab]`` (row i predicts token i + 1) under eviction.
+
+    With ``check``, the policy's decisions are recomputed from the reference's tensors at every
+    event and compared with the engine's (see :class:`PolicyCheck`); merged entries come from it.
+    """
     from transformers import DynamicCache
 
     cache = DynamicCache(config=model.config)
@@ -93,19 +205,33 @@ def replay(model, token_ids: list[int], events: Events) -> torch.Tensor:
                 H = cache.layers[i].keys.shape[1]
                 new = pos[None, :].expand(H, -1)
                 cache_pos[i] = new if cache_pos[i] is None else torch.cat([cache_pos[i], new], dim=1)
+                if check is not None:
+                    check.after_segment(i, cache.layers[i], cache_pos[i], end, pos)
+            seg_pos = pos
             start = end
         if end in events:
             for i, kept in events[end].items():
                 kept_t = torch.tensor(kept)  # [H, R] positions
-                idx = torch.stack([
-                    torch.nonzero(cache_pos[i][h][None, :] == kept_t[h][:, None])[:, 1] for h in range(kept_t.shape[0])
-                ])
-                if idx.shape != kept_t.shape:
-                    raise AssertionError(f"layer {i}: kept positions not all in the reference cache at L={end}")
                 layer = cache.layers[i]
+                merged = None
+                if check is not None:
+                    idx, merged = check.at_event(i, layer, cache_pos[i], end, seg_pos, kept_t)
+                else:
+                    idx = torch.stack([
+                        torch.nonzero(cache_pos[i][h][None, :] == kept_t[h][:, None])[:, 1]
+                        for h in range(kept_t.shape[0])
+                    ])
+                    if idx.shape != kept_t.shape:
+                        raise AssertionError(f"layer {i}: kept positions not all in the reference cache at L={end}")
                 gidx = idx[None, :, :, None].expand(1, -1, -1, layer.keys.shape[-1])
-                layer.keys = torch.gather(layer.keys, 2, gidx)
-                layer.values = torch.gather(layer.values, 2, gidx)
+                if merged is not None:
+                    layer.keys, layer.values = merged[0].to(layer.keys.dtype), merged[1].to(layer.values.dtype)
+                else:
+                    layer.keys = torch.gather(layer.keys, 2, gidx)
+                    layer.values = torch.gather(layer.values, 2, gidx)
+                if check is not None:
+                    for name, t in check.state[i].items():
+                        check.state[i][name] = torch.gather(t, 1, idx)
                 cache_pos[i] = torch.gather(cache_pos[i], 1, idx)
             n_cache = cache.layers[0].keys.shape[2]
             if any(cache.layers[i].keys.shape[2] != n_cache for i in range(n_layers)):

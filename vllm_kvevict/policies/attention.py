@@ -1,0 +1,56 @@
+"""Attention rows for the attention-based policies (ALGORITHMS.md 0.2 and 6.2 ``probs``).
+
+The engine's kernels do not return probabilities, so the policies that need them recompute the
+few rows they read (TOVA 1, SnapKV 32, H2O every query of the step) from the queries and the
+window's keys, with the model's scaling and soft-capping. Masking is causal by *position*: a
+query at position p sees the keys at positions <= p, whatever slots they moved to. GQA: each
+query head reads its KV head's keys (``G`` query heads per KV head); :func:`group_mean` averages
+the group's rows onto the KV head, as the KeyDiff harness does (KeyDiff App. B.2).
+"""
+
+from __future__ import annotations
+
+import torch
+import torch.nn.functional as F
+
+from vllm_kvevict.policies.base import KVView
+
+#: query rows per matmul: bounds the transient [H_q, rows, n] tensor
+ROW_CHUNK = 256
+
+
+def probs(view: KVView, Q: torch.Tensor, q_pos: torch.Tensor) -> torch.Tensor:
+    """``[H_q, m, n]`` float32 attention probabilities of queries ``Q [H_q, m, d]`` at positions
+    ``q_pos [m]`` over the window's keys."""
+    G = view.G
+    K = view.K.float().repeat_interleave(G, dim=0)  # [H_q, n, d]
+    kpos = view.pos.repeat_interleave(G, dim=0)  # [H_q, n]
+    s = torch.matmul(Q.float(), K.transpose(1, 2)) * view.attn_scale
+    if view.softcap:
+        s = view.softcap * torch.tanh(s / view.softcap)
+    s = s.masked_fill(kpos[:, None, :] > q_pos.to(kpos.device)[None, :, None], float("-inf"))
+    return torch.softmax(s, dim=-1).nan_to_num(0.0)  # a row that sees no key contributes nothing
+
+
+def column_sums(view: KVView, Q: torch.Tensor, q_pos: torch.Tensor) -> torch.Tensor:
+    """``[H_q, n]``: the attention each key receives, summed over the queries (chunked over rows)."""
+    out = torch.zeros(Q.shape[0], view.K.shape[1], dtype=torch.float32, device=view.K.device)
+    for i in range(0, Q.shape[1], ROW_CHUNK):
+        out += probs(view, Q[:, i:i + ROW_CHUNK], q_pos[i:i + ROW_CHUNK]).sum(dim=1)
+    return out
+
+
+def group_mean(x: torch.Tensor, G: int) -> torch.Tensor:
+    """``[H_q, ...]`` -> ``[H_kv, ...]``: mean over the G query heads of each KV head."""
+    return x.reshape(x.shape[0] // G, G, *x.shape[1:]).mean(dim=1)
+
+
+def pool1d(x: torch.Tensor, kernel: int, mode: str) -> torch.Tensor:
+    """SnapKV's smoothing along the token axis of ``[H, n]`` (stride 1, same length): ``avg`` as
+    ``F.avg_pool1d`` (zero padding counted), ``max`` as ``F.max_pool1d``."""
+    if kernel <= 1 or x.shape[-1] == 0:
+        return x
+    pad = kernel // 2
+    if mode == "avg":
+        return F.avg_pool1d(x[:, None], kernel, stride=1, padding=pad)[:, 0]
+    return F.max_pool1d(x[:, None], kernel, stride=1, padding=pad)[:, 0]

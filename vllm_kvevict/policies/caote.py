@@ -1,0 +1,93 @@
+"""CAOTE and FastCAOTE: the closed-form attention-output error of evicting each token
+(ALGORITHMS.md section 5; CAOTE paper Sec. 3, Eqs. 8, 21, 23).
+
+    h^norm = h / sum_i h_i                             base scores (H2O, TOVA or SnapKV), sum 1
+    X      = V^T h^norm           (CAOTE, Eq. 21)      or  mean_i v_i  (FastCAOTE, Eq. 23)
+    c_j    = h_j^norm / (1 - h_j^norm) * || X - v_j ||_2
+    keep   = topk(c)                                   evict the tokens whose removal moves X least
+
+Per KV head: the base scores are group means over the query heads (the KeyDiff harness; 6.5 #18)
+and ``V`` is the KV head's values. Tokens the base protects (SnapKV's window) stay protected.
+Runs after every prefill chunk and during decoding. Deviation (6.5 #19): the chunk attends
+before its evictions (KeyDiff's order) instead of over the kept entries only (Eq. 7).
+"""
+
+from __future__ import annotations
+
+from typing import ClassVar, Literal
+
+import torch
+from pydantic import Field
+
+from vllm_kvevict.policies.base import KVView, Policy, PolicyParams
+from vllm_kvevict.policies.h2o import STATE as H2O_STATE
+from vllm_kvevict.policies.h2o import h2o_observe
+from vllm_kvevict.policies.snapkv import SnapKVParams, snapkv_scores
+from vllm_kvevict.policies.tova import tova_scores
+
+Base = Literal["h2o", "tova", "snapkv"]
+ONE_MINUS_MIN = 1e-6
+
+
+class BaseScoreParams(PolicyParams):
+    """An attention-based base score, as CAOTE and CriticalKV take one."""
+
+    base: Base = Field("h2o", description="base score: h2o (accumulated), tova (last query), snapkv (window)")
+    snapkv: SnapKVParams = Field(default_factory=SnapKVParams, description="the snapkv base's window and pooling")
+
+    def min_budget(self) -> int:
+        return self.snapkv.min_budget() if self.base == "snapkv" else 1
+
+
+class BaseScorePolicy(Policy):
+    """A policy on top of a base score: declares what the base needs and computes it."""
+
+    @property
+    def query_window(self) -> int:
+        return self.params.snapkv.window if self.params.base == "snapkv" else 0
+
+    @property
+    def needs_queries(self) -> bool:
+        return True
+
+    @property
+    def slot_state(self):
+        return {H2O_STATE: (torch.float32, 0.0)} if self.params.base == "h2o" else {}
+
+    def observe(self, view: KVView) -> None:
+        if self.params.base == "h2o":
+            h2o_observe(view)
+
+    def base_scores(self, view: KVView) -> tuple[torch.Tensor, torch.Tensor | None]:
+        """Non-negative finite base scores ``[H_kv, n]`` and the protected mask (or None)."""
+        if self.params.base == "h2o":
+            return view.state[H2O_STATE].float(), None
+        if self.params.base == "tova":
+            return tova_scores(view), None
+        return snapkv_scores(view, self.params.snapkv)
+
+
+def caote_scores(h: torch.Tensor, V: torch.Tensor, fast: bool) -> torch.Tensor:
+    """Eq. 21 (``fast``: Eq. 23) for base scores ``h [H, n]`` and values ``V [H, n, d]``."""
+    total = h.sum(dim=-1, keepdim=True)
+    hn = torch.where(total > 0, h / total.clamp_min(torch.finfo(h.dtype).tiny), 1.0 / h.shape[-1])
+    V = V.float()
+    X = V.mean(dim=1, keepdim=True) if fast else torch.einsum("hn,hnd->hd", hn, V)[:, None]
+    return hn / (1 - hn).clamp_min(ONE_MINUS_MIN) * (X - V).norm(dim=-1)
+
+
+class CAOTE(BaseScorePolicy):
+    name = "caote"
+    Params = BaseScoreParams
+    evicts_during_decode = True
+    fast: ClassVar[bool] = False
+
+    def score(self, view: KVView) -> torch.Tensor:
+        h, protected = self.base_scores(view)
+        c = caote_scores(h, view.V, self.fast)
+        return c if protected is None else c.masked_fill(protected, float("inf"))
+
+
+class FastCAOTE(CAOTE):
+    name = "fastcaote"
+    fast = True

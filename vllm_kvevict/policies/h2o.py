@@ -1,0 +1,51 @@
+"""H2O: heavy hitters by accumulated attention (ALGORITHMS.md 0.2; Zhang et al. 2023).
+
+    phi(A) = A_prev + A^T 1      every query's attention, summed per key, accumulated over steps
+
+The accumulator is per-slot state (``h2o``): every step adds the column sums of that step's
+queries (group-mean over GQA), and it moves with its token at compaction. As in the KeyDiff
+harness no recent window is reserved by default; ``recent_tokens`` reserves one (the H2O paper
+splits the budget between heavy hitters and recent tokens).
+"""
+
+from __future__ import annotations
+
+import torch
+from pydantic import Field
+
+from vllm_kvevict.policies.attention import column_sums, group_mean
+from vllm_kvevict.policies.base import KVView, Policy, PolicyParams
+
+STATE = "h2o"
+
+
+class H2OParams(PolicyParams):
+    recent_tokens: int = Field(0, ge=0, description="most recent tokens always kept")
+
+    def min_budget(self) -> int:
+        return self.recent_tokens + 1
+
+
+def h2o_observe(view: KVView) -> None:
+    """Add this step's queries' attention to every key's accumulator."""
+    view.state[STATE] += group_mean(column_sums(view, view.Q, view.q_pos), view.G)
+
+
+def protect_recent(scores: torch.Tensor, view: KVView, recent: int) -> torch.Tensor:
+    return scores.masked_fill(view.pos >= view.length - recent, float("inf")) if recent else scores
+
+
+class H2O(Policy):
+    name = "h2o"
+    Params = H2OParams
+    evicts_during_decode = True
+
+    @property
+    def slot_state(self):
+        return {STATE: (torch.float32, 0.0)}
+
+    def observe(self, view: KVView) -> None:
+        h2o_observe(view)
+
+    def score(self, view: KVView) -> torch.Tensor:
+        return protect_recent(view.state[STATE].clone(), view, self.params.recent_tokens)

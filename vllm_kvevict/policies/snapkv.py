@@ -1,0 +1,66 @@
+"""SnapKV: observation-window attention, pooled (ALGORITHMS.md 0.2; Li et al. 2024).
+
+    A     = softmax(Q_win K^T * scale)        Q_win = the last ``window`` queries (default 32)
+    s     = pool( mean_w A )                  over the prefix; kernel 7
+    keep  = the window's own tokens (always) + topk(s) of the prefix
+
+``pooling``: ``avg`` is the KeyDiff/CAOTE harness's SnapKV (average smoothing), ``max`` the
+CriticalKV/AdaKV version (Alg. 2, max-pooling). The window is the last ``window`` positions; it is
+always kept and counts toward the budget. GQA: pooled rows averaged over the query group. Every
+prefill chunk and, in the KeyDiff harness, every decode step: the window is a rolling buffer of
+the sequence's latest queries, kept per request by the backend.
+"""
+
+from __future__ import annotations
+
+from typing import Literal
+
+import torch
+from pydantic import Field, field_validator
+
+from vllm_kvevict.policies.attention import group_mean, pool1d, probs
+from vllm_kvevict.policies.base import KVView, Policy, PolicyParams
+
+
+class SnapKVParams(PolicyParams):
+    window: int = Field(32, ge=1, description="observation window: the last queries scored with, always kept")
+    kernel: int = Field(7, ge=1, description="pooling kernel along the tokens (odd)")
+    pooling: Literal["avg", "max"] = Field("avg", description="avg (KeyDiff/CAOTE harness) or max (CriticalKV)")
+
+    @field_validator("kernel")
+    @classmethod
+    def _odd(cls, v: int) -> int:
+        if v % 2 == 0:
+            raise ValueError("must be odd")
+        return v
+
+    def min_budget(self) -> int:
+        return self.window + 1
+
+
+def snapkv_scores(view: KVView, p: SnapKVParams) -> tuple[torch.Tensor, torch.Tensor]:
+    """Finite scores ``[H_kv, n]`` (prefix: pooled window attention; window: its raw mean
+    attention) and the mask of the protected window slots."""
+    A = probs(view, view.Q_window, view.w_pos).mean(dim=1)  # [H_q, n]: mean over the window queries
+    kpos = view.pos.repeat_interleave(view.G, dim=0)
+    in_win = kpos >= view.length - p.window
+    n_win = int(in_win[0].sum())
+    if not bool((in_win.sum(dim=-1) == n_win).all() and in_win[:, kpos.shape[1] - n_win:].all()):
+        raise AssertionError("snapkv: the window's tokens must be the last slots of every head")
+    n_pre = A.shape[1] - n_win
+    pooled = torch.cat([pool1d(A[:, :n_pre], p.kernel, p.pooling), A[:, n_pre:]], dim=1)
+    return group_mean(pooled, view.G), in_win[:: view.G]
+
+
+class SnapKV(Policy):
+    name = "snapkv"
+    Params = SnapKVParams
+    evicts_during_decode = True
+
+    @property
+    def query_window(self) -> int:
+        return self.params.window
+
+    def score(self, view: KVView) -> torch.Tensor:
+        s, protected = snapkv_scores(view, self.params)
+        return s.masked_fill(protected, float("inf"))
