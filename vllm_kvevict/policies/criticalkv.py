@@ -19,6 +19,7 @@ table serves all heads of a layer and vLLM's attention kernels cannot mask per h
 from __future__ import annotations
 
 import math
+from typing import Literal
 
 import torch
 from pydantic import Field
@@ -28,10 +29,14 @@ from vllm_kvevict.policies.caote import Base, BaseScoreParams, BaseScorePolicy
 from vllm_kvevict.policies.snapkv import SnapKVParams
 
 
+class CriticalSnapKVParams(SnapKVParams):
+    pooling: Literal["avg", "max"] = Field("max", description="max (CriticalKV Alg. 2) or avg")
+
+
 class CriticalKVParams(BaseScoreParams):
     base: Base = Field("snapkv", description="base score: snapkv (default), tova or h2o")
-    snapkv: SnapKVParams = Field(
-        default_factory=lambda: SnapKVParams(pooling="max"), description="the snapkv base (max-pooling, Alg. 2)"
+    snapkv: CriticalSnapKVParams = Field(
+        default_factory=CriticalSnapKVParams, description="the snapkv base (max-pooling, Alg. 2)"
     )
     alpha: float = Field(0.5, ge=0.0, le=1.0, description="share of the budget chosen by attention alone")
     eps: float = Field(1e-4, ge=0.0, description="added to the attention in stage 2")

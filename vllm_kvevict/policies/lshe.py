@@ -22,6 +22,7 @@ from __future__ import annotations
 from functools import lru_cache
 from typing import Literal
 
+import numpy as np
 import torch
 from pydantic import Field
 
@@ -54,20 +55,40 @@ def simhash(x: torch.Tensor, R: torch.Tensor) -> torch.Tensor:
     return (bits.long() * weights).sum(dim=-1)
 
 
-_BYTE_POPCOUNT = torch.tensor([bin(i).count("1") for i in range(256)], dtype=torch.int64)
-
-
-def popcount(x: torch.Tensor, bits: int = 62) -> torch.Tensor:
-    """Number of set bits of non-negative int64 values below ``2**bits`` (a byte table)."""
-    table = _BYTE_POPCOUNT.to(x.device)
-    count = torch.zeros_like(x)
-    for b in range(0, bits, 8):
-        count += table[(x >> b) & 255]
-    return count
+def signs(codes: torch.Tensor, bits: int) -> torch.Tensor:
+    """``[..., c]`` in {-1, +1}: the bits of packed codes. Hamming distance = (c - s_a . s_b) / 2,
+    so distances to a whole window are one exact small-integer matmul."""
+    shifts = torch.arange(bits, device=codes.device, dtype=torch.int64)
+    return ((codes[..., None] >> shifts) & 1).float() * 2 - 1
 
 
 #: tokens whose distances to the window are computed at once (bounds an [H_q, rows, n] tensor)
 ROW_CHUNK = 256
+
+
+def _choose_victims(dist, pos, victim, q_pos, budget: int, sinks: int, recent: int) -> None:
+    """Alg. 1 line 1 for each token t of ``q_pos`` in order: once the non-victim tokens before t
+    number ``budget``, the eligible one with the largest ``dist[:, i]`` (then the oldest) becomes
+    t's victim. ``victim`` ``[H, n]`` is updated in place. A sequential loop: numpy on the host
+    (the per-token work is a few vector ops over the window)."""
+    H = pos.shape[0]
+    key = ((dist.long() << 32) - pos[:, None, :]).cpu().numpy()  # [H, rows, n]: distance, then oldest
+    posn = pos.cpu().numpy()
+    vic = victim.cpu().numpy().copy()
+    dead = (vic >= 0) | (posn < sinks)  # sinks are never eligible; victims are gone
+    rows = np.arange(H)
+    for i, t in enumerate(q_pos.tolist()):
+        before = posn < t
+        full = (before & (vic < 0)).sum(axis=1) >= budget
+        if not full.any():
+            continue
+        blocked = dead | ~before | (posn >= t - recent)
+        k = np.where(blocked, np.iinfo(np.int64).min, key[:, i])
+        j = k.argmax(axis=1)
+        ok = full & ~blocked[rows, j]
+        vic[rows[ok], j[ok]] = t
+        dead[rows[ok], j[ok]] = True
+    victim.copy_(torch.from_numpy(vic).to(victim.device))
 
 
 class LSHE(Policy):
@@ -91,26 +112,17 @@ class LSHE(Policy):
         # This step's tokens are the window's last m slots, in order; hash their keys.
         code[:, n - m:] = simhash(view.K[:, n - m:], R)
         H, G = view.num_heads, view.G
-        rows = torch.arange(H, device=view.pos.device)
         for c0 in range(0, m, ROW_CHUNK):
             c1 = min(m, c0 + ROW_CHUNK)
+            s_k = signs(code, p.bits)  # [H, n, c]
             if p.hash == "query":  # sum over the group's query heads of d_H(h(q_t^g), h(k_j))
-                q = simhash(view.Q[:, c0:c1], R)  # [H_q, rows]
-                dist = popcount(q[:, :, None] ^ code.repeat_interleave(G, dim=0)[:, None, :], p.bits)
-                dist = dist.reshape(H, G, c1 - c0, n).sum(dim=1)
+                s_q = signs(simhash(view.Q[:, c0:c1], R), p.bits)  # [H_q, rows, c]
+                s_q = s_q.reshape(H, G, c1 - c0, p.bits).sum(dim=1)
+                dist = (G * p.bits - s_q @ s_k.transpose(1, 2)) / 2
             else:  # d_H(h(k_t), h(k_j)), per KV head
-                dist = popcount(code[:, n - m + c0:n - m + c1, None] ^ code[:, None, :], p.bits)
-            for i, t in enumerate(view.q_pos[c0:c1].tolist()):
-                cached = (view.pos < t) & (victim < 0)
-                full = cached.sum(dim=-1) >= view.budget  # [H]: t would exceed the budget
-                if not bool(full.any()):
-                    continue
-                eligible = cached & (view.pos >= p.sink_tokens) & (view.pos < t - p.recent_tokens)
-                # Largest distance, then the oldest: one int64 key per slot.
-                key = ((dist[:, i] << 32) - view.pos).masked_fill(~eligible, -(2**62))
-                j = key.argmax(dim=1)
-                ok = full & eligible.any(dim=1)
-                victim[rows[ok], j[ok]] = t
+                dist = (p.bits - s_k[:, n - m + c0:n - m + c1] @ s_k.transpose(1, 2)) / 2
+            dist = dist.round().long()
+            _choose_victims(dist, view.pos, victim, view.q_pos[c0:c1], view.budget, p.sink_tokens, p.recent_tokens)
 
     def score(self, view: KVView) -> torch.Tensor:
         # Non-victims first; among victims the latest-chosen are kept longest.
