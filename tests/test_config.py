@@ -79,3 +79,33 @@ def test_frozen():
     cfg = parse_config({})
     with pytest.raises(Exception):
         cfg.budget = 3
+
+
+def test_trigger_defaults_to_the_policy():
+    assert parse_config({"policy": "keydiff"}).window(32).trigger == "chunked"
+    assert parse_config({"policy": "criticalkv", "budget": 64}).window(32).trigger == "once"
+    assert parse_config({"policy": "kvmerger"}).window(32).trigger == "once"
+    assert parse_config({"policy": "criticalkv", "budget": 64, "trigger": "chunked"}).window(32).trigger == "chunked"
+
+
+def test_request_params_merge_over_the_servers():
+    from vllm_kvevict.config import RequestConfigError, request_config, request_overrides
+
+    server = parse_config({"policy": "caote", "budget": 64, "caote": {"base": "snapkv"}})
+    over = request_overrides({"kvevict_params": json.dumps({"snapkv": {"window": 8}})})
+    cfg = request_config(server, over)
+    assert cfg.policy_params.base == "snapkv" and cfg.policy_params.snapkv.window == 8
+    # The parameters belong to the request's policy, also when the request changes the policy.
+    cfg = request_config(server, request_overrides({"kvevict_policy": "lshe", "kvevict_params": '{"bits": 8}'}))
+    assert cfg.policy == "lshe" and cfg.policy_params.bits == 8
+    bad = [
+        ({"kvevict_params": "{not json"}, "kvevict_params"),
+        ({"kvevict_params": "[1]"}, "kvevict_params"),
+        ({"kvevict_params": '{"bitz": 8}', "kvevict_policy": "lshe"}, "kvevict_params.bitz"),
+        ({"kvevict_params": '{"bits": 99}', "kvevict_policy": "lshe"}, "kvevict_params.bits"),
+        ({"kvevict_params": '{"x": 1}', "kvevict_policy": "keydiff"}, "kvevict_params"),
+    ]
+    for xargs, key in bad:
+        with pytest.raises(RequestConfigError) as ei:
+            request_config(server, request_overrides(xargs))
+        assert ei.value.key == key, (xargs, ei.value.key, str(ei.value))

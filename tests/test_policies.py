@@ -68,3 +68,13 @@ def test_heads_select_independently():
     kept = pol.select(pol.score(v), 8, v)
     assert kept.shape == (3, 8)
     assert not all(torch.equal(kept[0], kept[h]) for h in range(1, 3))
+
+
+def test_every_policy_and_parameter_is_documented():
+    from pathlib import Path
+
+    doc = (Path(__file__).parents[1] / "docs" / "policies.md").read_text()
+    for name, cls in POLICIES.items():
+        assert f"`{name}`" in doc, name
+        for field in cls.Params.model_fields:
+            assert f"`{field}`" in doc, f"{name}.{field} is not in docs/policies.md"

@@ -66,7 +66,7 @@ def test_overrides_apply_on_both_sides(server, hf_model):
 
 @pytest.mark.parametrize("xargs, message", [
     ({"kvevict_budget": 3}, "kvevict_budget: budget 3 is below the minimum 5 for policy 'streamingllm'"),
-    ({"kvevict_policy": "h3o"}, "kvevict_policy: unknown policy 'h3o'; allowed values: keydiff, none, streamingllm"),
+    ({"kvevict_policy": "h3o"}, "kvevict_policy: unknown policy 'h3o'; allowed values: caote, criticalkv, fastcaote, h2o, keydiff, knorm, kvmerger, lshe, none, random, snapkv, streamingllm, tova"),
     ({"kvevict_enabled": "perhaps"}, "kvevict_enabled: Input should be a valid boolean"),
     ({"kvevict_budgte": 64}, "unknown request key 'kvevict_budgte'; allowed keys: kvevict_budget, kvevict_enabled"),
 ])

@@ -30,7 +30,8 @@ CASES = {  # name: (--additional-config, KVEVICT_CONFIG, extra vllm args, the on
     "unknown_policy": (
         {"kvevict": {"policy": "h3o", "budget": 64}}, None, [],
         "invalid kvevict configuration (--additional-config): kvevict.policy: unknown policy 'h3o'; "
-        "allowed values: keydiff, none, streamingllm",
+        "allowed values: caote, criticalkv, fastcaote, h2o, keydiff, knorm, kvmerger, lshe, none, random, snapkv, "
+        "streamingllm, tova",
     ),
     "env_wrong_type": (
         None, {"enabled": "perhaps"}, [],
