@@ -164,7 +164,7 @@ CPU_SERVE_ARGS = ["--dtype", "float32", "--block-size", "32", "--enforce-eager",
 
 
 @contextlib.contextmanager
-def _server(args):
+def serve_or_connect(args):
     """A running server: the given ``--base-url``, or vLLM started here with kvevict."""
     if args.base_url:
         yield args.base_url, args.model, args.tokenizer or args.model_path
@@ -206,7 +206,7 @@ def main(argv: list[str] | None = None) -> int:
 
     # Parameters inside a spec are separated by ';' on the command line (',' separates specs).
     configs = [c.replace(";", ",") for c in args.configs.split(",")]
-    with _server(args) as (base_url, model, tokenizer_path):
+    with serve_or_connect(args) as (base_url, model, tokenizer_path):
         result = run_quality(
             base_url, model, AutoTokenizer.from_pretrained(tokenizer_path), configs,
             [float(r) for r in args.budget_ratios.split(",")], args.length, args.depths,

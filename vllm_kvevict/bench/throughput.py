@@ -1,116 +1,135 @@
 """Serving throughput at equal KV memory: stock vLLM versus kvevict, started one after the other.
 
-    python -m vllm_kvevict.bench.throughput --num-requests 16 --prompt-len 2000 --output-len 128 \\
-        --kv-prompts 4 --budget-ratio 0.25 --policy keydiff
+    kvevict-bench throughput --num-requests 16 --prompt-len 2000 --output-len 128 --kv-prompts 4 \\
+        --budget-ratios 0.25,0.5 --policy keydiff
 
-Both servers get the same model, the same KV cache (``--num-gpu-blocks-override``: room for
-``--kv-prompts`` full sequences) and the same workload: ``--num-requests`` completions with
-``--prompt-len`` random prompt tokens and exactly ``--output-len`` output tokens, sent at once.
-Reports wall time, output tokens/s, requests/s and the peak of running requests (vLLM's
-``/metrics``), and the kvevict/stock ratios. Writes JSON.
+Every server gets the same model, the same KV cache (``--num-gpu-blocks-override``: room for
+``--kv-prompts`` full sequences) and the same workload: ``--num-requests`` completions of
+``--prompt-len`` random tokens and exactly ``--output-len`` output tokens, all sent at once
+(streamed). Stock vLLM uses its default attention backend; kvevict runs once per budget ratio.
+Reports output tokens/s, requests/s, time to first token and time per output token (median,
+p90), the peak of running requests and of KV usage (vLLM's ``/metrics``), and each kvevict/stock
+ratio. Prints a table, writes JSON and a PNG.
 """
 
 from __future__ import annotations
 
-import argparse
-import json
-import random
-import sys
-import threading
 import time
-import urllib.request
 from concurrent.futures import ThreadPoolExecutor
-from pathlib import Path
 
-from vllm_kvevict.testing.server import VLLMServer
+from vllm_kvevict.bench.serving import (
+    BLOCK,
+    Sampler,
+    ServerSpec,
+    common_args,
+    random_prompts,
+    serve,
+    stream_completion,
+    summarize_latencies,
+)
 
-BLOCK = 32
 
-
-def _gauge(base_url: str, name: str) -> float:
-    text = urllib.request.urlopen(base_url + "/metrics", timeout=5).read().decode()
-    return sum(float(line.rsplit(" ", 1)[1]) for line in text.splitlines() if line.startswith(name + "{"))
-
-
-def run_workload(srv: VLLMServer, prompts: list[list[int]], output_len: int) -> dict:
+def run_workload(srv, prompts: list[list[int]], output_len: int, progress=None) -> dict:
     from openai import OpenAI
 
     client = OpenAI(base_url=srv.base_url + "/v1", api_key="unused", max_retries=0, timeout=3600)
     warm = [t + 1 for t in prompts[0][:64]]  # shares no prefix with the workload
     client.completions.create(model=srv.served_model_name, prompt=warm, max_tokens=4)
-    peak, stop = [0.0], threading.Event()
-
-    def watch():
-        while not stop.is_set():
-            try:
-                peak[0] = max(peak[0], _gauge(srv.base_url, "vllm:num_requests_running"))
-            except OSError:
-                pass
-            time.sleep(0.2)
 
     def one(p):
-        r = client.completions.create(model=srv.served_model_name, prompt=p, max_tokens=output_len, temperature=0,
-                                      extra_body={"ignore_eos": True})
-        return r.usage.completion_tokens
+        r = stream_completion(client, srv.served_model_name, p, output_len)
+        if progress is not None:
+            progress.update(1)
+        return r
 
-    watcher = threading.Thread(target=watch, daemon=True)
-    watcher.start()
-    t0 = time.monotonic()
-    with ThreadPoolExecutor(len(prompts)) as pool:
-        out_tokens = sum(pool.map(one, prompts))
-    wall = time.monotonic() - t0
-    stop.set()
-    watcher.join()
+    with Sampler(srv.base_url) as sampler:
+        t0 = time.monotonic()
+        with ThreadPoolExecutor(len(prompts)) as pool:
+            rows = list(pool.map(one, prompts))
+        wall = time.monotonic() - t0
+    out_tokens = output_len * len(prompts)
     return {"wall_s": wall, "output_tokens": out_tokens, "output_tok_per_s": out_tokens / wall,
-            "req_per_s": len(prompts) / wall, "peak_running": peak[0]}
+            "req_per_s": len(prompts) / wall, "peak_running": sampler.peak_running,
+            "peak_kv_usage": sampler.peak_usage, **summarize_latencies(rows), "requests": rows}
 
 
-def main(argv: list[str] | None = None) -> int:
-    ap = argparse.ArgumentParser(prog="python -m vllm_kvevict.bench.throughput", description=__doc__.split("\n\n")[0])
-    ap.add_argument("--model", default=None, help="model directory (default: the bundled SmolLM2)")
-    ap.add_argument("--num-requests", type=int, default=16)
-    ap.add_argument("--prompt-len", type=int, default=2000)
-    ap.add_argument("--output-len", type=int, default=128)
-    ap.add_argument("--kv-prompts", type=int, default=4, help="KV cache sized for this many full sequences")
-    ap.add_argument("--budget-ratio", type=float, default=0.25)
-    ap.add_argument("--policy", default="keydiff")
-    ap.add_argument("--max-num-batched-tokens", type=int, default=2048)
-    ap.add_argument("--out", default="throughput.json")
-    ap.add_argument("--log-dir", default=".")
-    args = ap.parse_args(argv)
-    if args.model is None:
-        from vllm_kvevict.testing.models import smollm2_path
+def run_throughput(
+    model: str, num_requests: int, prompt_len: int, output_len: int, kv_prompts: int, budget_ratios: list[float],
+    policy: str = "keydiff", max_num_batched_tokens: int = 512, log_dir: str = ".", progress: bool = False,
+) -> dict:
+    seq_blocks = -(-(prompt_len + output_len) // BLOCK)
+    kv_blocks = kv_prompts * seq_blocks
+    common = common_args(kv_blocks, prompt_len + output_len, num_requests, max_num_batched_tokens)
+    specs = [ServerSpec("stock")] + [
+        ServerSpec(f"kvevict-{r:g}", policy, max(1, round(r * prompt_len))) for r in budget_ratios
+    ]
+    prompts = random_prompts(num_requests, prompt_len)
+    bar = None
+    if progress:
+        from tqdm import tqdm
 
-        args.model = str(smollm2_path())
-    seq_blocks = -(-(args.prompt_len + args.output_len) // BLOCK)
-    blocks = args.kv_prompts * seq_blocks + 1  # + vLLM's null block
-    budget = max(1, round(args.budget_ratio * args.prompt_len))
-    common = ["--dtype", "float32", "--block-size", str(BLOCK), "--enforce-eager", "--kv-cache-memory-bytes", "4G",
-              "--num-gpu-blocks-override", str(blocks), "--max-model-len", str(args.prompt_len + args.output_len + 64),
-              "--max-num-seqs", str(args.num_requests), "--max-num-batched-tokens", str(args.max_num_batched_tokens)]
-    configs = {
-        "stock": common,
-        "kvevict": ["--attention-backend", "kvevict", *common,
-                    "--additional-config", json.dumps({"kvevict": {"policy": args.policy, "budget": budget}})],
-    }
-    rng = random.Random(0)
-    prompts = [[rng.randrange(100, 40000) for _ in range(args.prompt_len)] for _ in range(args.num_requests)]
+        bar = tqdm(total=num_requests * len(specs), desc="throughput", unit="req")
     results = {}
-    for name, srv_args in configs.items():
-        log = Path(args.log_dir) / f"throughput-{name}.log"
-        with VLLMServer(args.model, srv_args, log_path=log, env={"KVEVICT_CONFIG": ""}) as srv:
-            results[name] = run_workload(srv, prompts, args.output_len)
-        print(f"{name}: {results[name]}", file=sys.stderr, flush=True)
-    s, k = results["stock"], results["kvevict"]
-    ratio = {"output_tok_per_s": k["output_tok_per_s"] / s["output_tok_per_s"], "wall_s": k["wall_s"] / s["wall_s"]}
-    report = {"args": vars(args), "kv_blocks": blocks, "budget": budget, "results": results, "kvevict_over_stock": ratio}
-    print(f"{'':<10}{'wall s':>9}{'out tok/s':>11}{'req/s':>8}{'peak running':>14}")
-    for name, r in results.items():
-        print(f"{name:<10}{r['wall_s']:>9.1f}{r['output_tok_per_s']:>11.1f}{r['req_per_s']:>8.3f}{r['peak_running']:>14.0f}")
-    print(f"kvevict/stock: output tokens/s x{ratio['output_tok_per_s']:.2f}, wall time x{ratio['wall_s']:.2f}")
-    Path(args.out).write_text(json.dumps(report, indent=1))
-    return 0
+    for spec in specs:
+        with serve(model, spec, common, log_dir) as srv:
+            results[spec.name] = run_workload(srv, prompts, output_len, bar) | {
+                "policy": spec.policy, "budget": spec.budget,
+                "budget_ratio": None if spec.budget is None else spec.budget / prompt_len,
+            }
+    if bar is not None:
+        bar.close()
+    stock = results["stock"]
+    ratios = {
+        name: {"output_tok_per_s": r["output_tok_per_s"] / stock["output_tok_per_s"],
+               "req_per_s": r["req_per_s"] / stock["req_per_s"],
+               "peak_running": r["peak_running"] / max(stock["peak_running"], 1e-9)}
+        for name, r in results.items() if name != "stock"
+    }
+    return {"model": model, "num_requests": num_requests, "prompt_len": prompt_len, "output_len": output_len,
+            "kv_prompts": kv_prompts, "kv_blocks": kv_blocks, "block_size": BLOCK, "policy": policy,
+            "max_num_batched_tokens": max_num_batched_tokens, "results": results, "kvevict_over_stock": ratios}
 
 
-if __name__ == "__main__":
-    sys.exit(main())
+def format_table(report: dict) -> str:
+    lines = [f"{report['num_requests']} requests x {report['prompt_len']} prompt + {report['output_len']} output tokens, "
+             f"KV cache {report['kv_blocks']} blocks of {report['block_size']} (room for {report['kv_prompts']} "
+             f"full sequences), policy {report['policy']}",
+             f"{'server':<16}{'budget':>8}{'wall s':>9}{'out tok/s':>11}{'req/s':>8}{'TTFT med/p90 s':>17}"
+             f"{'TPOT med/p90 ms':>18}{'peak run':>10}{'peak KV':>9}{'x stock':>9}"]
+    for name, r in report["results"].items():
+        ratio = report["kvevict_over_stock"].get(name, {}).get("output_tok_per_s")
+        lines.append(
+            f"{name:<16}{(r['budget'] or '-'):>8}{r['wall_s']:>9.1f}{r['output_tok_per_s']:>11.2f}{r['req_per_s']:>8.3f}"
+            f"{r['ttft']['median_s']:>9.1f}/{r['ttft']['p90_s']:<7.1f}"
+            f"{r['tpot']['median_s'] * 1e3:>10.0f}/{r['tpot']['p90_s'] * 1e3:<7.0f}"
+            f"{r['peak_running']:>10.0f}{r['peak_kv_usage']:>9.0%}{(f'{ratio:.2f}' if ratio else '-'):>9}"
+        )
+    return "\n".join(lines)
+
+
+def plot(report: dict, path: str) -> None:
+    import matplotlib
+
+    matplotlib.use("Agg")
+    import matplotlib.pyplot as plt
+
+    res = report["results"]
+    stock = res["stock"]
+    ks = [r for n, r in res.items() if n != "stock"]
+    xs = [r["budget_ratio"] for r in ks]
+    fig, (a1, a2) = plt.subplots(1, 2, figsize=(10, 4))
+    a1.plot(xs, [r["output_tok_per_s"] for r in ks], marker="o", label=f"kvevict ({report['policy']})")
+    a1.axhline(stock["output_tok_per_s"], color="black", linestyle="--", label="stock vLLM")
+    a1.set_xlabel("budget / prompt length")
+    a1.set_ylabel("output tokens/s")
+    a1.legend()
+    a2.plot(xs, [r["peak_running"] for r in ks], marker="o", label="kvevict")
+    a2.axhline(stock["peak_running"], color="black", linestyle="--", label="stock vLLM")
+    a2.set_xlabel("budget / prompt length")
+    a2.set_ylabel("peak running requests")
+    a2.legend()
+    fig.suptitle(f"equal KV memory ({report['kv_blocks']} blocks), {report['num_requests']} x "
+                 f"{report['prompt_len']}+{report['output_len']} tokens")
+    fig.tight_layout()
+    fig.savefig(path, dpi=110)
+    plt.close(fig)

@@ -1,0 +1,61 @@
+"""The benchmark CLI's smoke presets, end to end against real servers on the bundled SmolLM2.
+
+Checks the outputs are well formed and the stock/no-eviction references are sane; the eviction
+numbers themselves are reported, not asserted (docs/benchmarks.md). Memory: kvevict's peak stays
+within its window bound while stock vLLM holds the whole sequence.
+"""
+
+from __future__ import annotations
+
+import json
+import subprocess
+import sys
+
+import pytest
+
+pytestmark = [pytest.mark.engine, pytest.mark.smollm2, pytest.mark.timeout(1200)]
+
+
+def _bench(tmp_path, *args: str) -> dict:
+    out = tmp_path / "out"
+    proc = subprocess.run([sys.executable, "-m", "vllm_kvevict.bench", *args, "--preset", "smoke", "--out", str(out)],
+                          capture_output=True, text=True, timeout=1100, cwd=tmp_path)
+    assert proc.returncode == 0, proc.stderr[-3000:]
+    name = args[0]
+    report = json.loads((out / f"{name}.json").read_text())
+    assert (out / f"{name}.png").stat().st_size > 10_000
+    assert report["preset"] == "smoke"
+    print(proc.stdout)
+    return report | {"_stdout": proc.stdout}
+
+
+def test_quality_smoke(smollm2_model, tmp_path):
+    r = _bench(tmp_path, "quality")
+    assert set(r["summary"]) == {"none", "keydiff", "streamingllm"}
+    assert r["summary"]["none"]["-"] >= 0.5, "the no-eviction reference should find the needle"
+    assert all(0.0 <= v <= 1.0 for cfg in r["summary"].values() for v in cfg.values())
+    assert len(r["rows"]) == 2 * (1 + 2)  # 2 prompts x (reference + 2 policies x 1 budget)
+    assert all(900 <= row["prompt_tokens"] <= 1100 for row in r["rows"])
+    assert "none (no eviction)" in r["_stdout"]
+
+
+def test_throughput_smoke(smollm2_model, tmp_path):
+    r = _bench(tmp_path, "throughput")
+    assert set(r["results"]) == {"stock", "kvevict-0.25"}
+    for name, res in r["results"].items():
+        assert res["output_tokens"] == r["num_requests"] * r["output_len"]
+        assert res["output_tok_per_s"] > 0 and res["req_per_s"] > 0
+        assert 0 < res["ttft"]["median_s"] <= res["ttft"]["p90_s"] and res["tpot"]["median_s"] > 0
+        assert 1 <= res["peak_running"] <= r["num_requests"] and 0 < res["peak_kv_usage"] <= 1
+        assert len(res["requests"]) == r["num_requests"]
+    # Stock vLLM, KV for one sequence: one request at a time, and the cache fills up.
+    assert r["results"]["stock"]["peak_running"] == 1 and r["results"]["stock"]["peak_kv_usage"] > 0.9
+    assert r["kvevict_over_stock"]["kvevict-0.25"]["output_tok_per_s"] > 0
+
+
+def test_memory_smoke(smollm2_model, tmp_path):
+    r = _bench(tmp_path, "memory")
+    stock, kv = r["series"]["stock"], r["series"]["kvevict"]
+    assert len(stock["points"]) > 10 and len(kv["points"]) > 10
+    assert stock["peak_blocks"] >= r["sequence_blocks"] - 1
+    assert 0 < kv["peak_blocks"] <= r["window_bound_blocks"]

@@ -1,0 +1,165 @@
+"""``kvevict-bench`` (also ``python -m vllm_kvevict.bench``): quality, throughput and memory.
+
+    kvevict-bench quality --preset smoke            # retrieval accuracy per policy and budget
+    kvevict-bench throughput --preset smoke         # stock vLLM vs kvevict at equal KV memory
+    kvevict-bench memory --preset smoke             # KV blocks over time for one long request
+
+Each subcommand prints a table and writes ``<out>/<name>.json`` and ``<out>/<name>.png``. A preset
+(``smoke``: a few minutes on a 2-core CPU; ``full``: the numbers in docs/benchmarks.md) fills every
+option the command line leaves unset. Without ``--base-url`` (quality) the benchmarks start vLLM
+themselves on ``--model`` (default: the bundled SmolLM2-135M-Instruct).
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import sys
+from pathlib import Path
+
+ALL_POLICIES = ("keydiff,streamingllm,snapkv,tova,h2o,knorm,random,criticalkv,kvmerger,lshe,caote,caote:base=tova,"
+                "caote:base=snapkv,fastcaote,fastcaote:base=tova,fastcaote:base=snapkv")
+
+PRESETS = {
+    "quality": {
+        "smoke": {"configs": "keydiff,streamingllm", "budget_ratios": "0.25", "tasks": "niah_single",
+                  "length": 1000, "depths": 2, "seeds": "1"},
+        "full": {"configs": ALL_POLICIES, "budget_ratios": "0.1,0.25", "tasks": "niah_single,niah_multikey",
+                 "length": 2000, "depths": 4, "seeds": "1"},
+    },
+    "throughput": {
+        "smoke": {"num_requests": 4, "prompt_len": 512, "output_len": 32, "kv_prompts": 1, "budget_ratios": "0.25",
+                  "policy": "keydiff", "max_num_batched_tokens": 256},
+        "full": {"num_requests": 16, "prompt_len": 2000, "output_len": 128, "kv_prompts": 4,
+                 "budget_ratios": "0.25,0.5", "policy": "keydiff", "max_num_batched_tokens": 512},
+    },
+    "memory": {
+        "smoke": {"prompt_len": 1024, "output_len": 64, "budget": 256, "policy": "keydiff", "chunk": 256},
+        "full": {"prompt_len": 4000, "output_len": 256, "budget": 512, "policy": "keydiff", "chunk": 256},
+    },
+}
+
+
+def _model_path(args) -> str:
+    if args.model:
+        return args.model
+    from vllm_kvevict.testing.models import smollm2_path
+
+    return str(smollm2_path())
+
+
+def _fill(args, command: str) -> None:
+    for k, v in PRESETS[command][args.preset].items():
+        if getattr(args, k) is None:
+            setattr(args, k, v)
+
+
+def _floats(s: str) -> list[float]:
+    return [float(x) for x in str(s).split(",")]
+
+
+def _write(out_dir: Path, name: str, report: dict, plot) -> None:
+    out_dir.mkdir(parents=True, exist_ok=True)
+    (out_dir / f"{name}.json").write_text(json.dumps(report, indent=1))
+    plot(report, str(out_dir / f"{name}.png"))
+    print(f"wrote {out_dir / (name + '.json')} and {out_dir / (name + '.png')}", file=sys.stderr)
+
+
+def cmd_quality(args) -> int:
+    from transformers import AutoTokenizer
+
+    from vllm_kvevict.bench import quality
+
+    _fill(args, "quality")
+    configs = [c.replace(";", ",") for c in args.configs.split(",")]
+    ns = argparse.Namespace(base_url=args.base_url, model=args.served_model_name, tokenizer=args.tokenizer,
+                            model_path=args.model, server_args=args.server_args)
+    if not args.base_url and not args.model:
+        ns.model_path = _model_path(args)
+    with quality.serve_or_connect(ns) as (base_url, model, tok):
+        report = quality.run_quality(
+            base_url, model, AutoTokenizer.from_pretrained(tok), configs, _floats(args.budget_ratios), args.length,
+            args.depths, [int(s) for s in str(args.seeds).split(",")], args.tasks.split(","),
+            concurrency=args.concurrency, progress=True,
+        )
+    report["preset"] = args.preset
+    print(quality.format_table(report))
+    _write(Path(args.out), "quality", report, quality.plot)
+    return 0
+
+
+def cmd_throughput(args) -> int:
+    from vllm_kvevict.bench import throughput
+
+    _fill(args, "throughput")
+    report = throughput.run_throughput(
+        _model_path(args), args.num_requests, args.prompt_len, args.output_len, args.kv_prompts,
+        _floats(args.budget_ratios), args.policy, args.max_num_batched_tokens, args.out, progress=True,
+    )
+    report["preset"] = args.preset
+    print(throughput.format_table(report))
+    _write(Path(args.out), "throughput", report, throughput.plot)
+    return 0
+
+
+def cmd_memory(args) -> int:
+    from vllm_kvevict.bench import memory
+
+    _fill(args, "memory")
+    report = memory.run_memory(
+        _model_path(args), args.prompt_len, args.output_len, args.budget, args.policy, args.chunk, args.out,
+        progress=True,
+    )
+    report["preset"] = args.preset
+    print(memory.format_table(report))
+    _write(Path(args.out), "memory", report, memory.plot)
+    return 0
+
+
+def build_parser() -> argparse.ArgumentParser:
+    ap = argparse.ArgumentParser(prog="kvevict-bench", description=__doc__.split("\n\n")[0],
+                                 formatter_class=argparse.RawDescriptionHelpFormatter)
+    sub = ap.add_subparsers(dest="command", required=True)
+
+    def common(p):
+        p.add_argument("--preset", choices=("smoke", "full"), default="smoke")
+        p.add_argument("--model", default=None, help="model directory to serve (default: bundled SmolLM2)")
+        p.add_argument("--out", default="bench-results", help="directory for the JSON and PNG")
+
+    q = sub.add_parser("quality", help="retrieval accuracy per policy and budget vs. no eviction")
+    common(q)
+    q.add_argument("--base-url", default=None, help="an already running server (else vLLM is started)")
+    q.add_argument("--served-model-name", default="model")
+    q.add_argument("--tokenizer", default=None, help="tokenizer path (default: --model)")
+    q.add_argument("--server-args", default="", help="extra vllm serve arguments when starting it")
+    q.add_argument("--configs", default=None, help="policy[:k=v;k=v],... (';' between a spec's parameters)")
+    q.add_argument("--budget-ratios", default=None)
+    q.add_argument("--tasks", default=None)
+    q.add_argument("--length", type=int, default=None)
+    q.add_argument("--depths", type=int, default=None)
+    q.add_argument("--seeds", default=None)
+    q.add_argument("--concurrency", type=int, default=2)
+    q.set_defaults(func=cmd_quality)
+
+    t = sub.add_parser("throughput", help="stock vLLM vs kvevict at equal KV memory")
+    common(t)
+    for name, typ in (("num-requests", int), ("prompt-len", int), ("output-len", int), ("kv-prompts", int),
+                      ("budget-ratios", str), ("policy", str), ("max-num-batched-tokens", int)):
+        t.add_argument(f"--{name}", type=typ, default=None)
+    t.set_defaults(func=cmd_throughput)
+
+    m = sub.add_parser("memory", help="KV blocks over time for one long request, stock vs kvevict")
+    common(m)
+    for name, typ in (("prompt-len", int), ("output-len", int), ("budget", int), ("policy", str), ("chunk", int)):
+        m.add_argument(f"--{name}", type=typ, default=None)
+    m.set_defaults(func=cmd_memory)
+    return ap
+
+
+def main(argv: list[str] | None = None) -> int:
+    args = build_parser().parse_args(argv)
+    return args.func(args)
+
+
+if __name__ == "__main__":
+    sys.exit(main())
