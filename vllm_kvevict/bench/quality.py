@@ -142,18 +142,22 @@ def plot(result: dict, path: str) -> None:
     matplotlib.use("Agg")
     import matplotlib.pyplot as plt
 
-    fig, ax = plt.subplots(figsize=(8, 5))
+    fig, ax = plt.subplots(figsize=(9, 5.5))
     xs = result["budget_ratios"]
-    for name, accs in result["summary"].items():
-        if name == REFERENCE:
-            ax.axhline(accs["-"], color="black", linestyle="--", label="no eviction")
-            continue
-        ax.plot(xs, [accs[f"{x:g}"] for x in xs], marker="o", label=name)
+    colors = plt.get_cmap("tab20").colors
+    styles = ["-", "--", ":", "-."]
+    names = [n for n in result["summary"] if n != REFERENCE]
+    ax.axhline(result["summary"][REFERENCE]["-"], color="black", linewidth=2, label="no eviction")
+    for i, name in enumerate(names):
+        accs = result["summary"][name]
+        jitter = (i - len(names) / 2) * 0.002  # equal scores stay distinguishable
+        ax.plot([x + jitter for x in xs], [accs[f"{x:g}"] for x in xs], marker="os^vD"[i % 5],
+                linestyle=styles[i % 4], color=colors[i % 20], label=name)
     ax.set_xlabel("kept fraction of the prompt (budget / prompt tokens)")
     ax.set_ylabel("accuracy")
     ax.set_title(f"{', '.join(result['tasks'])} (~{result['length']} tokens)")
     ax.set_ylim(-0.05, 1.05)
-    ax.legend(fontsize=7, ncol=2)
+    ax.legend(fontsize=7, ncol=2, loc="center left", bbox_to_anchor=(1.0, 0.5))
     fig.tight_layout()
     fig.savefig(path, dpi=110)
     plt.close(fig)
@@ -181,7 +185,7 @@ def serve_or_connect(args):
     srv_args = ["--attention-backend", "kvevict", *CPU_SERVE_ARGS, *extra, "--additional-config", json.dumps(cfg)]
     log = tempfile.NamedTemporaryFile(prefix="kvevict-bench-", suffix=".log", delete=False).name
     print(f"starting vLLM on {path} (log: {log})", file=sys.stderr)
-    with VLLMServer(path, srv_args, log_path=log, served_model_name=args.model) as srv:
+    with VLLMServer(path, srv_args, log_path=log, served_model_name=args.model, startup_timeout=900) as srv:
         yield srv.base_url, srv.served_model_name, args.tokenizer or path
 
 

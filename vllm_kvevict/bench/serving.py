@@ -60,7 +60,7 @@ def common_args(kv_blocks: int, max_model_len: int, max_num_seqs: int, max_num_b
 def serve(model: str, spec: ServerSpec, common: list[str], log_dir: str | Path):
     log = Path(log_dir) / f"server-{spec.name}.log"
     # KVEVICT_CONFIG="" so that a user's environment cannot turn the stock server into a kvevict one.
-    with VLLMServer(model, spec.args(common), log_path=log, env={"KVEVICT_CONFIG": ""}) as srv:
+    with VLLMServer(model, spec.args(common), log_path=log, env={"KVEVICT_CONFIG": ""}, startup_timeout=900) as srv:
         yield srv
 
 
