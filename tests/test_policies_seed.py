@@ -14,7 +14,16 @@ from hypothesis import strategies as st
 from vllm_kvevict.policies import POLICIES, KVView, get_policy
 from vllm_kvevict.policies.lshe import _projection
 
-INF = float("inf")
+from tests.policy_reference import (
+    INF,
+    assert_scores,
+    attn_row,
+    build,
+    compacted_pos,
+    fresh_state,
+    make_policy,
+    ref_pool,
+)
 
 
 # ---------------------------------------------------------------------------------------------
@@ -22,59 +31,9 @@ INF = float("inf")
 # ---------------------------------------------------------------------------------------------
 
 
-def make_policy(name, **kw):
-    return get_policy(name, POLICIES[name].Params(**kw))
-
-
-def fresh_state(policy, H, n):
-    return {k: torch.full((H, n), init, dtype=dt) for k, (dt, init) in policy.slot_state.items()}
-
-
-def compacted_pos(H, n, L, tail, seed):
-    g = torch.Generator().manual_seed(seed + 991)
-    rows = []
-    for _ in range(H):
-        older = torch.randperm(L - tail, generator=g)[: n - tail].sort().values
-        rows.append(torch.cat([older, torch.arange(L - tail, L)]))
-    return torch.stack(rows)
-
-
-def build(policy, *, H=2, G=2, n=24, d=8, D=12, L=None, pos=None, m=None, w=None, seed=0, budget=None,
-          layer=0):
-    """A view with every input explicit; ``Qall [H*G, L, d]`` holds one query per position."""
-    g = torch.Generator().manual_seed(seed)
-    L = n if L is None else L
-    K = torch.randn(H, n, d, generator=g)
-    V = torch.randn(H, n, d, generator=g)
-    Qall = torch.randn(H * G, L, d, generator=g)
-    W_O = torch.randn(H * G, d, D, generator=g) / math.sqrt(d)
-    if pos is None:
-        assert L == n
-        pos = torch.arange(n).expand(H, n).clone()
-    m = n if m is None else m
-    w = policy.query_window if w is None else w
-    view = KVView(
-        K=K, V=V, pos=pos, layer=layer, G=G, L=L,
-        Q=Qall[:, L - m:].clone(), q_pos=torch.arange(L - m, L),
-        Q_window=Qall[:, L - w:].clone() if w else None, w_pos=torch.arange(L - w, L) if w else None,
-        W_O=W_O, budget=budget if budget is not None else n, state=fresh_state(policy, H, n),
-    )
-    return view, Qall
-
-
 # ---------------------------------------------------------------------------------------------
 # Independent reference math (float64, explicit loops)
 # ---------------------------------------------------------------------------------------------
-
-
-def attn_row(q, Kh, posh, p, scale):
-    n = Kh.shape[0]
-    logits = [float((q.double() * Kh[j].double()).sum()) * scale for j in range(n)]
-    visible = [j for j in range(n) if int(posh[j]) <= p]
-    mx = max(logits[j] for j in visible)
-    e = [math.exp(logits[j] - mx) if j in visible else 0.0 for j in range(n)]
-    tot = sum(e)
-    return torch.tensor([x / tot for x in e], dtype=torch.float64)
 
 
 def ref_attention_sum(view, Qall, qpositions):
@@ -88,15 +47,6 @@ def ref_attention_sum(view, Qall, qpositions):
             for p in qpositions:
                 out[h] += attn_row(Qall[h * view.G + g, p], view.K[h], view.pos[h], p, scale) / view.G
     return out
-
-
-def ref_pool(x, kernel, mode):
-    n, r = len(x), kernel // 2
-    out = []
-    for i in range(n):
-        vals = [float(x[j]) for j in range(i - r, i + r + 1) if 0 <= j < n]
-        out.append(sum(vals) / kernel if mode == "avg" else max(vals))
-    return torch.tensor(out, dtype=torch.float64)
 
 
 def ref_snapkv(view, Qall, window, kernel, pooling):
@@ -120,20 +70,6 @@ def ref_snapkv(view, Qall, window, kernel, pooling):
 def top_by(scores, pos, candidates, k):
     """The k best of ``candidates`` by (score desc, position desc)."""
     return sorted(candidates, key=lambda j: (-float(scores[j]), -int(pos[j])))[:k]
-
-
-def ref_keep(scores, pos, keep):
-    out = []
-    for h in range(scores.shape[0]):
-        out.append(sorted(top_by(scores[h], pos[h], range(scores.shape[1]), keep)))
-    return torch.tensor(out)
-
-
-def assert_scores(actual, expected, atol=1e-5, rtol=1e-5):
-    inf_a, inf_e = torch.isinf(actual), torch.isinf(expected)
-    assert torch.equal(inf_a, inf_e)
-    assert (actual[inf_a] > 0).all()
-    torch.testing.assert_close(actual[~inf_a].double(), expected[~inf_e].double(), atol=atol, rtol=rtol)
 
 
 # ---------------------------------------------------------------------------------------------
