@@ -73,6 +73,7 @@ def test_prompt_longer_than_whole_cache_runs_within_bound(server, hf_model):
     assert peak <= BOUND and pool_peak <= BOUND  # one running request: the whole pool stayed in the bound
     assert freed == (len(prompt) + 39 - BUDGET) // BS  # every evicted block went back to the pool
     assert free == POOL
+    assert re.search(rf"request {out['id']}\S* released: .*; policy keydiff, budget {BUDGET}\n", server.log())
     check_against_reference(hf_model, out, load_attempts(server.dump_dir))
 
 

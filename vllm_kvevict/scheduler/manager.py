@@ -103,11 +103,12 @@ class KVEvictManager(FullAttentionManager):
         super().free(request_id)
         if st is not None and st[0]:
             pool = self.block_pool
+            cfg = request_config(self.kv_cache_spec.config, REQUEST_OVERRIDES.get(request_id) or None)
             logger.info(
                 "kvevict: request %s released: %d blocks freed by eviction, peak %d blocks held "
-                "(window bound %s); pool %d/%d blocks free, peak %d used",
+                "(window bound %s); pool %d/%d blocks free, peak %d used; policy %s, budget %d",
                 request_id, st[0], st[1], self.max_admission_blocks_per_request, pool.get_num_free_blocks(),
-                pool.num_gpu_blocks - 1, self.pool_peak_used,
+                pool.num_gpu_blocks - 1, self.pool_peak_used, cfg.policy, cfg.budget,
             )
 
     def window_for(self, request_id: str) -> WindowConfig:
