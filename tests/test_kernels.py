@@ -7,7 +7,7 @@ import torch
 
 from vllm_kvevict.backends.step import StepPlan, shift_block_table
 from vllm_kvevict.kernels import cpu_cache, flash_cache
-from vllm_kvevict.kernels.compact import compact_step
+from vllm_kvevict.kernels.compact import RowWork, evict_step
 from vllm_kvevict.policies import get_policy
 
 
@@ -64,9 +64,10 @@ def test_compact_step_keeps_policy_choice_right_aligned():
                     slot_mapping=torch.tensor([]), positions=torch.tensor([]), req_ids=["a", "b"], configs=[],
                     query_start_loc=[0, 0, 0])
     pol = get_policy("keydiff")
-    kept = compact_step(
-        plan, plan.compact_rows, [pol, pol], bs, gather=lambda b, o: flash_cache.gather_tokens(cache, b, o),
-        write=lambda s, K, V: flash_cache.write_tokens(cache, s, K, V), slot_pos=slot_pos,
+    kept = evict_step(
+        plan, [RowWork(r, pol, True, {}) for r in plan.compact_rows], bs,
+        gather=lambda b, o: flash_cache.gather_tokens(cache, b, o),
+        write=lambda s, K, V: flash_cache.write_tokens(cache, s, K, V), slot_pos=slot_pos, slot_state={},
     )
     for r, (K, V) in enumerate(truth):
         lo, L = plan.e_prev[r], lens[r]

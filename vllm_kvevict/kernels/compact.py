@@ -53,7 +53,6 @@ def evict_step(
     K_all, V_all = gather(blocks, offs)  # [N, H, D], one batched read for every row
     pos_all = slot_pos[slots_all]  # [N, H]
     out_slots, out_K, out_V, out_pos, out_state = [], [], [], [], {k: [] for k in slot_state}
-    kept_pos = []
     start = 0
     for w, (_, o) in zip(work, src, strict=True):
         r, n = w.row, o.numel()
@@ -83,7 +82,6 @@ def evict_step(
             out_K.append(merged[0].transpose(0, 1).to(K.dtype))
             out_V.append(merged[1].transpose(0, 1).to(V.dtype))
         out_pos.append(pos[idx, h])
-        kept_pos.append(out_pos[-1])
         for k in slot_state:  # every state tensor moves, whichever policy owns the row
             s = view.state[k].transpose(0, 1) if k in view.state else slot_state[k][slots_all[sl]]
             out_state[k].append(s[idx, h].to(slot_state[k].dtype))
@@ -95,13 +93,5 @@ def evict_step(
         slot_pos[slots] = torch.cat(out_pos)
         for k, parts in out_state.items():
             slot_state[k][slots] = torch.cat(parts)
-    return kept_pos
+    return out_pos
 
-
-def compact_step(
-    plan, rows: list[int], policies: list[Policy], block_size: int, gather: Gather, write: Write,
-    slot_pos: torch.Tensor, layer: int = 0, G: int = 1,
-) -> list[torch.Tensor]:
-    """Compact ``rows`` with attention-free policies (keys/values/positions only)."""
-    work = [RowWork(r, p, True, {}) for r, p in zip(rows, policies, strict=True)]
-    return evict_step(plan, work, block_size, gather, write, slot_pos, {}, layer, G)

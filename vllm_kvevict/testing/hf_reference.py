@@ -77,6 +77,14 @@ def replay_attempts(
     return torch.cat(rows)
 
 
+def cache_indices(cache_pos: torch.Tensor, kept: torch.Tensor, layer: int, L: int) -> torch.Tensor:
+    """``[H, R]`` indices into the reference cache of the kept positions ``kept [H, R]``."""
+    idx = torch.stack([torch.nonzero(cache_pos[h][None, :] == kept[h][:, None])[:, 1] for h in range(kept.shape[0])])
+    if idx.shape != kept.shape:
+        raise AssertionError(f"layer {layer}: kept positions not all in the reference cache at L={L}")
+    return idx
+
+
 class PolicyCheck:
     """Recomputes, from the reference's own tensors, what a policy keeps at each compaction.
 
@@ -152,9 +160,7 @@ class PolicyCheck:
         keep = kept_engine.shape[1]
         kept_ref, merged = self.policy.evict(view, keep)
         ref_pos = torch.gather(pos, 1, kept_ref)
-        idx = torch.stack([torch.nonzero(pos[h][None, :] == kept_engine[h][:, None])[:, 1] for h in range(pos.shape[0])])
-        if idx.shape != kept_engine.shape:
-            raise AssertionError(f"layer {i}: kept positions not all in the reference cache at L={L}")
+        idx = cache_indices(pos, kept_engine, i, L)
         self.compared += 1
         if not torch.equal(ref_pos, kept_engine):
             self._accept_near_tie(view, idx, keep, i, L, ref_pos, kept_engine, merged is not None)
@@ -217,12 +223,7 @@ def replay(model, token_ids: list[int], events: Events, check: PolicyCheck | Non
                 if check is not None:
                     idx, merged = check.at_event(i, layer, cache_pos[i], end, seg_pos, kept_t)
                 else:
-                    idx = torch.stack([
-                        torch.nonzero(cache_pos[i][h][None, :] == kept_t[h][:, None])[:, 1]
-                        for h in range(kept_t.shape[0])
-                    ])
-                    if idx.shape != kept_t.shape:
-                        raise AssertionError(f"layer {i}: kept positions not all in the reference cache at L={end}")
+                    idx = cache_indices(cache_pos[i], kept_t, i, end)
                 gidx = idx[None, :, :, None].expand(1, -1, -1, layer.keys.shape[-1])
                 if merged is not None:
                     layer.keys, layer.values = merged[0].to(layer.keys.dtype), merged[1].to(layer.values.dtype)
