@@ -7,9 +7,11 @@ eviction off (per-request ``kvevict_enabled: false``) as the reference.
         --tasks niah_single,niah_multikey --length 2000 --depths 4 --seeds 1
 
 A configuration is ``policy`` or ``policy:key=value,key=value`` (the policy's parameters, sent as
-``kvevict_params``). Budgets are ratios of each prompt's token count (chat template included),
-sent per request (``kvevict_budget``), so one server measures every configuration. Prints a
-table, writes JSON and, with ``--plot``, a PNG of accuracy versus kept fraction.
+``kvevict_params``). Budgets are ratios of each prompt's token count (chat template included,
+``--budget-ratios``) or absolute token counts (``--budgets``), sent per request
+(``kvevict_budget``), so one server measures every configuration; tasks
+(``vllm_kvevict/bench/tasks.py``) at one or more prompt lengths (``--lengths``). Prints a table,
+writes JSON and, with ``--plot``, a PNG of score versus kept fraction.
 """
 
 from __future__ import annotations
@@ -47,38 +49,54 @@ def _prompt_tokens(tokenizer, task: Task) -> int:
     return len(tokenizer(text, add_special_tokens=False)["input_ids"])
 
 
+def budget_keys(budget_ratios: list[float], budgets: list[int]) -> list[str]:
+    """Column keys: ``"0.25"`` (a ratio of each prompt's tokens) or ``"512tok"`` (absolute tokens)."""
+    return [f"{r:g}" for r in budget_ratios] + [f"{b}tok" for b in budgets]
+
+
+def _budget(key: str, prompt_tokens: int) -> int:
+    return int(key[:-3]) if key.endswith("tok") else max(1, round(float(key) * prompt_tokens))
+
+
 def run_quality(
-    base_url: str, model: str, tokenizer, configs: list[str], budget_ratios: list[float], length: int,
-    n_depths: int, seeds: list[int], tasks: list[str] = ("niah_single",), max_tokens: int = 32,
-    concurrency: int = 2, progress: bool = False,
+    base_url: str, model: str, tokenizer, configs: list[str], budget_ratios: list[float], length: int | list[int],
+    n_depths: int, seeds: list[int], tasks: list[str] = ("niah_single",), concurrency: int = 2,
+    progress: bool = False, budgets: list[int] = (),
 ) -> dict:
+    """Every task x length x depth x seed, with eviction off and under every config x budget (ratios of
+    the prompt, ``budget_ratios``, and absolute token counts, ``budgets``)."""
     from openai import OpenAI
 
+    lengths = [length] if isinstance(length, int) else list(length)
+    keys = budget_keys(budget_ratios, budgets)
     client = OpenAI(base_url=base_url.rstrip("/") + "/v1", api_key="unused", max_retries=0, timeout=3600)
-    items = [TASKS[t](tokenizer, length, d, s) for t in tasks for d in depths(n_depths) for s in seeds]
+    items = [(ln, TASKS[t](tokenizer, ln, d, s)) for t in tasks for ln in lengths for d in depths(n_depths)
+             for s in seeds]
     jobs = []
-    for task in items:
+    for ln, task in items:
         n = _prompt_tokens(tokenizer, task)
-        jobs.append((task, REFERENCE, None, {"kvevict_enabled": False}, n))
+        jobs.append((task, ln, REFERENCE, "-", {"kvevict_enabled": False}, n))
         for spec in configs:
             policy, params = parse_spec(spec)
-            for ratio in budget_ratios:
-                xargs = {"kvevict_policy": policy, "kvevict_budget": max(1, round(ratio * n))}
+            for key in keys:
+                xargs = {"kvevict_policy": policy, "kvevict_budget": _budget(key, n)}
                 if params:
                     xargs["kvevict_params"] = json.dumps(params)
-                jobs.append((task, spec, ratio, xargs, n))
+                jobs.append((task, ln, spec, key, xargs, n))
 
     def run(job):
-        task, name, ratio, xargs, n = job
+        task, ln, name, key, xargs, n = job
         t0 = time.perf_counter()
         r = client.chat.completions.create(
-            model=model, messages=[{"role": "user", "content": task.prompt}], max_tokens=max_tokens,
+            model=model, messages=[{"role": "user", "content": task.prompt}], max_tokens=task.max_tokens,
             temperature=0, extra_body={"vllm_xargs": xargs},
         )
         out = r.choices[0].message.content or ""
-        return {"task": task.name, "config": name, "budget_ratio": ratio, "xargs": xargs, "prompt_tokens": n,
-                "depth": task.depth, "seed": task.seed, "answer": task.answer, "output": out,
-                "score": task.score(out), "latency_s": round(time.perf_counter() - t0, 3)}
+        return {"task": task.name, "length": ln, "config": name, "budget_key": key,
+                "budget_ratio": None if key == "-" or key.endswith("tok") else float(key),
+                "budget": xargs.get("kvevict_budget"), "xargs": xargs, "prompt_tokens": n, "depth": task.depth,
+                "seed": task.seed, "answer": task.answer, "output": out, "score": task.score(out),
+                "latency_s": round(time.perf_counter() - t0, 3)}
 
     with ThreadPoolExecutor(concurrency) as pool:
         it = pool.map(run, jobs)
@@ -87,52 +105,68 @@ def run_quality(
 
             it = tqdm(it, total=len(jobs), desc="quality", unit="req")
         rows = list(it)
-    return summarize(rows, configs, budget_ratios, tasks, length, n_depths, seeds, items)
+    return summarize(rows, configs, keys, tasks, lengths, n_depths, seeds, [t for _, t in items]) | {
+        "budget_ratios": list(budget_ratios), "budgets": list(budgets)}
 
 
-def summarize(rows, configs, budget_ratios, tasks, length, n_depths, seeds, items) -> dict:
+def summarize(rows, configs, keys, tasks, lengths, n_depths, seeds, items) -> dict:
     def mean(xs):
         return sum(xs) / len(xs) if xs else None
 
-    summary: dict[str, dict[str, float | None]] = {}  # config -> {"ratio" or "-": accuracy over tasks}
+    summary: dict[str, dict[str, float | None]] = {}  # config -> {budget key or "-": score over tasks}
+    kept_fraction: dict[str, dict[str, float]] = {}  # config -> {budget key: mean budget / prompt tokens}
     per_task: dict[str, dict[str, dict[str, float | None]]] = {}
+    per_length: dict[str, dict[str, dict[str, float | None]]] = {}
     for name in [REFERENCE, *configs]:
-        for ratio in [None] if name == REFERENCE else budget_ratios:
-            key = "-" if ratio is None else f"{ratio:g}"
-            sel = [r for r in rows if r["config"] == name and r["budget_ratio"] == ratio]
+        for key in ["-"] if name == REFERENCE else keys:
+            sel = [r for r in rows if r["config"] == name and r["budget_key"] == key]
             summary.setdefault(name, {})[key] = mean([r["score"] for r in sel])
+            if key != "-":
+                kept_fraction.setdefault(name, {})[key] = mean([min(1.0, r["budget"] / r["prompt_tokens"]) for r in sel])
             for t in tasks:
-                per_task.setdefault(t, {}).setdefault(name, {})[key] = mean(
-                    [r["score"] for r in sel if r["task"] == t]
+                per_task.setdefault(t, {}).setdefault(name, {})[key] = mean([r["score"] for r in sel if r["task"] == t])
+            for ln in lengths:
+                per_length.setdefault(str(ln), {}).setdefault(name, {})[key] = mean(
+                    [r["score"] for r in sel if r["length"] == ln]
                 )
     return {
-        "tasks": list(tasks), "length": length, "budget_ratios": list(budget_ratios), "depths": depths(n_depths),
-        "seeds": list(seeds), "summary": summary, "per_task": per_task, "rows": rows,
-        "items": [asdict(t) | {"prompt": None} for t in items],
+        "tasks": list(tasks), "lengths": list(lengths), "budget_keys": list(keys), "depths": depths(n_depths),
+        "seeds": list(seeds), "summary": summary, "kept_fraction": kept_fraction, "per_task": per_task,
+        "per_length": per_length, "rows": rows, "items": [asdict(t) | {"prompt": None} for t in items],
     }
 
 
+def _label(key: str) -> str:
+    return f"{key[:-3]} tokens" if key.endswith("tok") else f"kept {key}"
+
+
 def format_table(result: dict) -> str:
-    ratios = [f"{r:g}" for r in result["budget_ratios"]]
-    tasks = result["tasks"]
-    n = len(result["depths"]) * len(result["seeds"])
-    lines = [f"{', '.join(tasks)}: ~{result['length']} tokens, {n} prompts per task; accuracy "
-             f"(mean over tasks; per task in brackets) at budget = ratio x prompt tokens"]
-    head = f"{'config':<26}" + "".join(f"{'kept ' + r:>22}" for r in ratios)
-    lines.append(head)
+    keys = result["budget_keys"]
+    tasks, lengths = result["tasks"], result["lengths"]
+    n = len(result["depths"]) * len(result["seeds"]) * len(lengths)
+    w = max(22, 5 * len(tasks) + 9)
+    lines = [f"~{', '.join(map(str, lengths))} tokens, {n} prompts per task; score (mean over tasks; per task "
+             f"in brackets: {', '.join(tasks)}); kept = budget / prompt tokens"]
+    lines.append(f"{'config':<26}" + "".join(f"{_label(k):>{w}}" for k in keys))
 
     def cell(name, key):
         acc = result["summary"][name].get(key)
         if acc is None:
-            return f"{'-':>22}"
+            return f"{'-':>{w}}"
         parts = "/".join(f"{result['per_task'][t][name][key]:.2f}" for t in tasks)
-        return f"{f'{acc:.2f} ({parts})':>22}"
+        return f"{f'{acc:.2f} ({parts})':>{w}}"
 
-    ref = result["summary"][REFERENCE]["-"]
-    lines.append(f"{'none (no eviction)':<26}" + f"{f'{ref:.2f}':>22}" * len(ratios))
+    lines.append(f"{'none (no eviction)':<26}" + cell(REFERENCE, "-") * len(keys))
     for name in result["summary"]:
         if name != REFERENCE:
-            lines.append(f"{name:<26}" + "".join(cell(name, r) for r in ratios))
+            lines.append(f"{name:<26}" + "".join(cell(name, k) for k in keys))
+    if len(lengths) > 1:
+        lines.append("by prompt length (mean over tasks): " + ", ".join(map(str, lengths)))
+        for name in result["summary"]:
+            for key in result["summary"][name]:
+                vals = [result["per_length"][str(ln)][name][key] for ln in lengths]
+                label = "none (no eviction)" if name == REFERENCE else f"{name} {_label(key)}"
+                lines.append(f"  {label:<40}" + "".join(f"{v:>8.2f}" for v in vals))
     return "\n".join(lines)
 
 
@@ -143,19 +177,18 @@ def plot(result: dict, path: str) -> None:
     import matplotlib.pyplot as plt
 
     fig, ax = plt.subplots(figsize=(9, 5.5))
-    xs = result["budget_ratios"]
     colors = plt.get_cmap("tab20").colors
     styles = ["-", "--", ":", "-."]
     names = [n for n in result["summary"] if n != REFERENCE]
     ax.axhline(result["summary"][REFERENCE]["-"], color="black", linewidth=2, label="no eviction")
     for i, name in enumerate(names):
-        accs = result["summary"][name]
+        pts = sorted((result["kept_fraction"][name][k], v) for k, v in result["summary"][name].items())
         jitter = (i - len(names) / 2) * 0.002  # equal scores stay distinguishable
-        ax.plot([x + jitter for x in xs], [accs[f"{x:g}"] for x in xs], marker="os^vD"[i % 5],
+        ax.plot([x + jitter for x, _ in pts], [y for _, y in pts], marker="os^vD"[i % 5],
                 linestyle=styles[i % 4], color=colors[i % 20], label=name)
     ax.set_xlabel("kept fraction of the prompt (budget / prompt tokens)")
-    ax.set_ylabel("accuracy")
-    ax.set_title(f"{', '.join(result['tasks'])} (~{result['length']} tokens)")
+    ax.set_ylabel("score")
+    ax.set_title(f"{', '.join(result['tasks'])} (~{'/'.join(map(str, result['lengths']))} tokens)", fontsize=8)
     ax.set_ylim(-0.05, 1.05)
     ax.legend(fontsize=7, ncol=2, loc="center left", bbox_to_anchor=(1.0, 0.5))
     fig.tight_layout()
@@ -197,9 +230,10 @@ def main(argv: list[str] | None = None) -> int:
     ap.add_argument("--model-path", help="model to serve (default: the bundled SmolLM2)")
     ap.add_argument("--server-args", default="", help="extra vllm serve arguments when starting it")
     ap.add_argument("--configs", default="keydiff,streamingllm", help="comma-separated policy[:k=v;...] specs")
-    ap.add_argument("--budget-ratios", default="0.25")
+    ap.add_argument("--budget-ratios", default="0.25", help="budgets as ratios of each prompt's tokens")
+    ap.add_argument("--budgets", default="", help="absolute budgets in tokens, comma-separated")
     ap.add_argument("--tasks", default="niah_single", help=f"comma-separated, of {', '.join(TASKS)}")
-    ap.add_argument("--length", type=int, default=3000)
+    ap.add_argument("--length", "--lengths", dest="length", default="3000", help="prompt tokens, comma-separated")
     ap.add_argument("--depths", type=int, default=5)
     ap.add_argument("--seeds", default="1,2")
     ap.add_argument("--concurrency", type=int, default=2)
@@ -213,9 +247,9 @@ def main(argv: list[str] | None = None) -> int:
     with serve_or_connect(args) as (base_url, model, tokenizer_path):
         result = run_quality(
             base_url, model, AutoTokenizer.from_pretrained(tokenizer_path), configs,
-            [float(r) for r in args.budget_ratios.split(",")], args.length, args.depths,
+            [float(r) for r in args.budget_ratios.split(",") if r], [int(x) for x in str(args.length).split(",")], args.depths,
             [int(s) for s in args.seeds.split(",")], args.tasks.split(","), concurrency=args.concurrency,
-            progress=True,
+            progress=True, budgets=[int(b) for b in args.budgets.split(",") if b],
         )
     print(format_table(result))
     with open(args.out, "w") as f:
