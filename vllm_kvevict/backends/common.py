@@ -20,6 +20,7 @@ import os
 
 import torch
 
+from vllm_kvevict import profiling
 from vllm_kvevict._logging import info_once, logger
 from vllm_kvevict.backends.step import (
     get_step_context,
@@ -112,6 +113,7 @@ class KVEvictBuilderMixin:
         self.kvevict_config = config_from_vllm(vllm_config) if may_evict(vllm_config) else None
         if self.kvevict_config is not None:
             install_runner_hook()
+            profiling.install_profile_hook()  # only with KVEVICT_PROFILE_DIR
 
     def build(self, common_prefix_len, common_attn_metadata, fast_build: bool = False):
         if self.kvevict_config is None:
@@ -120,6 +122,11 @@ class KVEvictBuilderMixin:
         plan = plan_step(common_attn_metadata, self.kvevict_config, self.kvevict_block_size, ctx)
         if DUMP_DIR:
             _dump_starts(plan, ctx)
+        if profiling.PROFILE_DIR:
+            qsl = plan.query_start_loc
+            profiling.note(rows=len(plan.seq_lens), tokens=qsl[-1], compact_rows=len(plan.compact_rows),
+                           max_query=max(b - a for a, b in zip(qsl, qsl[1:])), policies=sorted(
+                               {c.policy for c in plan.configs if c.eviction_active}))
         cm = shifted_metadata(common_attn_metadata, plan, self.kvevict_block_size)
         md = super().build(common_prefix_len, cm, fast_build)
         md.kvevict_plan = plan
@@ -157,10 +164,12 @@ class KVEvictImplMixin:
             self._kvevict_forward_seen = True
             name = getattr(layer, "layer_name", type(layer).__name__)
             info_once(f"kvevict: first forward through {type(self).__name__} ({name})", key="forward")
-        out = super().forward(layer, query, key, value, kv_cache, attn_metadata, *args, **kwargs)
+        with profiling.timed("attn_s", query.device):
+            out = super().forward(layer, query, key, value, kv_cache, attn_metadata, *args, **kwargs)
         plan = getattr(attn_metadata, "kvevict_plan", None)
         if plan is not None:
-            self._kvevict_after_attention(layer, query, kv_cache, plan)
+            with profiling.timed("evict_s", query.device):
+                self._kvevict_after_attention(layer, query, kv_cache, plan)
         return out
 
     def _policy(self, config):

@@ -3,10 +3,12 @@
     kvevict-bench quality --preset smoke            # retrieval accuracy per policy and budget
     kvevict-bench throughput --preset smoke         # stock vLLM vs kvevict at equal KV memory
     kvevict-bench memory --preset smoke             # KV blocks over time for one long request
+    kvevict-bench overhead --preset smoke           # time in eviction per step, per policy
 
 Each subcommand prints a table and writes ``<out>/<name>.json`` and ``<out>/<name>.png``. A preset
-(``smoke``: a few minutes on a 2-core CPU; ``full``: the numbers in docs/benchmarks.md) fills every
-option the command line leaves unset. Without ``--base-url`` (quality) the benchmarks start vLLM
+(``smoke``: a few minutes on a 2-core CPU; ``full``: the numbers in docs/benchmarks.md; for
+``quality`` also ``policies``: every policy, the table of docs/policies.md) fills every option the
+command line leaves unset. Without ``--base-url`` (quality) the benchmarks start vLLM
 themselves on ``--model`` (default: the bundled SmolLM2-135M-Instruct).
 """
 
@@ -17,21 +19,34 @@ import json
 import sys
 from pathlib import Path
 
+ALL_TASKS = "niah_single,niah_multikey,niah_multivalue,niah_multiquery,kv_retrieval,variable_tracking,common_words"
 ALL_POLICIES = ("keydiff,streamingllm,snapkv,tova,h2o,knorm,random,criticalkv,kvmerger,lshe,caote,caote:base=tova,"
                 "caote:base=snapkv,fastcaote,fastcaote:base=tova,fastcaote:base=snapkv")
 
 PRESETS = {
     "quality": {
-        "smoke": {"configs": "keydiff,streamingllm", "budget_ratios": "0.25", "tasks": "niah_single",
-                  "length": 1000, "depths": 2, "seeds": "1"},
-        "full": {"configs": ALL_POLICIES, "budget_ratios": "0.1,0.25", "tasks": "niah_single,niah_multikey",
-                 "length": 2000, "depths": 4, "seeds": "1"},
+        "smoke": {"configs": "keydiff,streamingllm", "budget_ratios": "0.25", "budgets": "", "tasks": "niah_single",
+                  "length": "1000", "depths": 2, "seeds": "1"},
+        "full": {"configs": "keydiff,snapkv,streamingllm,knorm", "budget_ratios": "0.25,0.5", "budgets": "",
+                 "tasks": ALL_TASKS, "length": "1000,2000", "depths": 2, "seeds": "1"},
+        # every policy on the two needle tasks: the table of docs/policies.md
+        "policies": {"configs": ALL_POLICIES, "budget_ratios": "0.1,0.25", "budgets": "",
+                     "tasks": "niah_single,niah_multikey", "length": "2000", "depths": 4, "seeds": "1"},
     },
     "throughput": {
         "smoke": {"num_requests": 4, "prompt_len": 512, "output_len": 32, "kv_prompts": 1, "budget_ratios": "0.25",
                   "policy": "keydiff", "max_num_batched_tokens": 256},
-        "full": {"num_requests": 16, "prompt_len": 2000, "output_len": 128, "kv_prompts": 4,
-                 "budget_ratios": "0.25,0.5", "policy": "keydiff", "max_num_batched_tokens": 512},
+        # decode-heavy and KV-limited: stock vLLM has room for one whole sequence
+        "full": {"num_requests": 8, "prompt_len": 512, "output_len": 1024, "kv_prompts": 1,
+                 "budget_ratios": "0.25,0.5", "policy": "keydiff", "max_num_batched_tokens": 256},
+        # prefill-heavy: long prompts, short answers, room for four sequences
+        "prefill": {"num_requests": 16, "prompt_len": 2000, "output_len": 128, "kv_prompts": 4,
+                    "budget_ratios": "0.25", "policy": "keydiff", "max_num_batched_tokens": 512},
+    },
+    "overhead": {
+        "smoke": {"policies": "keydiff,snapkv", "prompt_len": 1024, "output_len": 8, "budget": 256, "chunk": 256},
+        "full": {"policies": "keydiff,streamingllm,snapkv,tova,h2o,knorm,random,criticalkv,kvmerger,lshe,caote,"
+                             "fastcaote", "prompt_len": 4096, "output_len": 64, "budget": 1024, "chunk": 256},
     },
     "memory": {
         "smoke": {"prompt_len": 1024, "output_len": 64, "budget": 256, "policy": "keydiff", "chunk": 256},
@@ -55,7 +70,7 @@ def _fill(args, command: str) -> None:
 
 
 def _floats(s: str) -> list[float]:
-    return [float(x) for x in str(s).split(",")]
+    return [float(x) for x in str(s).split(",") if x]
 
 
 def _write(out_dir: Path, name: str, report: dict, plot) -> None:
@@ -78,9 +93,10 @@ def cmd_quality(args) -> int:
         ns.model_path = _model_path(args)
     with quality.serve_or_connect(ns) as (base_url, model, tok):
         report = quality.run_quality(
-            base_url, model, AutoTokenizer.from_pretrained(tok), configs, _floats(args.budget_ratios), args.length,
-            args.depths, [int(s) for s in str(args.seeds).split(",")], args.tasks.split(","),
-            concurrency=args.concurrency, progress=True,
+            base_url, model, AutoTokenizer.from_pretrained(tok), configs, _floats(args.budget_ratios),
+            [int(x) for x in str(args.length).split(",")], args.depths, [int(s) for s in str(args.seeds).split(",")],
+            args.tasks.split(","), concurrency=args.concurrency, progress=True,
+            budgets=[int(b) for b in str(args.budgets).split(",") if b],
         )
     report["preset"] = args.preset
     print(quality.format_table(report))
@@ -116,43 +132,65 @@ def cmd_memory(args) -> int:
     return 0
 
 
+def cmd_overhead(args) -> int:
+    from vllm_kvevict.bench import overhead
+
+    _fill(args, "overhead")
+    Path(args.out).mkdir(parents=True, exist_ok=True)
+    report = overhead.run_overhead(
+        _model_path(args), args.policies.split(","), args.prompt_len, args.output_len, args.budget, args.chunk,
+        args.out, progress=True,
+    )
+    report["preset"] = args.preset
+    print(overhead.format_table(report))
+    _write(Path(args.out), "overhead", report, overhead.plot)
+    return 0
+
+
 def build_parser() -> argparse.ArgumentParser:
     ap = argparse.ArgumentParser(prog="kvevict-bench", description=__doc__.split("\n\n")[0],
                                  formatter_class=argparse.RawDescriptionHelpFormatter)
     sub = ap.add_subparsers(dest="command", required=True)
 
-    def common(p):
-        p.add_argument("--preset", choices=("smoke", "full"), default="smoke")
+    def common(p, command):
+        p.add_argument("--preset", choices=tuple(PRESETS[command]), default="smoke")
         p.add_argument("--model", default=None, help="model directory to serve (default: bundled SmolLM2)")
         p.add_argument("--out", default="bench-results", help="directory for the JSON and PNG")
 
     q = sub.add_parser("quality", help="retrieval accuracy per policy and budget vs. no eviction")
-    common(q)
+    common(q, "quality")
     q.add_argument("--base-url", default=None, help="an already running server (else vLLM is started)")
     q.add_argument("--served-model-name", default="model")
     q.add_argument("--tokenizer", default=None, help="tokenizer path (default: --model)")
     q.add_argument("--server-args", default="", help="extra vllm serve arguments when starting it")
     q.add_argument("--configs", default=None, help="policy[:k=v;k=v],... (';' between a spec's parameters)")
-    q.add_argument("--budget-ratios", default=None)
-    q.add_argument("--tasks", default=None)
-    q.add_argument("--length", type=int, default=None)
+    q.add_argument("--budget-ratios", default=None, help="budgets as ratios of each prompt's tokens")
+    q.add_argument("--budgets", default=None, help="absolute budgets in tokens (comma-separated)")
+    q.add_argument("--tasks", default=None, help=f"comma-separated, of {ALL_TASKS}")
+    q.add_argument("--length", "--lengths", dest="length", default=None, help="prompt tokens (comma-separated)")
     q.add_argument("--depths", type=int, default=None)
     q.add_argument("--seeds", default=None)
     q.add_argument("--concurrency", type=int, default=2)
     q.set_defaults(func=cmd_quality)
 
     t = sub.add_parser("throughput", help="stock vLLM vs kvevict at equal KV memory")
-    common(t)
+    common(t, "throughput")
     for name, typ in (("num-requests", int), ("prompt-len", int), ("output-len", int), ("kv-prompts", int),
                       ("budget-ratios", str), ("policy", str), ("max-num-batched-tokens", int)):
         t.add_argument(f"--{name}", type=typ, default=None)
     t.set_defaults(func=cmd_throughput)
 
     m = sub.add_parser("memory", help="KV blocks over time for one long request, stock vs kvevict")
-    common(m)
+    common(m, "memory")
     for name, typ in (("prompt-len", int), ("output-len", int), ("budget", int), ("policy", str), ("chunk", int)):
         m.add_argument(f"--{name}", type=typ, default=None)
     m.set_defaults(func=cmd_memory)
+
+    o = sub.add_parser("overhead", help="time in the eviction path per prefill chunk and decode step, per policy")
+    common(o, "overhead")
+    for name, typ in (("policies", str), ("prompt-len", int), ("output-len", int), ("budget", int), ("chunk", int)):
+        o.add_argument(f"--{name}", type=typ, default=None)
+    o.set_defaults(func=cmd_overhead)
     return ap
 
 

@@ -13,31 +13,20 @@ from __future__ import annotations
 import torch
 import torch.nn.functional as F
 
+from vllm_kvevict.kernels import ops, reference
 from vllm_kvevict.policies.base import KVView
-
-#: query rows per matmul: bounds the transient [H_q, rows, n] tensor
-ROW_CHUNK = 256
 
 
 def probs(view: KVView, Q: torch.Tensor, q_pos: torch.Tensor) -> torch.Tensor:
     """``[H_q, m, n]`` float32 attention probabilities of queries ``Q [H_q, m, d]`` at positions
     ``q_pos [m]`` over the window's keys."""
-    G = view.G
-    K = view.K.float().repeat_interleave(G, dim=0)  # [H_q, n, d]
-    kpos = view.pos.repeat_interleave(G, dim=0)  # [H_q, n]
-    s = torch.matmul(Q.float(), K.transpose(1, 2)) * view.attn_scale
-    if view.softcap:
-        s = view.softcap * torch.tanh(s / view.softcap)
-    s = s.masked_fill(kpos[:, None, :] > q_pos.to(kpos.device)[None, :, None], float("-inf"))
-    return torch.softmax(s, dim=-1).nan_to_num(0.0)  # a row that sees no key contributes nothing
+    return reference.attention_probs(Q, view.K, q_pos, view.pos, view.G, view.attn_scale, view.softcap)
 
 
 def column_sums(view: KVView, Q: torch.Tensor, q_pos: torch.Tensor) -> torch.Tensor:
-    """``[H_q, n]``: the attention each key receives, summed over the queries (chunked over rows)."""
-    out = torch.zeros(Q.shape[0], view.K.shape[1], dtype=torch.float32, device=view.K.device)
-    for i in range(0, Q.shape[1], ROW_CHUNK):
-        out += probs(view, Q[:, i:i + ROW_CHUNK], q_pos[i:i + ROW_CHUNK]).sum(dim=1)
-    return out
+    """``[H_q, n]``: the attention each key receives, summed over the queries (a fused two-pass
+    Triton kernel on CUDA, never the ``[H_q, m, n]`` tensor; chunked torch on CPU)."""
+    return ops.column_sums(Q, view.K, q_pos.to(view.pos.device), view.pos, view.G, view.attn_scale, view.softcap)
 
 
 def group_mean(x: torch.Tensor, G: int) -> torch.Tensor:

@@ -123,6 +123,23 @@ class Policy:
         """``[H_kv, n]`` float32 scores, higher = keep; ``+inf`` marks protected slots."""
         raise NotImplementedError
 
+    def score_ragged(self, K: torch.Tensor, pos: torch.Tensor, cu: torch.Tensor, L: torch.Tensor,
+                     layer: int) -> torch.Tensor | None:
+        """Batched form of :meth:`score` for policies that read only the keys and positions: the
+        packed tokens of many rows (``K [N, H, d]``, ``pos [N, H]``, row ``r`` = ``[cu[r], cu[r+1])``,
+        its length ``L[r]``) scored at once, ``[N, H]``. ``None``: this policy scores row by row."""
+        return None
+
+    @property
+    def batched(self) -> bool:
+        """Whether the engine may score and select this policy's rows together
+        (:func:`vllm_kvevict.kernels.compact.evict_step`): it has :meth:`score_ragged` and uses the
+        default selection, no state, queries or merging."""
+        cls = type(self)
+        return (cls.score_ragged is not Policy.score_ragged and cls.select is Policy.select
+                and cls.merge is Policy.merge and cls.evict is Policy.evict and not self.needs_queries
+                and not self.observes)
+
     def select(self, scores: torch.Tensor, keep: int, view: KVView) -> torch.Tensor:
         """Indices ``[H_kv, keep]`` of the kept slots, in ascending slot order per head.
 

@@ -14,6 +14,7 @@ from __future__ import annotations
 
 import torch
 
+from vllm_kvevict.kernels import ops
 from vllm_kvevict.policies.base import KVView, Policy
 
 EPS = 1e-8
@@ -30,3 +31,6 @@ class KeyDiff(Policy):
         mu = k_hat.mean(dim=1, keepdim=True)  # [H, 1, d]
         cos = (K * mu).sum(-1) / (mu.norm(dim=-1) * k_norm).clamp_min(EPS)
         return -cos
+
+    def score_ragged(self, K, pos, cu, L, layer):
+        return ops.keydiff_scores(K, cu)  # the same formula, fused per (row, KV head)

@@ -11,6 +11,8 @@ from __future__ import annotations
 import torch
 from pydantic import Field
 
+from vllm_kvevict.kernels import ops
+from vllm_kvevict.kernels.reference import row_ids
 from vllm_kvevict.policies.base import KVView, Policy, PolicyParams
 
 
@@ -35,3 +37,8 @@ class KNorm(Policy):
     def score(self, view: KVView) -> torch.Tensor:
         s = -view.K.float().norm(dim=-1)
         return protect_sinks_recent(s, view, self.params.sink_tokens, self.params.recent_tokens)
+
+    def score_ragged(self, K, pos, cu, L, layer):
+        length = L.to(pos.device)[row_ids(cu)][:, None]
+        protected = (pos < self.params.sink_tokens) | (pos >= length - self.params.recent_tokens)
+        return (-ops.key_norms(K)).masked_fill(protected, float("inf"))

@@ -41,3 +41,6 @@ class Random(Policy):
 
     def score(self, view: KVView) -> torch.Tensor:
         return hash_scores(self.params.seed, view.layer, view.pos)
+
+    def score_ragged(self, K, pos, cu, L, layer):
+        return hash_scores(self.params.seed, layer, pos.transpose(0, 1)).transpose(0, 1)

@@ -18,7 +18,7 @@ from typing import Literal
 import torch
 from pydantic import Field, field_validator
 
-from vllm_kvevict.policies.attention import group_mean, pool1d, probs
+from vllm_kvevict.policies.attention import column_sums, group_mean, pool1d
 from vllm_kvevict.policies.base import KVView, Policy, PolicyParams
 
 
@@ -41,7 +41,7 @@ class SnapKVParams(PolicyParams):
 def snapkv_scores(view: KVView, p: SnapKVParams) -> tuple[torch.Tensor, torch.Tensor]:
     """Finite scores ``[H_kv, n]`` (prefix: pooled window attention; window: its raw mean
     attention) and the mask of the protected window slots."""
-    A = probs(view, view.Q_window, view.w_pos).mean(dim=1)  # [H_q, n]: mean over the window queries
+    A = column_sums(view, view.Q_window, view.w_pos) / view.Q_window.shape[1]  # [H_q, n]: mean over the window
     kpos = view.pos.repeat_interleave(view.G, dim=0)
     in_win = kpos >= view.length - p.window
     n_win = int(in_win[0].sum())

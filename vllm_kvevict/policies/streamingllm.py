@@ -28,3 +28,7 @@ class StreamingLLM(Policy):
         # Recency is the score; sinks are protected.
         s = view.pos.to(torch.float32)
         return torch.where(view.pos < self.params.sink_tokens, torch.full_like(s, float("inf")), s)
+
+    def score_ragged(self, K, pos, cu, L, layer):
+        s = pos.to(torch.float32)
+        return s.masked_fill(pos < self.params.sink_tokens, float("inf"))

@@ -11,13 +11,13 @@ from __future__ import annotations
 
 import torch
 
-from vllm_kvevict.policies.attention import group_mean, probs
+from vllm_kvevict.policies.attention import column_sums, group_mean
 from vllm_kvevict.policies.base import KVView, Policy
 
 
 def tova_scores(view: KVView) -> torch.Tensor:
     """``[H_kv, n]``: group-mean attention of the newest query."""
-    return group_mean(probs(view, view.Q[:, -1:], view.q_pos[-1:])[:, 0], view.G)
+    return group_mean(column_sums(view, view.Q[:, -1:], view.q_pos[-1:]), view.G)
 
 
 class TOVA(Policy):

@@ -60,7 +60,8 @@ class VLLMServer:
         self.args = list(args or [])
         self.port = port or free_port()
         self.log_path = Path(log_path)
-        self.env = {**os.environ, **BASE_ENV, **(env or {})}
+        inherited = {k: v for k, v in os.environ.items() if k != "TRITON_INTERPRET"}  # tests set it for themselves
+        self.env = {**inherited, **BASE_ENV, **(env or {})}
         self.startup_timeout = startup_timeout
         self.served_model_name = served_model_name
         self.proc: subprocess.Popen | None = None

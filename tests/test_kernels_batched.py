@@ -1,0 +1,233 @@
+"""The batched eviction operations: the torch reference against a per-row loop over the policies'
+own code (the specification), and the Triton kernels against the reference, under
+``TRITON_INTERPRET=1`` on CPU (on a GPU, natively): small ragged row sets, several block sizes,
+GQA-sized head counts, fp32/bf16. Kept indices must match exactly; values within dtype tolerance.
+"""
+
+from __future__ import annotations
+
+import os
+
+import pytest
+import torch
+
+from vllm_kvevict.kernels import reference as ref
+from vllm_kvevict.policies.base import KVView, topk_newer
+from vllm_kvevict.policies.keydiff import KeyDiff
+
+CUDA = torch.cuda.is_available()
+DEV = "cuda" if CUDA else "cpu"
+
+
+@pytest.fixture(scope="module")
+def tri():
+    """The Triton module; on CPU interpreted (tests/conftest.py sets TRITON_INTERPRET before Triton is
+    first imported)."""
+    pytest.importorskip("triton")
+    if not CUDA and os.environ.get("TRITON_INTERPRET") != "1":
+        pytest.skip("no GPU and TRITON_INTERPRET unset when Triton was imported")
+    from vllm_kvevict.kernels import triton_ops
+
+    return triton_ops
+
+
+def paged_case(seed: int, bs: int, H: int, D: int, lens: list[int], dtype=torch.float32, starts=None):
+    """A FlashAttention-layout cache with random blocks per row, and the rows' windows."""
+    g = torch.Generator().manual_seed(seed)
+    ends = torch.tensor([s + n for s, n in zip(starts or [0] * len(lens), lens)])
+    starts = torch.tensor(starts or [0] * len(lens))
+    max_blocks = int((ends.max() + bs - 1) // bs) + 1
+    nb = len(lens) * max_blocks + 3
+    perm = torch.randperm(nb - 1, generator=g) + 1  # block 0 is vLLM's null block
+    bt = perm[: len(lens) * max_blocks].reshape(len(lens), max_blocks).to(torch.int32)
+    bt = torch.cat([torch.zeros(2, max_blocks, dtype=torch.int32), bt])  # rows 2.. are ours: rows != r
+    rows = torch.arange(len(lens), dtype=torch.int32) + 2
+    cache = torch.randn(nb, H, bs, 2 * D, generator=g).to(dtype)  # vLLM's [nb, H, bs, 2D]
+    k_cache, v_cache = cache.transpose(1, 2).split(D, dim=-1)  # FlashAttention views [nb, bs, H, D]
+    return [x.to(DEV) for x in (cache, k_cache, v_cache, bt, rows, starts, ends)]
+
+
+def per_row_loop(K, pos, cu, keep):
+    """The specification: the policy's own scoring and selection, one row at a time."""
+    out = []
+    for r in range(cu.numel() - 1):
+        a, b = int(cu[r]), int(cu[r + 1])
+        view = KVView(K=K[a:b].transpose(0, 1), V=K[a:b].transpose(0, 1), pos=pos[a:b].transpose(0, 1))
+        s = KeyDiff().score(view)
+        out.append(topk_newer(s, int(keep[r]), view.pos).transpose(0, 1))
+    return torch.cat(out)
+
+
+CASES = [  # (block size, H, D, row lengths, window starts)
+    (32, 2, 64, [40, 1, 100], [0, 32, 64]),
+    (16, 3, 64, [17, 64, 33, 5], None),
+    (64, 1, 128, [130], [64]),
+    (32, 8, 64, [0, 70], [0, 96]),  # an empty row
+]
+
+
+@pytest.mark.parametrize("case", range(len(CASES)))
+def test_reference_matches_policy_loop(case):
+    bs, H, D, lens, starts = CASES[case]
+    cache, kc, vc, bt, rows, st, en = paged_case(case, bs, H, D, lens, starts=starts)
+    K, V, cu = ref.gather_paged(kc, vc, bt, rows, st, en)
+    for r in range(len(lens)):  # the gather reads exactly those tokens
+        b = bt[rows[r]].long()
+        for j, tok in enumerate(range(int(st[r]), int(en[r]))):
+            assert torch.equal(K[int(cu[r]) + j], kc[b[tok // bs], tok % bs])
+            assert torch.equal(V[int(cu[r]) + j], vc[b[tok // bs], tok % bs])
+    pos = (torch.arange(K.shape[0], device=DEV)[:, None] * 7 % 1000).expand(-1, H).contiguous()
+    keep = torch.tensor([max(1, n // 3) for n in lens], device=DEV)
+    idx, cu_keep = ref.select_topk(ref.keydiff_scores(K, cu), pos, cu, keep)
+    assert torch.equal(idx, per_row_loop(K, pos, cu, torch.minimum(keep, cu[1:] - cu[:-1])))
+
+
+def test_select_ties_go_to_the_newer_token_and_keep_whole_rows():
+    scores = torch.tensor([[1.0], [2.0], [2.0], [0.0], [-0.0], [0.0], [5.0]])
+    pos = torch.tensor([[10], [3], [7], [1], [2], [0], [9]])
+    cu = torch.tensor([0, 3, 6, 7])
+    idx, cu_keep = ref.select_topk(scores, pos, cu, torch.tensor([2, 1, 4]))
+    assert cu_keep.tolist() == [0, 2, 3, 4]
+    # row 0: 2.0@3 and 2.0@7 beat 1.0; row 1: 0.0 = -0.0 = 0.0, the newest (pos 2) wins; row 2: whole row
+    assert idx[:, 0].tolist() == [1, 2, 1, 0]
+
+
+def test_scatter_right_aligns_per_head():
+    cache, kc, vc, bt, rows, st, en = paged_case(5, 32, 2, 64, [70, 40], starts=[32, 0])
+    K, V, cu = ref.gather_paged(kc, vc, bt, rows, st, en)
+    idx = torch.tensor([[0, 5], [3, 6], [69, 7], [1, 0], [39, 39]], device=DEV)
+    cu_keep = torch.tensor([0, 3, 5], device=DEV)
+    dst_start = en - torch.tensor([3, 2], device=DEV)
+    ref.scatter_paged(kc, K, idx, cu, cu_keep, bt, rows, dst_start)
+    for r, (c0, c1) in enumerate(((0, 3), (3, 5))):
+        for j in range(c1 - c0):
+            tok = int(dst_start[r]) + j
+            blk = bt[rows[r], tok // 32].long()
+            for h in range(2):
+                assert torch.equal(kc[blk, tok % 32, h], K[int(cu[r]) + int(idx[c0 + j, h]), h])
+
+
+# -- Triton against the reference ------------------------------------------------------------------
+
+TRITON_CASES = CASES + [(32, 4, 64, [300, 3], [32, 0])]  # rows longer than one tile
+
+
+@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
+@pytest.mark.parametrize("case", range(len(TRITON_CASES)))
+def test_triton_gather_scores_select_scatter(tri, case, dtype):
+    bs, H, D, lens, starts = TRITON_CASES[case]
+    cache, kc, vc, bt, rows, st, en = paged_case(100 + case, bs, H, D, lens, dtype=dtype, starts=starts)
+    K, V, cu = ref.gather_paged(kc, vc, bt, rows, st, en)
+    K2, V2, cu2 = tri.gather_paged(kc, vc, bt, rows, st, en)
+    assert torch.equal(cu, cu2) and torch.equal(K, K2) and torch.equal(V, V2)  # a copy: bit-exact
+
+    s = ref.keydiff_scores(K, cu)
+    torch.testing.assert_close(tri.keydiff_scores(K, cu), s, atol=1e-5, rtol=1e-5)
+    torch.testing.assert_close(tri.key_norms(K), ref.key_norms(K), atol=1e-5, rtol=1e-5)
+
+    pos = torch.randperm(max(1, K.shape[0] * H), generator=torch.Generator().manual_seed(case))[: K.shape[0] * H]
+    pos = pos.reshape(K.shape[0], H).to(DEV)
+    s = s.round(decimals=2)  # many exact ties: the tie rule decides
+    keep = torch.tensor([max(1, n // 2) for n in lens], device=DEV)
+    idx, cu_keep = ref.select_topk(s, pos, cu, keep)
+    idx2, cu_keep2 = tri.select_topk(s, pos, cu, keep)
+    assert torch.equal(cu_keep, cu_keep2) and torch.equal(idx, idx2)
+
+    dst_start = en - (cu_keep[1:] - cu_keep[:-1])
+    for name, dst in (("k", kc), ("v", vc)):
+        want = dst.clone()
+        got = dst.clone()
+        src = K if name == "k" else V
+        ref.scatter_paged(want, src, idx, cu, cu_keep, bt, rows, dst_start)
+        tri.scatter_paged(got, src, idx, cu, cu_keep, bt, rows, dst_start)
+        assert torch.equal(want, got)
+    state = torch.randn(kc.shape[0] * bs, H).to(DEV)  # a per-slot state [slots, H], moved the same way
+    want, got = state.clone(), state.clone()
+    ref.scatter_paged(want.view(-1, bs, H), s, idx, cu, cu_keep, bt, rows, dst_start)
+    tri.scatter_paged(got.view(-1, bs, H), s, idx, cu, cu_keep, bt, rows, dst_start)
+    assert torch.equal(want, got)
+
+
+def test_triton_select_extreme_scores(tri):
+    scores = torch.tensor([[float("inf")], [-1e30], [float("-inf")], [3.0], [float("inf")], [-0.0], [0.0]])
+    pos = torch.tensor([[0], [1], [2], [3], [4], [5], [6]])
+    cu = torch.tensor([0, 7])
+    for keep in range(1, 8):
+        a = ref.select_topk(scores.to(DEV), pos.to(DEV), cu.to(DEV), torch.tensor([keep]))
+        b = tri.select_topk(scores.to(DEV), pos.to(DEV), cu.to(DEV), torch.tensor([keep]))
+        assert torch.equal(a[0], b[0]), keep
+
+
+# -- the engine's step: batched rows against the per-row path ---------------------------------------
+
+def _step(monkeypatch, batched: bool, kernels: str):
+    from vllm_kvevict.backends.step import StepPlan
+    from vllm_kvevict.kernels import flash_cache
+    from vllm_kvevict.kernels.compact import RowWork, evict_step
+    from vllm_kvevict.policies import get_policy
+    from vllm_kvevict.policies.base import Policy
+
+    from vllm_kvevict.kernels import ops
+
+    monkeypatch.setenv("KVEVICT_KERNELS", kernels)
+    if not batched:
+        monkeypatch.setattr(Policy, "batched", property(lambda self: False))
+    calls = []
+    select = ops.select_topk
+    monkeypatch.setattr(ops, "select_topk", lambda *a: calls.append(a[2].numel() - 1) or select(*a))
+    NB, H, bs, D = 40, 2, 16, 64
+    g = torch.Generator().manual_seed(3)
+    cache = torch.randn(NB, H, bs, 2 * D, generator=g)
+    slot_pos = torch.randint(0, 10_000, (NB * bs, H), generator=g, dtype=torch.int32)
+    state = {"h2o": torch.rand(NB * bs, H, generator=g)}  # another policy's state moves with the tokens
+    tables = torch.randperm(NB - 1, generator=g)[:36].reshape(6, 6) + 1
+    lens, e_prev, e_new = [90, 40, 70, 33, 64, 80], [16, 0, 32, 0, 0, 48], [48, 16, 48, 16, 32, 64]
+    plan = StepPlan(L_prev=[0] * 6, e_prev=e_prev, e_new=e_new, seq_lens=lens, block_table=tables,
+                    slot_mapping=torch.tensor([]), positions=torch.tensor([]), req_ids=list("abcdef"), configs=[],
+                    query_start_loc=[0] * 7)
+    kd, kn, sl, rnd = (get_policy(p) for p in ("keydiff", "knorm", "streamingllm", "random"))
+    pols = [kd, kn, kd, sl, rnd, kd]
+    work = [RowWork(r, p, True, {"L": lens[r]}) for r, p in enumerate(pols)]
+    kept = evict_step(plan, work, bs, gather=lambda b, o: flash_cache.gather_tokens(cache, b, o),
+                      write=lambda s, K, V: flash_cache.write_tokens(cache, s, K, V), slot_pos=slot_pos,
+                      slot_state=state, layer=3, G=2)
+    assert sorted(calls) == ([1, 1, 1, 3] if batched else [])  # one call per policy, for all its rows
+    return cache, slot_pos, state["h2o"], kept
+
+
+@pytest.mark.parametrize("kernels", ["torch", "triton"])
+def test_evict_step_batched_equals_per_row(monkeypatch, kernels):
+    if kernels == "triton" and not CUDA and os.environ.get("TRITON_INTERPRET") != "1":
+        pytest.skip("Triton on CPU needs TRITON_INTERPRET=1 from the start")
+    with monkeypatch.context() as m:
+        want = _step(m, batched=False, kernels="torch")
+    got = _step(monkeypatch, batched=True, kernels=kernels)
+    for a, b in zip(want[:3], got[:3]):
+        assert torch.equal(a, b)
+    assert len(want[3]) == len(got[3]) == 6 and all(torch.equal(a, b) for a, b in zip(want[3], got[3]))
+
+
+ATTN_CASES = [  # (H_q, H_kv, m queries, n keys, head_dim, softcap)
+    (2, 2, 1, 37, 64, None),
+    (4, 2, 40, 100, 64, None),
+    (6, 3, 33, 130, 128, 30.0),
+    (2, 1, 5, 3, 64, None),  # queries older than every key see nothing
+]
+
+
+@pytest.mark.parametrize("case", range(len(ATTN_CASES)))
+def test_triton_column_sums(tri, case):
+    Hq, H, m, n, D, cap = ATTN_CASES[case]
+    g = torch.Generator().manual_seed(case)
+    Q, K = torch.randn(Hq, m, D, generator=g).to(DEV), (2 * torch.randn(H, n, D, generator=g)).to(DEV)
+    k_pos = torch.stack([torch.randperm(n + 10, generator=g)[:n] for _ in range(H)]).to(DEV)  # compacted layouts
+    q_pos = (torch.arange(m) + n + 10 - m).to(DEV)
+    if case == 3:
+        q_pos = torch.arange(m).to(DEV) - 100
+    want = ref.column_sums(Q, K, q_pos, k_pos, Hq // H, D ** -0.5, cap)
+    got = tri.column_sums(Q, K, q_pos, k_pos, Hq // H, D ** -0.5, cap)
+    torch.testing.assert_close(got, want, atol=2e-5, rtol=1e-4)
+    if case == 3:
+        assert not want.any()
+    else:  # each query's row sums to one
+        torch.testing.assert_close(want.sum(-1), torch.full((Hq,), float(m), device=DEV), atol=1e-3, rtol=1e-4)

@@ -1,0 +1,277 @@
+"""Triton kernels for the batched eviction operations; same signatures and semantics as
+:mod:`vllm_kvevict.kernels.reference` (the specification, see its docstring). They also run on CPU
+tensors under ``TRITON_INTERPRET=1``, which is how CI tests them.
+
+Grids: ``gather_paged`` and ``scatter_paged`` run one program per (row, tile of tokens, KV head);
+``keydiff_scores`` and ``select_topk`` one per (row, KV head), looping over the row's tokens in
+tiles, so no ``[H, n, n]`` or per-row padding is ever materialised. ``select_topk`` finds the
+``keep``-th largest (score, position) key exactly by building it bit by bit (63 counting passes
+over the row), then writes the kept indices in token order with a running prefix sum: exact and
+deterministic, whatever the row length.
+"""
+
+from __future__ import annotations
+
+import torch
+import triton
+import triton.language as tl
+
+from vllm_kvevict.kernels.reference import EPS, cu_from_lengths
+
+TILE = 128
+
+
+@triton.jit
+def _gather_kernel(k_ptr, v_ptr, bt_ptr, rows_ptr, starts_ptr, cu_ptr, ok_ptr, ov_ptr,
+                   s_b, s_o, s_h, s_d, s_bt, bs, D: tl.constexpr, TILE_T: tl.constexpr, BLOCK_D: tl.constexpr,
+                   H: tl.constexpr):
+    r = tl.program_id(0)
+    t = tl.program_id(1) * TILE_T + tl.arange(0, TILE_T)
+    h = tl.program_id(2)
+    lo = tl.load(cu_ptr + r)
+    n = tl.load(cu_ptr + r + 1) - lo
+    m = t < n
+    tok = tl.load(starts_ptr + r).to(tl.int64) + t
+    row = tl.load(rows_ptr + r).to(tl.int64)
+    blk = tl.load(bt_ptr + row * s_bt + tok // bs, mask=m, other=0).to(tl.int64)
+    d = tl.arange(0, BLOCK_D)
+    md = m[:, None] & (d[None, :] < D)
+    src = blk[:, None] * s_b + (tok % bs)[:, None] * s_o + h * s_h + d[None, :] * s_d
+    dst = ((lo + t)[:, None] * H + h) * D + d[None, :]
+    tl.store(ok_ptr + dst, tl.load(k_ptr + src, mask=md), mask=md)
+    tl.store(ov_ptr + dst, tl.load(v_ptr + src, mask=md), mask=md)
+
+
+def gather_paged(k_cache, v_cache, block_table, rows, starts, ends):
+    assert k_cache.stride() == v_cache.stride()
+    nb, bs, H, D = k_cache.shape
+    lens = (ends - starts).long()
+    cu = cu_from_lengths(lens)
+    N = int(cu[-1])
+    K = torch.empty(N, H, D, dtype=k_cache.dtype, device=k_cache.device)
+    V = torch.empty_like(K)
+    R = rows.numel()
+    if N == 0:
+        return K, V, cu
+    grid = (R, triton.cdiv(int(lens.max()), TILE), H)
+    _gather_kernel[grid](k_cache, v_cache, block_table, rows, starts, cu, K, V, *k_cache.stride(),
+                         block_table.stride(0), bs, D=D, TILE_T=TILE, BLOCK_D=triton.next_power_of_2(D), H=H)
+    return K, V, cu
+
+
+@triton.jit
+def _keydiff_kernel(k_ptr, cu_ptr, out_ptr, H: tl.constexpr, D: tl.constexpr, TILE_T: tl.constexpr,
+                    BLOCK_D: tl.constexpr, EPS_: tl.constexpr):
+    r = tl.program_id(0)
+    h = tl.program_id(1)
+    lo = tl.load(cu_ptr + r)
+    n = tl.load(cu_ptr + r + 1) - lo
+    d = tl.arange(0, BLOCK_D)
+    acc = tl.zeros([BLOCK_D], dtype=tl.float32)
+    for start in tl.range(0, n, TILE_T):  # pass 1: the anchor, mean of the normalised keys
+        t = start + tl.arange(0, TILE_T)
+        m = (t < n)[:, None] & (d[None, :] < D)
+        k = tl.load(k_ptr + ((lo + t)[:, None] * H + h) * D + d[None, :], mask=m, other=0.0).to(tl.float32)
+        norm = tl.sqrt(tl.sum(k * k, axis=1))
+        acc += tl.sum(k / tl.maximum(norm, EPS_)[:, None], axis=0)
+    mu = acc / tl.where(n > 0, n, 1).to(tl.float32)
+    mu_norm = tl.sqrt(tl.sum(mu * mu, axis=0))
+    for start in tl.range(0, n, TILE_T):  # pass 2: -cos(k, mu)
+        t = start + tl.arange(0, TILE_T)
+        mt = t < n
+        m = mt[:, None] & (d[None, :] < D)
+        k = tl.load(k_ptr + ((lo + t)[:, None] * H + h) * D + d[None, :], mask=m, other=0.0).to(tl.float32)
+        norm = tl.sqrt(tl.sum(k * k, axis=1))
+        cos = tl.sum(k * mu[None, :], axis=1) / tl.maximum(mu_norm * norm, EPS_)
+        tl.store(out_ptr + (lo + t) * H + h, -cos, mask=mt)
+
+
+def keydiff_scores(K, cu):
+    N, H, D = K.shape
+    K = K.contiguous()
+    out = torch.empty(N, H, dtype=torch.float32, device=K.device)
+    if N:
+        _keydiff_kernel[(cu.numel() - 1, H)](K, cu, out, H=H, D=D, TILE_T=TILE,
+                                             BLOCK_D=triton.next_power_of_2(D), EPS_=EPS)
+    return out
+
+
+@triton.jit
+def _norm_kernel(k_ptr, out_ptr, N, H: tl.constexpr, D: tl.constexpr, TILE_T: tl.constexpr,
+                 BLOCK_D: tl.constexpr):
+    i = tl.program_id(0) * TILE_T + tl.arange(0, TILE_T)  # flattened (token, head)
+    d = tl.arange(0, BLOCK_D)
+    m = (i < N * H)[:, None] & (d[None, :] < D)
+    k = tl.load(k_ptr + i[:, None] * D + d[None, :], mask=m, other=0.0).to(tl.float32)
+    tl.store(out_ptr + i, tl.sqrt(tl.sum(k * k, axis=1)), mask=i < N * H)
+
+
+def key_norms(K):
+    N, H, D = K.shape
+    K = K.contiguous()
+    out = torch.empty(N, H, dtype=torch.float32, device=K.device)
+    if N:
+        _norm_kernel[(triton.cdiv(N * H, TILE),)](K, out, N, H=H, D=D, TILE_T=TILE,
+                                                   BLOCK_D=triton.next_power_of_2(D))
+    return out
+
+
+@triton.jit
+def _sort_key(s, p):
+    """int64 key ordering (score, position); see reference.sort_keys."""
+    bits = (s + 0.0).to(tl.int32, bitcast=True).to(tl.int64)
+    ordered = tl.where(bits < 0, bits ^ 0x7FFFFFFF, bits) + 2147483648
+    return (ordered << 31) | p.to(tl.int64)
+
+
+@triton.jit
+def _select_kernel(s_ptr, p_ptr, cu_ptr, keep_ptr, cuk_ptr, out_ptr, H: tl.constexpr, TILE_T: tl.constexpr):
+    r = tl.program_id(0)
+    h = tl.program_id(1)
+    lo = tl.load(cu_ptr + r)
+    n = tl.load(cu_ptr + r + 1) - lo
+    keep = tl.minimum(tl.load(keep_ptr + r).to(tl.int64), n)
+    out0 = tl.load(cuk_ptr + r)
+    # The keep-th largest key, built from the top bit down: the largest T with count(key >= T) >= keep.
+    T = tl.zeros([], dtype=tl.int64)
+    if keep < n:
+        for i in tl.range(0, 63):
+            cand = T | (tl.full([], 1, tl.int64) << (62 - i))
+            cnt = tl.zeros([], dtype=tl.int64)
+            for start in tl.range(0, n, TILE_T):
+                t = start + tl.arange(0, TILE_T)
+                m = t < n
+                s = tl.load(s_ptr + (lo + t) * H + h, mask=m, other=0.0)
+                p = tl.load(p_ptr + (lo + t) * H + h, mask=m, other=0)
+                cnt += tl.sum(((_sort_key(s, p) >= cand) & m).to(tl.int64), axis=0)
+            T = tl.where(cnt >= keep, cand, T)
+    base = tl.zeros([], dtype=tl.int64)
+    for start in tl.range(0, n, TILE_T):  # kept indices in token order
+        t = start + tl.arange(0, TILE_T)
+        m = t < n
+        s = tl.load(s_ptr + (lo + t) * H + h, mask=m, other=0.0)
+        p = tl.load(p_ptr + (lo + t) * H + h, mask=m, other=0)
+        k = ((_sort_key(s, p) >= T) & m).to(tl.int64)
+        at = base + tl.cumsum(k, axis=0) - 1
+        tl.store(out_ptr + (out0 + at) * H + h, t.to(tl.int64), mask=k > 0)
+        base += tl.sum(k, axis=0)
+
+
+def select_topk(scores, pos, cu, keep):
+    N, H = scores.shape
+    lens = cu[1:] - cu[:-1]
+    keep = torch.minimum(keep.long().to(cu.device), lens)
+    cu_keep = cu_from_lengths(keep)
+    out = torch.empty(int(cu_keep[-1]), H, dtype=torch.int64, device=scores.device)
+    if N:
+        _select_kernel[(cu.numel() - 1, H)](scores.float().contiguous(), pos.contiguous(), cu, keep, cu_keep, out,
+                                            H=H, TILE_T=TILE)
+    return out, cu_keep
+
+
+@triton.jit
+def _scatter_kernel(dst_ptr, src_ptr, idx_ptr, cu_ptr, cuk_ptr, bt_ptr, rows_ptr, dstart_ptr,
+                    s_b, s_o, s_h, s_d, s_bt, bs, H: tl.constexpr, D: tl.constexpr, TILE_T: tl.constexpr,
+                    BLOCK_D: tl.constexpr):
+    r = tl.program_id(0)
+    j = tl.program_id(1) * TILE_T + tl.arange(0, TILE_T)
+    h = tl.program_id(2)
+    k0 = tl.load(cuk_ptr + r)
+    m = j < tl.load(cuk_ptr + r + 1) - k0
+    i = tl.load(idx_ptr + (k0 + j) * H + h, mask=m, other=0)
+    src_tok = tl.load(cu_ptr + r) + i
+    tok = tl.load(dstart_ptr + r).to(tl.int64) + j
+    row = tl.load(rows_ptr + r).to(tl.int64)
+    blk = tl.load(bt_ptr + row * s_bt + tok // bs, mask=m, other=0).to(tl.int64)
+    d = tl.arange(0, BLOCK_D)
+    md = m[:, None] & (d[None, :] < D)
+    val = tl.load(src_ptr + (src_tok[:, None] * H + h) * D + d[None, :], mask=md)
+    dst = blk[:, None] * s_b + (tok % bs)[:, None] * s_o + h * s_h + d[None, :] * s_d
+    tl.store(dst_ptr + dst, val.to(dst_ptr.dtype.element_ty), mask=md)
+
+
+def scatter_paged(dst, src, idx, cu, cu_keep, block_table, rows, dst_start):
+    nb, bs, H = dst.shape[:3]
+    D = dst.shape[3] if dst.dim() == 4 else 1
+    strides = list(dst.stride()) + ([0] if dst.dim() == 3 else [])
+    src = src.reshape(src.shape[0], H, D).contiguous()
+    keep = cu_keep[1:] - cu_keep[:-1]
+    if int(cu_keep[-1]) == 0:
+        return
+    grid = (rows.numel(), triton.cdiv(int(keep.max()), TILE), H)
+    _scatter_kernel[grid](dst, src, idx.contiguous(), cu, cu_keep, block_table, rows, dst_start, *strides,
+                          block_table.stride(0), bs, H=H, D=D, TILE_T=TILE, BLOCK_D=triton.next_power_of_2(D))
+
+
+@triton.jit
+def _scores_tile(q_ptr, k_ptr, qp_ptr, kp_ptr, hq, hk, qi, ki, m, n, D: tl.constexpr, BLOCK_D: tl.constexpr,
+                 scale, softcap, HAS_CAP: tl.constexpr):
+    """Scaled (soft-capped) logits of queries ``qi`` x keys ``ki`` of query head ``hq``, masked
+    causally by position (-inf where the key is newer than the query or out of range)."""
+    d = tl.arange(0, BLOCK_D)
+    q = tl.load(q_ptr + (hq * m + qi[:, None]) * D + d[None, :], mask=(qi < m)[:, None] & (d[None, :] < D),
+                other=0.0).to(tl.float32)
+    k = tl.load(k_ptr + (hk * n + ki[:, None]) * D + d[None, :], mask=(ki < n)[:, None] & (d[None, :] < D),
+                other=0.0).to(tl.float32)
+    s = tl.dot(q, tl.trans(k), input_precision="ieee") * scale
+    if HAS_CAP:
+        s = softcap * (1.0 - 2.0 / (tl.exp(2.0 * s / softcap) + 1.0))  # softcap * tanh(s / softcap)
+    qp = tl.load(qp_ptr + qi, mask=qi < m, other=0)
+    kp = tl.load(kp_ptr + hk * n + ki, mask=ki < n, other=0)
+    visible = (kp[None, :] <= qp[:, None]) & (ki < n)[None, :] & (qi < m)[:, None]
+    return tl.where(visible, s, float("-inf"))
+
+
+@triton.jit
+def _lse_kernel(q_ptr, k_ptr, qp_ptr, kp_ptr, lse_ptr, m, n, G: tl.constexpr, D: tl.constexpr,
+                BLOCK_D: tl.constexpr, BQ: tl.constexpr, BK: tl.constexpr, scale, softcap, HAS_CAP: tl.constexpr):
+    hq = tl.program_id(0)
+    qi = tl.program_id(1) * BQ + tl.arange(0, BQ)
+    mx = tl.full([BQ], float("-inf"), tl.float32)
+    acc = tl.zeros([BQ], dtype=tl.float32)
+    for start in tl.range(0, n, BK):  # online log-sum-exp over the keys
+        s = _scores_tile(q_ptr, k_ptr, qp_ptr, kp_ptr, hq, hq // G, qi, start + tl.arange(0, BK), m, n, D,
+                         BLOCK_D, scale, softcap, HAS_CAP)
+        new = tl.maximum(mx, tl.max(s, axis=1))
+        safe = tl.where(new == float("-inf"), 0.0, new)
+        acc = acc * tl.exp(mx - safe) + tl.sum(tl.exp(s - safe[:, None]), axis=1)
+        mx = new
+    lse = tl.where(mx == float("-inf"), float("inf"), mx + tl.log(acc))  # a query that sees nothing: p = 0
+    tl.store(lse_ptr + hq * m + qi, lse, mask=qi < m)
+
+
+@triton.jit
+def _colsum_kernel(q_ptr, k_ptr, qp_ptr, kp_ptr, lse_ptr, out_ptr, m, n, G: tl.constexpr, D: tl.constexpr,
+                   BLOCK_D: tl.constexpr, BQ: tl.constexpr, BK: tl.constexpr, scale, softcap, HAS_CAP: tl.constexpr):
+    hq = tl.program_id(0)
+    ki = tl.program_id(1) * BK + tl.arange(0, BK)
+    acc = tl.zeros([BK], dtype=tl.float32)
+    for start in tl.range(0, m, BQ):
+        qi = start + tl.arange(0, BQ)
+        s = _scores_tile(q_ptr, k_ptr, qp_ptr, kp_ptr, hq, hq // G, qi, ki, m, n, D, BLOCK_D, scale, softcap,
+                         HAS_CAP)
+        lse = tl.load(lse_ptr + hq * m + qi, mask=qi < m, other=float("inf"))
+        acc += tl.sum(tl.exp(s - lse[:, None]), axis=0)
+    tl.store(out_ptr + hq * n + ki, acc, mask=ki < n)
+
+
+def column_sums(Q, K, q_pos, k_pos, G: int, scale: float, softcap: float | None = None):
+    """``[H_q, n]`` float32: softmax attention of queries ``Q [H_q, m, d]`` (positions ``q_pos [m]``)
+    over keys ``K [H_kv, n, d]`` (positions ``k_pos [H_kv, n]``), causal by position, summed over the
+    queries; query head ``h`` reads KV head ``h // G``. Two passes (log-sum-exp per query, then
+    column sums per key tile): never more than a ``[BQ, BK]`` tile of probabilities."""
+    Hq, m, D = Q.shape
+    n = K.shape[1]
+    out = torch.zeros(Hq, n, dtype=torch.float32, device=K.device)
+    if m == 0 or n == 0:
+        return out
+    Q, K = Q.contiguous(), K.contiguous()
+    qp, kp = q_pos.long().contiguous(), k_pos.long().contiguous()
+    lse = torch.empty(Hq, m, dtype=torch.float32, device=K.device)
+    BD = max(16, triton.next_power_of_2(D))
+    BQ, BK = 32, 64
+    cap = float(softcap) if softcap else 1.0
+    common = dict(G=G, D=D, BLOCK_D=BD, BQ=BQ, BK=BK, HAS_CAP=bool(softcap))
+    _lse_kernel[(Hq, triton.cdiv(m, BQ))](Q, K, qp, kp, lse, m, n, scale=float(scale), softcap=cap, **common)
+    _colsum_kernel[(Hq, triton.cdiv(n, BK))](Q, K, qp, kp, lse, out, m, n, scale=float(scale), softcap=cap, **common)
+    return out
