@@ -22,6 +22,12 @@ def test_cpu_cache_roundtrip_through_vllm_writer(isa, dtype, bs, D):
     cpu_cache.write_tokens(cache, isa, slots, K, V)  # vLLM's own op packs the page
     K2, V2 = cpu_cache.gather_tokens(cache, isa, slots // bs, slots % bs)
     assert torch.equal(K, K2) and torch.equal(V, V2)
+    # vec/vec16 pages are strided matrices (read through views); the element map gives the same
+    assert cpu_cache._affine(isa, bs, D, dtype) is not None
+    with pytest.MonkeyPatch.context() as m:
+        m.setattr(cpu_cache, "_affine", lambda *a: None)
+        K3, V3 = cpu_cache.gather_tokens(cache, isa, slots // bs, slots % bs)
+    assert torch.equal(K, K3) and torch.equal(V, V3)
 
 
 def test_flash_cache_roundtrip_matches_flash_attention_views():

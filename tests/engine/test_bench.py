@@ -2,7 +2,8 @@
 
 Checks the outputs are well formed and the stock/no-eviction references are sane; the eviction
 numbers themselves are reported, not asserted (docs/benchmarks.md). Memory: kvevict's peak stays
-within its window bound while stock vLLM holds the whole sequence.
+within its window bound while stock vLLM holds the whole sequence. Overhead: the step profiler
+sees the prefill chunks, the compactions and the eviction time inside the step time.
 """
 
 from __future__ import annotations
@@ -59,3 +60,17 @@ def test_memory_smoke(smollm2_model, tmp_path):
     assert len(stock["points"]) > 10 and len(kv["points"]) > 10
     assert stock["peak_blocks"] >= r["sequence_blocks"] - 1
     assert 0 < kv["peak_blocks"] <= r["window_bound_blocks"]
+
+
+def test_overhead_smoke(smollm2_model, tmp_path):
+    r = _bench(tmp_path, "overhead")
+    assert list(r["results"]) == ["none", "keydiff", "snapkv"]
+    off = r["results"]["none"]
+    # eviction off for the request: only the per-slot position bookkeeping runs after attention
+    assert off["prefill"]["steps"] >= 4 and off["prefill"]["compacting_steps"] == 0
+    assert off["prefill"]["evict_fraction"] < 0.2
+    for name in ("keydiff", "snapkv"):
+        p = r["results"][name]["prefill"]
+        assert p["steps"] >= 4 and p["compacting_steps"] >= 2  # 1024 tokens in 256-token chunks, budget 256
+        assert 0 < p["evict_ms"] < p["step_ms"] and 0 < p["evict_fraction"] < 1
+        assert 0 < p["attn_ms"] < p["step_ms"]

@@ -25,6 +25,22 @@ class PageLayout:
     v_row: torch.Tensor
     v_col: torch.Tensor
 
+    def affine(self, D: int) -> tuple[tuple[int, int, int], tuple[int, int, int]] | None:
+        """``(offset, token stride, dim stride)`` of K and of V inside a page when both are plain
+        strided matrices (``vec``: K ``[D, bs]``, V ``[bs, D]``), else None (``amx`` tiles)."""
+        out = []
+        for row, col in ((self.k_row, self.k_col), (self.v_row, self.v_col)):
+            flat = row * D + col
+            base = int(flat[0, 0])
+            st = int(flat[1, 0] - base) if flat.shape[0] > 1 else 0
+            sd = int(flat[0, 1] - base) if flat.shape[1] > 1 else 0
+            t = torch.arange(flat.shape[0])[:, None]
+            d = torch.arange(flat.shape[1])[None, :]
+            if not torch.equal(flat, base + t * st + d * sd):
+                return None
+            out.append((base, st, sd))
+        return out[0], out[1]
+
 
 def _reshape_and_cache(key, value, kv_cache, slot_mapping, isa: str) -> None:
     from vllm import _custom_ops as ops
@@ -61,6 +77,11 @@ def page_layout(isa: str, block_size: int, head_dim: int, dtype: torch.dtype) ->
     return PageLayout(*out)
 
 
+@lru_cache(maxsize=32)
+def _affine(isa: str, block_size: int, head_dim: int, dtype: torch.dtype):
+    return page_layout(isa, block_size, head_dim, dtype).affine(head_dim)
+
+
 def gather_tokens(
     kv_cache: torch.Tensor, isa: str, blocks: torch.Tensor, offsets: torch.Tensor
 ) -> tuple[torch.Tensor, torch.Tensor]:
@@ -71,6 +92,14 @@ def gather_tokens(
     nb, H, bs, D2 = kv_cache.shape
     D = D2 // 2
     lay = page_layout(isa, bs, D, kv_cache.dtype)
+    aff = _affine(isa, bs, D, kv_cache.dtype)
+    if aff is not None and kv_cache.is_contiguous():
+        # Strided views [nb, H, bs, D] of K and V: one row gather per token instead of per element.
+        b, o = blocks.long(), offsets.long()
+        page = 2 * bs * D
+        views = [kv_cache.as_strided((nb, H, bs, D), (H * page, page, st, sd), kv_cache.storage_offset() + base)
+                 for base, st, sd in aff]
+        return views[0][b, :, o], views[1][b, :, o]
     kv = kv_cache.view(nb, H, 2 * bs, D)
     b = blocks.long()[:, None, None]
     h = torch.arange(H)[None, :, None]

@@ -124,14 +124,21 @@ def attention_probs(Q: torch.Tensor, K: torch.Tensor, q_pos: torch.Tensor, k_pos
                     scale: float, softcap: float | None = None) -> torch.Tensor:
     """``[H_q, m, n]`` float32 probabilities of queries ``Q [H_q, m, d]`` at positions ``q_pos [m]``
     over keys ``K [H_kv, n, d]`` at ``k_pos [H_kv, n]``: scaled, soft-capped, causal by position;
-    query head ``h`` reads KV head ``h // G``; a query that sees no key has probabilities 0."""
-    Kr = K.float().repeat_interleave(G, dim=0)
-    kpos = k_pos.repeat_interleave(G, dim=0)
-    s = torch.matmul(Q.float(), Kr.transpose(1, 2)) * scale
+    query head ``h`` reads KV head ``h // G`` (each KV head's G query heads in one matmul, K never
+    repeated); a query that sees no key has probabilities 0."""
+    Hq, m, d = Q.shape
+    H, n = K.shape[:2]
+    s = torch.matmul(Q.float().reshape(H, G * m, d), K.float().transpose(1, 2)).view(H, G, m, n)
+    s.mul_(scale)
     if softcap:
         s = softcap * torch.tanh(s / softcap)
-    s = s.masked_fill(kpos[:, None, :] > q_pos.to(kpos.device)[None, :, None], float("-inf"))
-    return torch.softmax(s, dim=-1).nan_to_num(0.0)
+    q_pos = q_pos.to(k_pos.device)
+    hidden = k_pos[:, None, :] > q_pos[None, :, None]  # [H_kv, m, n], shared by the group
+    s.masked_fill_(hidden[:, None], float("-inf"))
+    p = torch.softmax(s, dim=-1)
+    if n == 0 or bool((q_pos[None, :] < k_pos.min(dim=1, keepdim=True).values).any()):
+        p = p.nan_to_num_(0.0)  # some query sees no key: its row is 0, not NaN
+    return p.view(Hq, m, n)
 
 
 def column_sums(Q: torch.Tensor, K: torch.Tensor, q_pos: torch.Tensor, k_pos: torch.Tensor, G: int, scale: float,

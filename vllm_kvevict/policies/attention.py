@@ -13,14 +13,8 @@ from __future__ import annotations
 import torch
 import torch.nn.functional as F
 
-from vllm_kvevict.kernels import ops, reference
+from vllm_kvevict.kernels import ops
 from vllm_kvevict.policies.base import KVView
-
-
-def probs(view: KVView, Q: torch.Tensor, q_pos: torch.Tensor) -> torch.Tensor:
-    """``[H_q, m, n]`` float32 attention probabilities of queries ``Q [H_q, m, d]`` at positions
-    ``q_pos [m]`` over the window's keys."""
-    return reference.attention_probs(Q, view.K, q_pos, view.pos, view.G, view.attn_scale, view.softcap)
 
 
 def column_sums(view: KVView, Q: torch.Tensor, q_pos: torch.Tensor) -> torch.Tensor:

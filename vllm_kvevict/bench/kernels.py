@@ -1,0 +1,192 @@
+"""Kernel benchmark below vLLM: the batched eviction step against the attention it serves and the
+device's copy bandwidth, at a model's shapes (default Llama-3.1-8B: 32 query heads, 8 KV heads,
+head_dim 128, bf16), for several request counts and context lengths.
+
+    python -m vllm_kvevict.bench.kernels --device cuda --requests 1,8,64 --contexts 2048,8192,32768
+
+Per (requests R, context n) on one layer's paged cache (FlashAttention layout, block 16):
+
+* ``compact``: gather the window through the block table, select ``budget`` tokens per (request,
+  KV head), scatter them right-aligned (:mod:`vllm_kvevict.kernels.ops`: Triton on CUDA). Reported
+  as bytes moved (K and V of the kept tokens, read and written) per second, and as a fraction of
+  the device-to-device copy bandwidth measured in the same run (``torch.Tensor.copy_`` of 1 GiB).
+* ``chunk``: one prefill chunk's eviction work (KeyDiff scores + select + scatter over the window
+  ``budget + chunk``) against the chunk's attention over its context in the same run
+  (``scaled_dot_product_attention``, causal, the chunk's queries over the window; FlashAttention
+  on CUDA): the fraction eviction adds.
+
+Times are medians of CUDA-event-timed repetitions (wall clock on CPU). Prints a table and writes
+JSON and a PNG. No vLLM needed: this is what runs on a machine with a GPU and only torch + Triton.
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import statistics
+import sys
+import time
+from pathlib import Path
+
+import torch
+
+from vllm_kvevict.kernels import ops
+
+
+def _timer(device: torch.device, fn, reps: int) -> float:
+    """Median seconds of ``fn()`` after one warm-up."""
+    fn()
+    out = []
+    for _ in range(reps):
+        if device.type == "cuda":
+            a, b = torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True)
+            a.record()
+            fn()
+            b.record()
+            torch.cuda.synchronize()
+            out.append(a.elapsed_time(b) / 1e3)
+        else:
+            t0 = time.perf_counter()
+            fn()
+            out.append(time.perf_counter() - t0)
+    return statistics.median(out)
+
+
+def copy_bandwidth(device: torch.device, nbytes: int = 1 << 30, reps: int = 10) -> float:
+    """Device-to-device copy bandwidth in bytes/s (read + write counted)."""
+    src = torch.empty(nbytes // 2, dtype=torch.bfloat16, device=device)
+    dst = torch.empty_like(src)
+    return 2 * nbytes / _timer(device, lambda: dst.copy_(src), reps)
+
+
+def paged_layer(R: int, n: int, H: int, D: int, bs: int, dtype, device):
+    """One layer's cache holding ``R`` requests of ``n`` tokens in shuffled blocks, and its table."""
+    per = -(-n // bs)
+    nb = R * per + 1
+    cache = torch.randn(nb, H, bs, 2 * D, dtype=dtype, device=device)  # vLLM's [nb, H, bs, 2D]
+    table = (torch.randperm(nb - 1, device=device)[: R * per] + 1).reshape(R, per).to(torch.int32)
+    k, v = cache.transpose(1, 2).split(D, dim=-1)
+    return cache, k, v, table
+
+
+def eviction_step(k, v, table, rows, starts, ends, budget: int):
+    K, V, cu = ops.gather_paged(k, v, table, rows, starts, ends)
+    pos = (torch.arange(K.shape[0], device=K.device)[:, None] - cu[:-1].repeat_interleave(cu[1:] - cu[:-1])[:, None]
+           ).expand(-1, K.shape[1]).contiguous()
+    scores = ops.keydiff_scores(K, cu)
+    keep = torch.full((rows.numel(),), budget, device=K.device)
+    idx, cu_keep = ops.select_topk(scores, pos, cu, keep)
+    dst = ends - (cu_keep[1:] - cu_keep[:-1])
+    ops.scatter_paged(k, K, idx, cu, cu_keep, table, rows, dst)
+    ops.scatter_paged(v, V, idx, cu, cu_keep, table, rows, dst)
+    return int(cu_keep[-1])
+
+
+def run(device: str, requests: list[int], contexts: list[int], chunk: int, budget_ratio: float, Hq: int, H: int,
+        D: int, bs: int, dtype: torch.dtype, reps: int) -> dict:
+    dev = torch.device(device)
+    bw = copy_bandwidth(dev, 1 << 30 if dev.type == "cuda" else 1 << 26)
+    rows_out = []
+    for R in requests:
+        for n in contexts:
+            cache, k, v, table = paged_layer(R, n, H, D, bs, dtype, dev)
+            rows = torch.arange(R, device=dev, dtype=torch.int32)
+            budget = max(1, int(budget_ratio * n))
+            starts = torch.zeros(R, dtype=torch.int64, device=dev)
+            ends = torch.full((R,), n, dtype=torch.int64, device=dev)
+            # compaction of the whole context down to the budget
+            kept = eviction_step(k, v, table, rows, starts, ends, budget)
+            t_all = _timer(dev, lambda: eviction_step(k, v, table, rows, starts, ends, budget), reps)
+            moved = 2 * 2 * kept * H * D * k.element_size()  # K and V, read and written
+            # one prefill chunk: eviction over the window budget + chunk vs the chunk's attention over it
+            win = min(n, budget + chunk)
+            w_ends = torch.full((R,), win, dtype=torch.int64, device=dev)
+            t_chunk = _timer(dev, lambda: eviction_step(k, v, table, rows, starts, w_ends, budget), reps)
+            q = torch.randn(R, Hq, chunk, D, dtype=dtype, device=dev)
+            kk = torch.randn(R, H, win, D, dtype=dtype, device=dev).repeat_interleave(Hq // H, dim=1)
+            vv = torch.randn_like(kk)
+            mask = torch.ones(chunk, win, dtype=torch.bool, device=dev).tril(win - chunk)
+
+            def attn():
+                return torch.nn.functional.scaled_dot_product_attention(q, kk, vv, attn_mask=mask)
+
+            t_attn = _timer(dev, attn, reps)
+            rows_out.append({
+                "requests": R, "context": n, "budget": budget, "compact_s": t_all, "compact_bytes": moved,
+                "compact_bw": moved / t_all, "compact_bw_fraction": moved / t_all / bw, "window": win,
+                "chunk": chunk, "chunk_evict_s": t_chunk, "chunk_attn_s": t_attn, "chunk_fraction": t_chunk / t_attn,
+            })
+            del cache, k, v, q, kk, vv
+            print(format_row(rows_out[-1]), file=sys.stderr)
+    return {"device": torch.cuda.get_device_name(dev) if dev.type == "cuda" else "cpu", "copy_bw": bw,
+            "shapes": {"q_heads": Hq, "kv_heads": H, "head_dim": D, "block_size": bs, "dtype": str(dtype)},
+            "kernels": "triton" if dev.type == "cuda" else "torch", "rows": rows_out}
+
+
+def format_row(r: dict) -> str:
+    return (f"{r['requests']:>5}{r['context']:>8}{r['budget']:>8}{r['compact_s'] * 1e3:>11.3f}"
+            f"{r['compact_bw'] / 1e9:>10.1f}{r['compact_bw_fraction']:>8.2f}{r['chunk_evict_s'] * 1e3:>12.3f}"
+            f"{r['chunk_attn_s'] * 1e3:>10.3f}{r['chunk_fraction']:>8.3f}")
+
+
+def format_table(report: dict) -> str:
+    lines = [f"{report['device']} ({report['kernels']} kernels), copy bandwidth {report['copy_bw'] / 1e9:.0f} GB/s; "
+             f"per layer, {report['shapes']}",
+             f"{'reqs':>5}{'context':>8}{'budget':>8}{'compact ms':>11}{'GB/s':>10}{'x copy':>8}{'chunk ev ms':>12}"
+             f"{'attn ms':>10}{'ev/attn':>8}"]
+    lines += [format_row(r) for r in report["rows"]]
+    return "\n".join(lines)
+
+
+def plot(report: dict, path: str) -> None:
+    import matplotlib
+
+    matplotlib.use("Agg")
+    import matplotlib.pyplot as plt
+
+    fig, (a1, a2) = plt.subplots(1, 2, figsize=(10, 4))
+    for R in sorted({r["requests"] for r in report["rows"]}):
+        rs = [r for r in report["rows"] if r["requests"] == R]
+        a1.plot([r["context"] for r in rs], [r["compact_bw_fraction"] for r in rs], marker="o", label=f"{R} req")
+        a2.plot([r["context"] for r in rs], [r["chunk_fraction"] for r in rs], marker="o", label=f"{R} req")
+    a1.set_xscale("log", base=2)
+    a2.set_xscale("log", base=2)
+    a1.set_xlabel("context tokens")
+    a2.set_xlabel("context tokens")
+    a1.set_ylabel("compaction bandwidth / copy bandwidth")
+    a2.set_ylabel("eviction time / attention time (one chunk)")
+    a1.legend()
+    a2.legend()
+    fig.suptitle(f"{report['device']}: batched eviction kernels")
+    fig.tight_layout()
+    fig.savefig(path, dpi=110)
+    plt.close(fig)
+
+
+def main(argv: list[str] | None = None) -> int:
+    ap = argparse.ArgumentParser(prog="python -m vllm_kvevict.bench.kernels", description=__doc__.split("\n\n")[0])
+    ap.add_argument("--device", default="cuda" if torch.cuda.is_available() else "cpu")
+    ap.add_argument("--requests", default="1,8,64")
+    ap.add_argument("--contexts", default="2048,8192,32768")
+    ap.add_argument("--chunk", type=int, default=512)
+    ap.add_argument("--budget-ratio", type=float, default=0.25)
+    ap.add_argument("--q-heads", type=int, default=32)
+    ap.add_argument("--kv-heads", type=int, default=8)
+    ap.add_argument("--head-dim", type=int, default=128)
+    ap.add_argument("--block-size", type=int, default=16)
+    ap.add_argument("--dtype", default="bfloat16")
+    ap.add_argument("--reps", type=int, default=10)
+    ap.add_argument("--out", default="bench-results")
+    a = ap.parse_args(argv)
+    report = run(a.device, [int(x) for x in a.requests.split(",")], [int(x) for x in a.contexts.split(",")], a.chunk,
+                 a.budget_ratio, a.q_heads, a.kv_heads, a.head_dim, a.block_size, getattr(torch, a.dtype), a.reps)
+    print(format_table(report))
+    out = Path(a.out)
+    out.mkdir(parents=True, exist_ok=True)
+    (out / "kernels.json").write_text(json.dumps(report, indent=1))
+    plot(report, str(out / "kernels.png"))
+    return 0
+
+
+if __name__ == "__main__":
+    sys.exit(main())
