@@ -15,7 +15,8 @@ import torch
 
 from vllm_kvevict.kernels import reference
 
-OPS = ("gather_paged", "keydiff_scores", "key_norms", "select_topk", "scatter_paged", "column_sums")
+OPS = ("gather_paged", "keydiff_scores", "key_norms", "select_topk", "scatter_paged", "column_sums",
+       "lshe_victims")
 
 
 @cache
@@ -63,3 +64,7 @@ def scatter_paged(dst, src, idx, cu, cu_keep, block_table, rows, dst_start):
 
 def column_sums(Q, K, q_pos, k_pos, G, scale, softcap=None):
     return backend_for(K).column_sums(Q, K, q_pos, k_pos, G, scale, softcap)
+
+
+def lshe_victims(dist, pos, victim, q_pos, budget, sinks, recent):
+    return backend_for(pos).lshe_victims(dist, pos, victim, q_pos, budget, sinks, recent)

@@ -14,6 +14,7 @@ token and KV head. Nothing loops over rows in Python.
   position (ALGORITHMS.md 6.5 #21), as row-local indices in ascending order, packed ``[sum keep, H]``.
 * :func:`column_sums`: the softmax attention each key receives from a set of queries, causal by
   position, summed over the queries (SnapKV, TOVA, H2O, CAOTE and CriticalKV read it).
+* :func:`lshe_victims`: LSH-E's victim choice (Alg. 1 line 1), token by token, per KV head.
 * :func:`scatter_paged`: write packed per-head rows into logical tokens ``[dst_start[r],
   dst_start[r] + keep[r])`` through the block table (the right-aligned compaction), any
   ``[slots, H, D]`` or ``[slots, H]`` destination addressed by (block, offset, head).
@@ -21,6 +22,7 @@ token and KV head. Nothing loops over rows in Python.
 
 from __future__ import annotations
 
+import numpy as np
 import torch
 
 EPS = 1e-8
@@ -148,3 +150,28 @@ def column_sums(Q: torch.Tensor, K: torch.Tensor, q_pos: torch.Tensor, k_pos: to
     for i in range(0, Q.shape[1], ROW_CHUNK):
         out += attention_probs(Q[:, i:i + ROW_CHUNK], K, q_pos[i:i + ROW_CHUNK], k_pos, G, scale, softcap).sum(dim=1)
     return out
+
+
+def lshe_victims(dist, pos, victim, q_pos, budget: int, sinks: int, recent: int) -> None:
+    """Alg. 1 line 1 for each token t of ``q_pos`` in order: once the non-victim tokens before t
+    number ``budget``, the eligible one with the largest ``dist[:, i]`` (then the oldest) becomes
+    t's victim. ``victim`` ``[H, n]`` is updated in place. A sequential loop: numpy on the host
+    (the per-token work is a few vector ops over the window)."""
+    H = pos.shape[0]
+    key = ((dist.long() << 32) - pos[:, None, :]).cpu().numpy()  # [H, rows, n]: distance, then oldest
+    posn = pos.cpu().numpy()
+    vic = victim.cpu().numpy().copy()
+    dead = (vic >= 0) | (posn < sinks)  # sinks are never eligible; victims are gone
+    rows = np.arange(H)
+    for i, t in enumerate(q_pos.tolist()):
+        before = posn < t
+        full = (before & (vic < 0)).sum(axis=1) >= budget
+        if not full.any():
+            continue
+        blocked = dead | ~before | (posn >= t - recent)
+        k = np.where(blocked, np.iinfo(np.int64).min, key[:, i])
+        j = k.argmax(axis=1)
+        ok = full & ~blocked[rows, j]
+        vic[rows[ok], j[ok]] = t
+        dead[rows[ok], j[ok]] = True
+    victim.copy_(torch.from_numpy(vic).to(victim.device))

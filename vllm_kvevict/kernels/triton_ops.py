@@ -275,3 +275,45 @@ def column_sums(Q, K, q_pos, k_pos, G: int, scale: float, softcap: float | None 
     _lse_kernel[(Hq, triton.cdiv(m, BQ))](Q, K, qp, kp, lse, m, n, scale=float(scale), softcap=cap, **common)
     _colsum_kernel[(Hq, triton.cdiv(n, BK))](Q, K, qp, kp, lse, out, m, n, scale=float(scale), softcap=cap, **common)
     return out
+
+
+@triton.jit
+def _lshe_victims_kernel(dist_ptr, pos_ptr, vic_ptr, qpos_ptr, m, n, budget, sinks, recent, TILE_T: tl.constexpr):
+    h = tl.program_id(0)  # one KV head: its tokens are decided in order, as the reference loop does
+    MIN: tl.constexpr = -9223372036854775807 - 1
+    for i in tl.range(0, m):
+        t = tl.load(qpos_ptr + i)
+        cnt = tl.zeros([], dtype=tl.int64)
+        best = tl.full([], MIN, tl.int64)
+        best_j = tl.full([], 0, tl.int64)
+        for start in tl.range(0, n, TILE_T):
+            j = start + tl.arange(0, TILE_T)
+            mj = j < n
+            p = tl.load(pos_ptr + h * n + j, mask=mj, other=0).to(tl.int64)
+            v = tl.load(vic_ptr + h * n + j, mask=mj, other=0).to(tl.int64)
+            alive = (p < t) & (v < 0) & mj
+            cnt += tl.sum(alive.to(tl.int64), axis=0)
+            eligible = alive & (p >= sinks) & (p < t - recent)
+            d = tl.load(dist_ptr + (h * m + i) * n + j, mask=mj, other=0).to(tl.int64)
+            key = tl.where(eligible, (d << 32) - p, MIN)  # farthest, then oldest
+            tb = tl.max(key, axis=0)
+            tj = tl.argmax(key, axis=0).to(tl.int64)
+            upd = tb > best
+            best_j = tl.where(upd, start + tj, best_j)
+            best = tl.where(upd, tb, best)
+        if (cnt >= budget) & (best > MIN):
+            tl.store(vic_ptr + h * n + best_j, t.to(vic_ptr.dtype.element_ty))
+        tl.debug_barrier()
+
+
+def lshe_victims(dist, pos, victim, q_pos, budget: int, sinks: int, recent: int) -> None:
+    """LSH-E's victim choice (see reference.lshe_victims): one program per KV head, looping over the
+    step's tokens in order and over the window in tiles; ``victim [H, n]`` updated in place."""
+    H, m, n = dist.shape
+    if m == 0 or n == 0:
+        return
+    vic = victim if victim.is_contiguous() else victim.contiguous()
+    _lshe_victims_kernel[(H,)](dist.contiguous(), pos.long().contiguous(), vic, q_pos.long().contiguous(), m, n,
+                               int(budget), int(sinks), int(recent), TILE_T=min(1024, triton.next_power_of_2(n)))
+    if vic is not victim:
+        victim.copy_(vic)

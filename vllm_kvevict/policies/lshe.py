@@ -22,10 +22,10 @@ from __future__ import annotations
 from functools import lru_cache
 from typing import Literal
 
-import numpy as np
 import torch
 from pydantic import Field
 
+from vllm_kvevict.kernels import ops
 from vllm_kvevict.policies.base import KVView, Policy, PolicyParams
 
 CODE, VICTIM = "lsh_code", "lsh_victim"
@@ -66,31 +66,6 @@ def signs(codes: torch.Tensor, bits: int) -> torch.Tensor:
 ROW_CHUNK = 256
 
 
-def _choose_victims(dist, pos, victim, q_pos, budget: int, sinks: int, recent: int) -> None:
-    """Alg. 1 line 1 for each token t of ``q_pos`` in order: once the non-victim tokens before t
-    number ``budget``, the eligible one with the largest ``dist[:, i]`` (then the oldest) becomes
-    t's victim. ``victim`` ``[H, n]`` is updated in place. A sequential loop: numpy on the host
-    (the per-token work is a few vector ops over the window)."""
-    H = pos.shape[0]
-    key = ((dist.long() << 32) - pos[:, None, :]).cpu().numpy()  # [H, rows, n]: distance, then oldest
-    posn = pos.cpu().numpy()
-    vic = victim.cpu().numpy().copy()
-    dead = (vic >= 0) | (posn < sinks)  # sinks are never eligible; victims are gone
-    rows = np.arange(H)
-    for i, t in enumerate(q_pos.tolist()):
-        before = posn < t
-        full = (before & (vic < 0)).sum(axis=1) >= budget
-        if not full.any():
-            continue
-        blocked = dead | ~before | (posn >= t - recent)
-        k = np.where(blocked, np.iinfo(np.int64).min, key[:, i])
-        j = k.argmax(axis=1)
-        ok = full & ~blocked[rows, j]
-        vic[rows[ok], j[ok]] = t
-        dead[rows[ok], j[ok]] = True
-    victim.copy_(torch.from_numpy(vic).to(victim.device))
-
-
 class LSHE(Policy):
     name = "lshe"
     Params = LSHEParams
@@ -122,7 +97,7 @@ class LSHE(Policy):
             else:  # d_H(h(k_t), h(k_j)), per KV head
                 dist = (p.bits - s_k[:, n - m + c0:n - m + c1] @ s_k.transpose(1, 2)) / 2
             dist = dist.round().long()
-            _choose_victims(dist, view.pos, victim, view.q_pos[c0:c1], view.budget, p.sink_tokens, p.recent_tokens)
+            ops.lshe_victims(dist, view.pos, victim, view.q_pos[c0:c1], view.budget, p.sink_tokens, p.recent_tokens)
 
     def score(self, view: KVView) -> torch.Tensor:
         # Non-victims first; among victims the latest-chosen are kept longest.
