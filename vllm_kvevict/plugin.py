@@ -157,6 +157,32 @@ def _wrap_cpu_selector() -> None:
     CpuPlatform._kvevict_selector_hook = True
 
 
+def _wrap_cuda_selector() -> None:
+    """On CUDA, CUSTOM resolves to the FlashAttention or the Triton subclass (``backends/cuda.py``
+    ``choose_base``), re-registered before vLLM validates it, so every later lookup of CUSTOM in
+    this process finds the same class. vLLM 0.32.0's ``CudaPlatform.get_attn_backend_cls``."""
+    from vllm.platforms.cuda import CudaPlatform
+    from vllm.v1.attention.backends.registry import AttentionBackendEnum, register_backend
+
+    if CudaPlatform.__dict__.get("_kvevict_selector_hook"):
+        return
+    orig = CudaPlatform.get_attn_backend_cls.__func__
+
+    def get_attn_backend_cls(cls, selected_backend, attn_selector_config, num_heads=None):
+        if selected_backend is AttentionBackendEnum.CUSTOM and not attn_selector_config.use_mla:
+            from vllm_kvevict.backends.cuda import choose_base
+
+            path, reasons = choose_base(cls.get_device_capability(), attn_selector_config)
+            if reasons:
+                logger.info("kvevict: FLASH_ATTN refused this configuration (%s); using the TRITON_ATTN base",
+                            "; ".join(reasons))
+            register_backend(AttentionBackendEnum.CUSTOM, path)
+        return orig(cls, selected_backend, attn_selector_config, num_heads)
+
+    CudaPlatform.get_attn_backend_cls = classmethod(get_attn_backend_cls)
+    CudaPlatform._kvevict_selector_hook = True
+
+
 def _install_excepthook() -> None:
     """Print a KVEvictConfigError as its one line (the CLI would otherwise show a long traceback)."""
     if getattr(sys.excepthook, "_kvevict", False):
@@ -188,6 +214,8 @@ def register() -> None:
     AttentionBackendEnum._member_map_.setdefault(ALIAS, AttentionBackendEnum.CUSTOM)
     if current_platform.is_cpu():
         _wrap_cpu_selector()
+    elif current_platform.is_cuda():
+        _wrap_cuda_selector()
     _wrap_check_and_update_config(type(current_platform))
     from vllm_kvevict.scheduler import install_scheduler_hooks, register_spec
 

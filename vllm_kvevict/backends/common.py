@@ -159,6 +159,11 @@ class KVEvictImplMixin:
     def _kvevict_write(self, layer, kv_cache, slots, K, V):  # pragma: no cover - abstract
         raise NotImplementedError
 
+    def _kvevict_views(self, layer, kv_cache) -> tuple[torch.Tensor, torch.Tensor] | None:
+        """K and V as ``[num_blocks, block_size, H, D]`` views, where the layout has them (the
+        step then reads and writes through the block-table kernels); None: gather/write only."""
+        return None
+
     def forward(self, layer, query, key, value, kv_cache, attn_metadata, *args, **kwargs):
         if not self._kvevict_forward_seen and attn_metadata is not None:
             self._kvevict_forward_seen = True
@@ -265,6 +270,7 @@ class KVEvictImplMixin:
             gather=lambda b, o: self._kvevict_gather(layer, kv_cache, b, o),
             write=lambda s, K, V: self._kvevict_write(layer, kv_cache, s, K, V),
             slot_pos=slot_pos, slot_state=self._kvevict_slot_state, layer=layer_idx, G=G,
+            views=self._kvevict_views(layer, kv_cache),
         )
         rows = [w.row for w in work if w.compact]
         if DUMP_DIR:

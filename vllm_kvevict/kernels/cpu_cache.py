@@ -82,6 +82,21 @@ def _affine(isa: str, block_size: int, head_dim: int, dtype: torch.dtype):
     return page_layout(isa, block_size, head_dim, dtype).affine(head_dim)
 
 
+def cache_views(kv_cache: torch.Tensor, isa: str) -> tuple[torch.Tensor, torch.Tensor] | None:
+    """K and V as ``[num_blocks, block_size, H, D]`` strided views of the pages, when the ISA's
+    packing is affine (``vec``, ``vec16``: :meth:`PageLayout.affine`); None otherwise (``amx``
+    tiles). Reads and writes through them land where vLLM's own writer puts each element."""
+    nb, H, bs, D2 = kv_cache.shape
+    D = D2 // 2
+    aff = _affine(isa, bs, D, kv_cache.dtype)
+    if aff is None or not kv_cache.is_contiguous():
+        return None
+    page = 2 * bs * D
+    K, V = (kv_cache.as_strided((nb, bs, H, D), (H * page, st, page, sd), kv_cache.storage_offset() + base)
+            for base, st, sd in aff)
+    return K, V
+
+
 def gather_tokens(
     kv_cache: torch.Tensor, isa: str, blocks: torch.Tensor, offsets: torch.Tensor
 ) -> tuple[torch.Tensor, torch.Tensor]:
@@ -92,14 +107,10 @@ def gather_tokens(
     nb, H, bs, D2 = kv_cache.shape
     D = D2 // 2
     lay = page_layout(isa, bs, D, kv_cache.dtype)
-    aff = _affine(isa, bs, D, kv_cache.dtype)
-    if aff is not None and kv_cache.is_contiguous():
-        # Strided views [nb, H, bs, D] of K and V: one row gather per token instead of per element.
+    views = cache_views(kv_cache, isa)
+    if views is not None:  # one row gather per token instead of per element
         b, o = blocks.long(), offsets.long()
-        page = 2 * bs * D
-        views = [kv_cache.as_strided((nb, H, bs, D), (H * page, page, st, sd), kv_cache.storage_offset() + base)
-                 for base, st, sd in aff]
-        return views[0][b, :, o], views[1][b, :, o]
+        return views[0][b, o], views[1][b, o]
     kv = kv_cache.view(nb, H, 2 * bs, D)
     b = blocks.long()[:, None, None]
     h = torch.arange(H)[None, :, None]

@@ -10,9 +10,13 @@ from __future__ import annotations
 import torch
 
 
-def _views(kv_cache: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
+def cache_views(kv_cache: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
+    """K and V as ``[num_blocks, block_size, H, D]`` views (what the block-table kernels take)."""
     D = kv_cache.shape[-1] // 2
     return kv_cache.transpose(1, 2).split(D, dim=-1)
+
+
+_views = cache_views
 
 
 def gather_tokens(kv_cache: torch.Tensor, blocks: torch.Tensor, offsets: torch.Tensor):

