@@ -248,3 +248,14 @@ def test_triton_lshe_victims(tri, case):
     tri.lshe_victims(dist.to(DEV), pos.to(DEV), got_d := got.to(DEV), q_pos.to(DEV), budget, sinks, recent)
     assert (want != victim).any()  # victims were chosen
     assert torch.equal(want, got_d.cpu())
+
+
+def test_every_op_has_both_implementations(tri):
+    """ops.OPS: each dispatched op exists in the reference and in Triton, with ops' parameter names."""
+    import inspect
+
+    from vllm_kvevict.kernels import ops
+
+    for name in ops.OPS:
+        params = [list(inspect.signature(getattr(mod, name)).parameters) for mod in (ops, ref, tri)]
+        assert params[0] == params[1] == params[2], name

@@ -16,7 +16,7 @@ import torch
 from vllm_kvevict.kernels import reference
 
 OPS = ("gather_paged", "keydiff_scores", "key_norms", "select_topk", "scatter_paged", "column_sums",
-       "lshe_victims")
+       "lshe_victims", "simhash_codes", "hamming_distances", "projected_value_norms")
 
 
 @cache
@@ -68,3 +68,15 @@ def column_sums(Q, K, q_pos, k_pos, G, scale, softcap=None):
 
 def lshe_victims(dist, pos, victim, q_pos, budget, sinks, recent):
     return backend_for(pos).lshe_victims(dist, pos, victim, q_pos, budget, sinks, recent)
+
+
+def simhash_codes(x, R):
+    return backend_for(x).simhash_codes(x, R)
+
+
+def hamming_distances(q_codes, k_codes, G):
+    return backend_for(k_codes).hamming_distances(q_codes, k_codes, G)
+
+
+def projected_value_norms(V, W_O, G):
+    return backend_for(V).projected_value_norms(V, W_O, G)

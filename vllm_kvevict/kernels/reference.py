@@ -15,6 +15,11 @@ token and KV head. Nothing loops over rows in Python.
 * :func:`column_sums`: the softmax attention each key receives from a set of queries, causal by
   position, summed over the queries (SnapKV, TOVA, H2O, CAOTE and CriticalKV read it).
 * :func:`lshe_victims`: LSH-E's victim choice (Alg. 1 line 1), token by token, per KV head.
+* :func:`simhash_codes`: LSH-E's SimHash codes ``[R x >= 0]``, bit-packed into int64.
+* :func:`hamming_distances`: ``sum_g popcount(q_g xor k)`` between packed codes, summed over each
+  KV head's query group (LSH-E's distance).
+* :func:`projected_value_norms`: CriticalKV's ``mean_g ||v_i W_O^g||_1``, a bounded number of
+  tokens at a time.
 * :func:`scatter_paged`: write packed per-head rows into logical tokens ``[dst_start[r],
   dst_start[r] + keep[r])`` through the block table (the right-aligned compaction), any
   ``[slots, H, D]`` or ``[slots, H]`` destination addressed by (block, offset, head).
@@ -175,3 +180,63 @@ def lshe_victims(dist, pos, victim, q_pos, budget: int, sinks: int, recent: int)
         vic[rows[ok], j[ok]] = t
         dead[rows[ok], j[ok]] = True
     victim.copy_(torch.from_numpy(vic).to(victim.device))
+
+
+def simhash_codes(x: torch.Tensor, R: torch.Tensor) -> torch.Tensor:
+    """``[M]`` int64 SimHash codes of ``x [M, d]`` under projections ``R [c, d]`` (``c <= 63``):
+    bit ``b`` = ``[R_b . x >= 0]``, the dot in float32 (one ``x.float() @ R.T`` matmul). A dot that
+    is exactly 0 (or -0.0) sets its bit; NaN clears it. Another fp32 summation order (the Triton
+    kernel's) can only flip bits whose dot is within rounding of 0."""
+    bits = (x.float() @ R.to(device=x.device, dtype=torch.float32).T) >= 0  # [M, c]
+    weights = 2 ** torch.arange(R.shape[0], device=x.device, dtype=torch.int64)
+    return (bits.long() * weights).sum(dim=-1)
+
+
+def _code_width(*codes: torch.Tensor) -> int:
+    """How many low bits hold the codes (all 64 if any is negative, i.e. uses the sign bit)."""
+    lo = min(int(c.min()) for c in codes)
+    hi = max(int(c.max()) for c in codes)
+    return 64 if lo < 0 else max(1, hi.bit_length())
+
+
+def hamming_distances(q_codes: torch.Tensor, k_codes: torch.Tensor, G: int) -> torch.Tensor:
+    """``[H, m, n]`` int64: ``sum_{g < G} popcount(q_codes[h G + g, i] xor k_codes[h, j])``, the
+    Hamming distance between packed codes summed over each KV head's query group (query head ``h``
+    reads KV head ``h // G``); ``q_codes [H G, m]``, ``k_codes [H, n]``. With ``G = 1`` and key codes
+    as ``q_codes``: key-to-key distances.
+
+    Computed without a popcount (torch has none) as one exact small-integer matmul per KV head:
+    with the codes' ``w`` bits as signs ``s = 2 bit - 1``, ``popcount(a xor b) = (w - s_a . s_b) / 2``,
+    so the group's sum is ``(G w - (sum_g s_q^g) . s_k) / 2``. Every term is a multiple of 1/2 below
+    ``2^24``: float32 is exact."""
+    Hq, m = q_codes.shape
+    H, n = k_codes.shape
+    if m == 0 or n == 0:
+        return torch.zeros(H, m, n, dtype=torch.int64, device=k_codes.device)
+    w = _code_width(q_codes, k_codes)
+    shifts = torch.arange(w, device=k_codes.device, dtype=torch.int64)
+    s_k = ((k_codes[..., None] >> shifts) & 1).float() * 2 - 1  # [H, n, w]
+    s_q = ((q_codes.to(k_codes.device)[..., None] >> shifts) & 1).float() * 2 - 1  # [H G, m, w]
+    s_q = s_q.view(H, G, m, w).sum(dim=1)  # [H, m, w]
+    half_gw = torch.full((1, 1, 1), G * w / 2, dtype=torch.float32, device=k_codes.device)
+    return torch.baddbmm(half_gw, s_q, s_k.transpose(1, 2), alpha=-0.5).long()
+
+
+#: elements of the transient ``[H_q, tokens, D]`` product in :func:`projected_value_norms`
+PROJ_CHUNK = 1 << 23
+
+
+def projected_value_norms(V: torch.Tensor, W_O: torch.Tensor, G: int) -> torch.Tensor:
+    """``[H_kv, n]`` float32: ``mean_{g < G} ||v_i W_O^{h G + g}||_1`` for the values ``V [H_kv, n, d]``
+    of KV head ``h`` and the output projections ``W_O [H_q, d, D]`` of its query heads (CriticalKV's
+    projected value norm), in float32. Tokens go ``PROJ_CHUNK / (H_q D)`` at a time, so the
+    ``[H_q, tokens, D]`` products stay bounded whatever ``n``."""
+    H, n, d = V.shape
+    Hq, _, D = W_O.shape
+    W = W_O.to(device=V.device, dtype=torch.float32).reshape(H, G, d, D)
+    out = torch.empty(H, n, dtype=torch.float32, device=V.device)
+    step = max(1, PROJ_CHUNK // max(1, Hq * D))
+    for t0 in range(0, n, step):
+        Vt = V[:, t0:t0 + step].float()[:, None]  # [H, 1, T, d], shared by the group
+        out[:, t0:t0 + step] = torch.matmul(Vt, W).abs_().sum(dim=-1).mean(dim=1)
+    return out

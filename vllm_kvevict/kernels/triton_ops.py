@@ -8,6 +8,11 @@ tiles, so no ``[H, n, n]`` or per-row padding is ever materialised. ``select_top
 ``keep``-th largest (score, position) key exactly by building it bit by bit (63 counting passes
 over the row), then writes the kept indices in token order with a running prefix sum: exact and
 deterministic, whatever the row length.
+
+The policy kernels: ``simhash_codes`` one program per tile of vectors, a loop over the bits;
+``hamming_distances`` one per (KV head, tile of queries, tile of keys), XOR and a bit-trick popcount
+on the packed codes; ``projected_value_norms`` one per (KV head, tile of tokens), looping over the
+group's heads and over ``D`` in tiles, only per-token sums leaving the program.
 """
 
 from __future__ import annotations
@@ -317,3 +322,121 @@ def lshe_victims(dist, pos, victim, q_pos, budget: int, sinks: int, recent: int)
                                int(budget), int(sinks), int(recent), TILE_T=min(1024, triton.next_power_of_2(n)))
     if vic is not victim:
         victim.copy_(vic)
+
+
+@triton.jit
+def _simhash_kernel(x_ptr, r_ptr, out_ptr, M, s_xm, s_xd, C, D: tl.constexpr, TILE_M: tl.constexpr,
+                    BLOCK_D: tl.constexpr):
+    """reference.simhash_codes: code |= [R_b . x >= 0] << b, the dot in float32 as an elementwise
+    product and tl.sum (not tl.dot: no TF32, and the rounding stays that of an fp32 reduction)."""
+    i = tl.program_id(0) * TILE_M + tl.arange(0, TILE_M)
+    d = tl.arange(0, BLOCK_D)
+    mi = i < M
+    x = tl.load(x_ptr + i[:, None].to(tl.int64) * s_xm + d[None, :] * s_xd, mask=mi[:, None] & (d[None, :] < D),
+                other=0.0).to(tl.float32)
+    code = tl.zeros([TILE_M], dtype=tl.int64)
+    for b in tl.range(0, C):
+        r = tl.load(r_ptr + b * D + d, mask=d < D, other=0.0)
+        dot = tl.sum(x * r[None, :], axis=1)
+        code = code | ((dot >= 0).to(tl.int64) << b)
+    tl.store(out_ptr + i, code, mask=mi)
+
+
+def simhash_codes(x, R):
+    """``[M]`` int64 SimHash codes of ``x [M, d]``: bit b = ``[R_b . x >= 0]`` (see
+    reference.simhash_codes for the tie rule)."""
+    M, D = x.shape
+    out = torch.empty(M, dtype=torch.int64, device=x.device)
+    if M == 0:
+        return out
+    R = R.to(device=x.device, dtype=torch.float32).contiguous()
+    TM = 32
+    _simhash_kernel[(triton.cdiv(M, TM),)](x, R, out, M, *x.stride(), R.shape[0], D=D, TILE_M=TM,
+                                           BLOCK_D=triton.next_power_of_2(D))
+    return out
+
+
+@triton.jit
+def _popcount64(x):
+    """Set bits of each int64 (all 64, the sign bit included): SWAR sums in 2-, 4- and 8-bit fields,
+    every intermediate non-negative (masks clear bit 63), so signed shifts are harmless."""
+    x = (x & 0x5555555555555555) + ((x >> 1) & 0x5555555555555555)
+    x = (x & 0x3333333333333333) + ((x >> 2) & 0x3333333333333333)
+    x = (x + (x >> 4)) & 0x0F0F0F0F0F0F0F0F
+    x = x + (x >> 8)
+    x = x + (x >> 16)
+    x = x + (x >> 32)
+    return x & 0x7F
+
+
+@triton.jit
+def _hamming_kernel(q_ptr, k_ptr, out_ptr, m, n, G: tl.constexpr, TILE_M: tl.constexpr, TILE_N: tl.constexpr):
+    """reference.hamming_distances: out[h, i, j] = sum_g popcount(q[h G + g, i] ^ k[h, j])."""
+    h = tl.program_id(0)
+    i = tl.program_id(1) * TILE_M + tl.arange(0, TILE_M)
+    j = tl.program_id(2) * TILE_N + tl.arange(0, TILE_N)
+    mi, mj = i < m, j < n
+    k = tl.load(k_ptr + h * n + j, mask=mj, other=0)
+    acc = tl.zeros([TILE_M, TILE_N], dtype=tl.int64)
+    for g in tl.range(0, G):
+        q = tl.load(q_ptr + (h * G + g) * m + i, mask=mi, other=0)
+        acc += _popcount64(q[:, None] ^ k[None, :])
+    out = (h * m + i[:, None]).to(tl.int64) * n + j[None, :]
+    tl.store(out_ptr + out, acc, mask=mi[:, None] & mj[None, :])
+
+
+def hamming_distances(q_codes, k_codes, G: int):
+    """``[H, m, n]`` int64: Hamming distances between packed codes, summed over each KV head's query
+    group (see reference.hamming_distances)."""
+    Hq, m = q_codes.shape
+    H, n = k_codes.shape
+    out = torch.empty(H, m, n, dtype=torch.int64, device=k_codes.device)
+    if m == 0 or n == 0:
+        return out
+    TM, TN = 32, 64
+    _hamming_kernel[(H, triton.cdiv(m, TM), triton.cdiv(n, TN))](
+        q_codes.long().contiguous(), k_codes.long().contiguous(), out, m, n, G=G, TILE_M=TM, TILE_N=TN)
+    return out
+
+
+@triton.jit
+def _proj_norm_kernel(v_ptr, w_ptr, out_ptr, n, s_vh, s_vt, s_vd, s_wh, s_wd, s_wc, Dout, G: tl.constexpr,
+                      d: tl.constexpr, TILE_T: tl.constexpr, BLOCK_d: tl.constexpr, TILE_D: tl.constexpr,
+                      PREC: tl.constexpr):
+    """reference.projected_value_norms: per token, the mean over the group's heads of sum |v W_O^g|,
+    a [TILE_T, TILE_D] tile of v W_O^g at a time (tl.dot over d), reduced to per-token sums in
+    registers."""
+    h = tl.program_id(0)
+    t = tl.program_id(1) * TILE_T + tl.arange(0, TILE_T)
+    k = tl.arange(0, BLOCK_d)
+    mk = k < d
+    v = tl.load(v_ptr + h * s_vh + t[:, None].to(tl.int64) * s_vt + k[None, :] * s_vd,
+                mask=(t < n)[:, None] & mk[None, :], other=0.0).to(tl.float32)
+    acc = tl.zeros([TILE_T], dtype=tl.float32)
+    for g in tl.range(0, G):
+        w_head = w_ptr + (h * G + g).to(tl.int64) * s_wh
+        for c0 in tl.range(0, Dout, TILE_D):
+            c = c0 + tl.arange(0, TILE_D)
+            w = tl.load(w_head + k[:, None] * s_wd + c[None, :] * s_wc, mask=mk[:, None] & (c < Dout)[None, :],
+                        other=0.0).to(tl.float32)
+            acc += tl.sum(tl.abs(tl.dot(v, w, input_precision=PREC)), axis=1)
+    tl.store(out_ptr + h * n + t, acc / G, mask=t < n)
+
+
+def projected_value_norms(V, W_O, G: int):
+    """``[H_kv, n]`` float32: ``mean_g ||v_i W_O^g||_1`` (see reference.projected_value_norms); no
+    ``[n, D]`` product is ever written to memory. Products in float32: 16-bit inputs are exact in
+    TF32, so they take the tensor cores at no loss; float32 inputs use IEEE fp32."""
+    H, n, d = V.shape
+    D = W_O.shape[-1]
+    out = torch.empty(H, n, dtype=torch.float32, device=V.device)
+    if n == 0:
+        return out
+    W_O = W_O.to(V.device)
+    half = (torch.float16, torch.bfloat16)
+    prec = "tf32" if V.dtype in half and W_O.dtype in half else "ieee"
+    Bd = max(16, triton.next_power_of_2(d))
+    TT = 64 if Bd <= 128 else 32
+    _proj_norm_kernel[(H, triton.cdiv(n, TT))](V, W_O, out, n, *V.stride(), *W_O.stride(), D, G=G, d=d,
+                                               TILE_T=TT, BLOCK_d=Bd, TILE_D=64, PREC=prec)
+    return out

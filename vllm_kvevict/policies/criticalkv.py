@@ -24,6 +24,7 @@ from typing import Literal
 import torch
 from pydantic import Field
 
+from vllm_kvevict.kernels import ops
 from vllm_kvevict.policies.base import KVView, topk_newer
 from vllm_kvevict.policies.caote import Base, BaseScoreParams, BaseScorePolicy
 from vllm_kvevict.policies.snapkv import SnapKVParams
@@ -40,15 +41,6 @@ class CriticalKVParams(BaseScoreParams):
     )
     alpha: float = Field(0.5, ge=0.0, le=1.0, description="share of the budget chosen by attention alone")
     eps: float = Field(1e-4, ge=0.0, description="added to the attention in stage 2")
-
-
-def projected_value_norms(V: torch.Tensor, W_O: torch.Tensor, G: int) -> torch.Tensor:
-    """``[H_kv, n]``: mean over each group's query heads of ``||v_i W_O^g||_1``."""
-    H_q = W_O.shape[0]
-    out = torch.empty(H_q, V.shape[1], dtype=torch.float32, device=V.device)
-    for g in range(H_q):  # one head at a time: [n, D] transient, as kvpress does
-        out[g] = (V[g // G].float() @ W_O[g].float()).abs().sum(dim=-1)
-    return out.reshape(H_q // G, G, -1).mean(dim=1)
 
 
 class CriticalKV(BaseScorePolicy):
@@ -70,5 +62,5 @@ class CriticalKV(BaseScorePolicy):
         s1 = topk_newer(A.masked_fill(protected, inf), keep - b + b1, view.pos)
         chosen = torch.zeros_like(protected).scatter_(1, s1, True)
         # Stage 2: the rest of the budget by attention times the projected value norm.
-        crit = (A + self.params.eps) * projected_value_norms(view.V, view.W_O, view.G)
+        crit = (A + self.params.eps) * ops.projected_value_norms(view.V, view.W_O, view.G)  # Vp
         return crit.masked_fill(chosen, inf)

@@ -3,6 +3,7 @@ LSH-E paper Sec. 3, Alg. 1).
 
     h(x) = [R x >= 0] in {0,1}^c           R in R^{c x d}, N(0, 1), fixed per layer (seeded)
     e_t  = argmax_j  sum_{g in group} d_H(h(q_t^g), h(k_j))      over the unprotected cached keys
+    d_H(a, b) = popcount(a xor b)          on the bit-packed codes
 
 One token per new token: before token t joins, if the cache already holds ``budget`` tokens, the
 cached key with the largest Hamming distance to t's query (summed over the query group, 6.5 #14;
@@ -50,16 +51,7 @@ def _projection(seed: int, layer: int, bits: int, d: int) -> torch.Tensor:
 
 def simhash(x: torch.Tensor, R: torch.Tensor) -> torch.Tensor:
     """Packed codes ``[...]`` int64 of vectors ``x [..., d]``: bit b = [R_b . x >= 0]."""
-    bits = (x.float() @ R.to(x.device).T) >= 0  # [..., c]
-    weights = 2 ** torch.arange(R.shape[0], device=x.device, dtype=torch.int64)
-    return (bits.long() * weights).sum(dim=-1)
-
-
-def signs(codes: torch.Tensor, bits: int) -> torch.Tensor:
-    """``[..., c]`` in {-1, +1}: the bits of packed codes. Hamming distance = (c - s_a . s_b) / 2,
-    so distances to a whole window are one exact small-integer matmul."""
-    shifts = torch.arange(bits, device=codes.device, dtype=torch.int64)
-    return ((codes[..., None] >> shifts) & 1).float() * 2 - 1
+    return ops.simhash_codes(x.reshape(-1, x.shape[-1]), R.to(x.device)).view(x.shape[:-1])
 
 
 #: tokens whose distances to the window are computed at once (bounds an [H_q, rows, n] tensor)
@@ -86,17 +78,13 @@ class LSHE(Policy):
         m, n = view.q_pos.shape[0], view.pos.shape[1]
         # This step's tokens are the window's last m slots, in order; hash their keys.
         code[:, n - m:] = simhash(view.K[:, n - m:], R)
-        H, G = view.num_heads, view.G
+        G = view.G
         for c0 in range(0, m, ROW_CHUNK):
             c1 = min(m, c0 + ROW_CHUNK)
-            s_k = signs(code, p.bits)  # [H, n, c]
             if p.hash == "query":  # sum over the group's query heads of d_H(h(q_t^g), h(k_j))
-                s_q = signs(simhash(view.Q[:, c0:c1], R), p.bits)  # [H_q, rows, c]
-                s_q = s_q.reshape(H, G, c1 - c0, p.bits).sum(dim=1)
-                dist = (G * p.bits - s_q @ s_k.transpose(1, 2)) / 2
+                dist = ops.hamming_distances(simhash(view.Q[:, c0:c1], R), code, G)  # [H, rows, n]
             else:  # d_H(h(k_t), h(k_j)), per KV head
-                dist = (p.bits - s_k[:, n - m + c0:n - m + c1] @ s_k.transpose(1, 2)) / 2
-            dist = dist.round().long()
+                dist = ops.hamming_distances(code[:, n - m + c0:n - m + c1], code, 1)
             ops.lshe_victims(dist, view.pos, victim, view.q_pos[c0:c1], view.budget, p.sink_tokens, p.recent_tokens)
 
     def score(self, view: KVView) -> torch.Tensor:
