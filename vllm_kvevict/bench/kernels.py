@@ -10,10 +10,11 @@ Per (requests R, context n) on one layer's paged cache (FlashAttention layout, b
   KV head), scatter them right-aligned (:mod:`vllm_kvevict.kernels.ops`: Triton on CUDA). Reported
   as bytes moved (K and V of the kept tokens, read and written) per second, and as a fraction of
   the device-to-device copy bandwidth measured in the same run (``torch.Tensor.copy_`` of 1 GiB).
-* ``chunk``: one prefill chunk's eviction work (KeyDiff scores + select + scatter over the window
+* ``chunk``: one prefill chunk's eviction work (scores + select + scatter over the window
   ``budget + chunk``) against the chunk's attention over its context in the same run
   (``scaled_dot_product_attention``, causal, the chunk's queries over the window; FlashAttention
-  on CUDA): the fraction eviction adds.
+  on CUDA): the fraction eviction adds. Scores: ``--score keydiff`` (batched over the requests)
+  or ``snapkv`` (each request's 32-query window attention, ``column_sums``, as the engine runs it).
 
 Times are medians of CUDA-event-timed repetitions (wall clock on CPU). Prints a table and writes
 JSON and a PNG. No vLLM needed: this is what runs on a machine with a GPU and only torch + Triton.
@@ -69,11 +70,24 @@ def paged_layer(R: int, n: int, H: int, D: int, bs: int, dtype, device):
     return cache, k, v, table
 
 
-def eviction_step(k, v, table, rows, starts, ends, budget: int):
+def snapkv_scores(K, pos, cu, Qw, G: int) -> torch.Tensor:
+    """``[N, H]``: each request's window queries ``Qw [R, H_q, w, D]`` summed over, per key (the
+    SnapKV/TOVA/H2O/CAOTE/CriticalKV building block), one request at a time as in the engine."""
+    bounds = cu.tolist()
+    out = []
+    for r in range(len(bounds) - 1):
+        Kr, pr = K[bounds[r]:bounds[r + 1]].transpose(0, 1), pos[bounds[r]:bounds[r + 1]].transpose(0, 1)
+        q_pos = torch.arange(int(pr.max()) + 1 - Qw.shape[2], int(pr.max()) + 1, device=K.device)
+        cs = ops.column_sums(Qw[r], Kr, q_pos, pr, G, Kr.shape[-1] ** -0.5)
+        out.append(cs.reshape(Kr.shape[0], G, -1).mean(dim=1).transpose(0, 1))
+    return torch.cat(out)
+
+
+def eviction_step(k, v, table, rows, starts, ends, budget: int, score: str = "keydiff", Qw=None, G: int = 1):
     K, V, cu = ops.gather_paged(k, v, table, rows, starts, ends)
     pos = (torch.arange(K.shape[0], device=K.device)[:, None] - cu[:-1].repeat_interleave(cu[1:] - cu[:-1])[:, None]
            ).expand(-1, K.shape[1]).contiguous()
-    scores = ops.keydiff_scores(K, cu)
+    scores = ops.keydiff_scores(K, cu) if score == "keydiff" else snapkv_scores(K, pos, cu, Qw, G)
     keep = torch.full((rows.numel(),), budget, device=K.device)
     idx, cu_keep = ops.select_topk(scores, pos, cu, keep)
     dst = ends - (cu_keep[1:] - cu_keep[:-1])
@@ -83,7 +97,7 @@ def eviction_step(k, v, table, rows, starts, ends, budget: int):
 
 
 def run(device: str, requests: list[int], contexts: list[int], chunk: int, budget_ratio: float, Hq: int, H: int,
-        D: int, bs: int, dtype: torch.dtype, reps: int) -> dict:
+        D: int, bs: int, dtype: torch.dtype, reps: int, score: str = "keydiff") -> dict:
     dev = torch.device(device)
     bw = copy_bandwidth(dev, 1 << 30 if dev.type == "cuda" else 1 << 26)
     rows_out = []
@@ -101,7 +115,9 @@ def run(device: str, requests: list[int], contexts: list[int], chunk: int, budge
             # one prefill chunk: eviction over the window budget + chunk vs the chunk's attention over it
             win = min(n, budget + chunk)
             w_ends = torch.full((R,), win, dtype=torch.int64, device=dev)
-            t_chunk = _timer(dev, lambda: eviction_step(k, v, table, rows, starts, w_ends, budget), reps)
+            Qw = torch.randn(R, Hq, 32, D, dtype=dtype, device=dev)
+            t_chunk = _timer(dev, lambda: eviction_step(k, v, table, rows, starts, w_ends, budget, score, Qw, Hq // H),
+                             reps)
             q = torch.randn(R, Hq, chunk, D, dtype=dtype, device=dev)
             kk = torch.randn(R, H, win, D, dtype=dtype, device=dev).repeat_interleave(Hq // H, dim=1)
             vv = torch.randn_like(kk)
@@ -120,7 +136,8 @@ def run(device: str, requests: list[int], contexts: list[int], chunk: int, budge
             print(format_row(rows_out[-1]), file=sys.stderr)
     return {"device": torch.cuda.get_device_name(dev) if dev.type == "cuda" else "cpu", "copy_bw": bw,
             "shapes": {"q_heads": Hq, "kv_heads": H, "head_dim": D, "block_size": bs, "dtype": str(dtype)},
-            "kernels": "triton" if dev.type == "cuda" else "torch", "rows": rows_out}
+            "kernels": ops.backend_for(torch.empty(0, device=dev)).__name__.rsplit(".", 1)[-1], "score": score,
+            "rows": rows_out}
 
 
 def format_row(r: dict) -> str:
@@ -130,7 +147,7 @@ def format_row(r: dict) -> str:
 
 
 def format_table(report: dict) -> str:
-    lines = [f"{report['device']} ({report['kernels']} kernels), copy bandwidth {report['copy_bw'] / 1e9:.0f} GB/s; "
+    lines = [f"{report['device']} ({report['kernels']} kernels, {report.get('score', 'keydiff')} scores), copy bandwidth {report['copy_bw'] / 1e9:.0f} GB/s; "
              f"per layer, {report['shapes']}",
              f"{'reqs':>5}{'context':>8}{'budget':>8}{'compact ms':>11}{'GB/s':>10}{'x copy':>8}{'chunk ev ms':>12}"
              f"{'attn ms':>10}{'ev/attn':>8}"]
@@ -176,10 +193,11 @@ def main(argv: list[str] | None = None) -> int:
     ap.add_argument("--block-size", type=int, default=16)
     ap.add_argument("--dtype", default="bfloat16")
     ap.add_argument("--reps", type=int, default=10)
+    ap.add_argument("--score", choices=["keydiff", "snapkv"], default="keydiff")
     ap.add_argument("--out", default="bench-results")
     a = ap.parse_args(argv)
     report = run(a.device, [int(x) for x in a.requests.split(",")], [int(x) for x in a.contexts.split(",")], a.chunk,
-                 a.budget_ratio, a.q_heads, a.kv_heads, a.head_dim, a.block_size, getattr(torch, a.dtype), a.reps)
+                 a.budget_ratio, a.q_heads, a.kv_heads, a.head_dim, a.block_size, getattr(torch, a.dtype), a.reps, a.score)
     print(format_table(report))
     out = Path(a.out)
     out.mkdir(parents=True, exist_ok=True)
