@@ -22,6 +22,18 @@ CPU_BASE_ARGS = ["--dtype", "float32", "--block-size", "32", "--enforce-eager"]
 CPU_SERVER_ARGS = [*CPU_BASE_ARGS, "--kv-cache-memory-bytes", "256M"]
 
 
+@pytest.fixture(scope="module")
+def tri():
+    """The Triton kernels module; on CPU interpreted (TRITON_INTERPRET is set above, before Triton is
+    first imported)."""
+    pytest.importorskip("triton")
+    if not os.path.exists("/dev/nvidiactl") and os.environ.get("TRITON_INTERPRET") != "1":
+        pytest.skip("no GPU and TRITON_INTERPRET unset when Triton was imported")
+    from vllm_kvevict.kernels import triton_ops
+
+    return triton_ops
+
+
 @pytest.fixture(scope="session")
 def tiny_model() -> Path:
     from vllm_kvevict.testing.models import tiny_path

@@ -19,18 +19,6 @@ CUDA = torch.cuda.is_available()
 DEV = "cuda" if CUDA else "cpu"
 
 
-@pytest.fixture(scope="module")
-def tri():
-    """The Triton module; on CPU interpreted (tests/conftest.py sets TRITON_INTERPRET before Triton is
-    first imported)."""
-    pytest.importorskip("triton")
-    if not CUDA and os.environ.get("TRITON_INTERPRET") != "1":
-        pytest.skip("no GPU and TRITON_INTERPRET unset when Triton was imported")
-    from vllm_kvevict.kernels import triton_ops
-
-    return triton_ops
-
-
 def paged_case(seed: int, bs: int, H: int, D: int, lens: list[int], dtype=torch.float32, starts=None):
     """A FlashAttention-layout cache with random blocks per row, and the rows' windows."""
     g = torch.Generator().manual_seed(seed)

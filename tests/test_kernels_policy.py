@@ -26,18 +26,6 @@ DEV = "cuda" if CUDA else "cpu"
 HALF = (torch.float16, torch.bfloat16)
 
 
-@pytest.fixture(scope="module")
-def tri():
-    """The Triton module; on CPU interpreted (tests/conftest.py sets TRITON_INTERPRET before Triton is
-    first imported)."""
-    pytest.importorskip("triton")
-    if not CUDA and os.environ.get("TRITON_INTERPRET") != "1":
-        pytest.skip("no GPU and TRITON_INTERPRET unset when Triton was imported")
-    from vllm_kvevict.kernels import triton_ops
-
-    return triton_ops
-
-
 def kernels_param(request, monkeypatch, name):
     """Force ``ops`` onto ``name`` (torch|triton) for the test."""
     if name == "triton":
