@@ -45,7 +45,8 @@ __device__ __forceinline__ float to_float(__half x) { return __half2float(x); }
 __device__ __forceinline__ float to_float(__nv_bfloat16 x) { return __bfloat162float(x); }
 
 // Conversions as torch's .to(): between float types through float32, rounding to nearest even; the
-// float32 / int32 / int64 pairs by static_cast (what torch's CUDA cast does).
+// float32 / int32 / int64 pairs by static_cast (what torch's CUDA cast does); a type to itself
+// (the copy's vector units included) is a copy.
 template <typename To, typename From>
 __device__ __forceinline__ To convert(From x) { return static_cast<To>(x); }
 template <> __device__ __forceinline__ __half convert<__half, float>(float x) { return __float2half_rn(x); }
@@ -121,14 +122,16 @@ __global__ void __launch_bounds__(kThreads) gather_paged_kernel(
 }
 
 // ---------------------------------------------------------------------------------------------
-// reference.scatter_paged, same dtype: a copy. Grid: one block per tile of kept tokens (rows of idx).
+// reference.scatter_paged. Grid: one block per tile of kept tokens (rows of idx). A (token, head) row
+// is `nunits` units `s_u` apart in the cache: same dtype, To = From = Vec (a copy, 16-byte units where
+// head_dim and strides allow); otherwise one element per unit, converted (src.to(dst.dtype)).
 
-template <typename Vec>
-__global__ void __launch_bounds__(kThreads) scatter_copy_kernel(
-    Vec* __restrict__ dst, const Vec* __restrict__ src, const int64_t* __restrict__ idx,
+template <typename To, typename From>
+__global__ void __launch_bounds__(kThreads) scatter_paged_kernel(
+    To* __restrict__ dst, const From* __restrict__ src, const int64_t* __restrict__ idx,
     const int64_t* __restrict__ cu, const int64_t* __restrict__ cu_keep, const int64_t* __restrict__ rows,
-    const int64_t* __restrict__ dst_start, int64_t R, int64_t M, Paged p, int64_t s_h, int64_t s_v, int H,
-    int nvec, int tile) {
+    const int64_t* __restrict__ dst_start, int64_t R, int64_t M, Paged p, int64_t s_h, int64_t s_u, int H,
+    int nunits, int tile) {
   __shared__ int64_t dst_off[kMaxTile];  // cache offset each kept token is written to
   __shared__ int64_t src_row[kMaxTile];  // cu[r] of its row: idx is row-local
   const int64_t m0 = static_cast<int64_t>(blockIdx.x) * tile;
@@ -140,45 +143,15 @@ __global__ void __launch_bounds__(kThreads) scatter_copy_kernel(
     src_row[t] = cu[r];
   }
   __syncthreads();
-  const int per_tok = H * nvec;
+  const int per_tok = H * nunits;
   const int total = nt * per_tok;
   for (int i = threadIdx.x; i < total; i += blockDim.x) {
     const int t = i / per_tok;
-    const int hc = i - t * per_tok;
-    const int h = hc / nvec;
-    const int c = hc - h * nvec;
+    const int hu = i - t * per_tok;  // head * nunits + u
+    const int h = hu / nunits;
+    const int u = hu - h * nunits;
     const int64_t tok = src_row[t] + idx[(m0 + t) * H + h];
-    dst[dst_off[t] + h * s_h + c * s_v] = src[(tok * H + h) * nvec + c];
-  }
-}
-
-// reference.scatter_paged, converting (src.to(dst.dtype)): element by element.
-template <typename To, typename From>
-__global__ void __launch_bounds__(kThreads) scatter_convert_kernel(
-    To* __restrict__ dst, const From* __restrict__ src, const int64_t* __restrict__ idx,
-    const int64_t* __restrict__ cu, const int64_t* __restrict__ cu_keep, const int64_t* __restrict__ rows,
-    const int64_t* __restrict__ dst_start, int64_t R, int64_t M, Paged p, int64_t s_h, int64_t s_d, int H,
-    int D, int tile) {
-  __shared__ int64_t dst_off[kMaxTile];
-  __shared__ int64_t src_row[kMaxTile];
-  const int64_t m0 = static_cast<int64_t>(blockIdx.x) * tile;
-  const int nt = static_cast<int>(min(static_cast<int64_t>(tile), M - m0));
-  for (int t = threadIdx.x; t < nt; t += blockDim.x) {
-    const int64_t m = m0 + t;
-    const int64_t r = find_row(cu_keep, R, m);
-    dst_off[t] = slot_offset(p, rows[r], dst_start[r] + (m - cu_keep[r]));
-    src_row[t] = cu[r];
-  }
-  __syncthreads();
-  const int per_tok = H * D;
-  const int total = nt * per_tok;
-  for (int i = threadIdx.x; i < total; i += blockDim.x) {
-    const int t = i / per_tok;
-    const int hd = i - t * per_tok;
-    const int h = hd / D;
-    const int d = hd - h * D;
-    const int64_t tok = src_row[t] + idx[(m0 + t) * H + h];
-    dst[dst_off[t] + h * s_h + d * s_d] = convert<To, From>(src[(tok * H + h) * D + d]);
+    dst[dst_off[t] + h * s_h + u * s_u] = convert<To, From>(src[(tok * H + h) * nunits + u]);
   }
 }
 
@@ -346,7 +319,7 @@ int launch_scatter_copy(void* dst, const void* src, int64_t elem_size, int64_t H
   const int64_t s_v = vectorised ? 1 : l.stride_dim;
   const int tile = tile_tokens(H * nvec);
   const int64_t blocks = (M + tile - 1) / tile;
-  scatter_copy_kernel<Vec><<<static_cast<unsigned>(blocks), kThreads, 0, stream>>>(
+  scatter_paged_kernel<Vec, Vec><<<static_cast<unsigned>(blocks), kThreads, 0, stream>>>(
       static_cast<Vec*>(dst), static_cast<const Vec*>(src), idx, cu, cu_keep, rows, dst_start, R, M,
       paged_in_units(l, elem_size, unit), s_h, s_v, static_cast<int>(H), static_cast<int>(nvec), tile);
   return finish();
@@ -358,7 +331,7 @@ int launch_scatter_convert(void* dst, const void* src, int64_t H, int64_t D, con
                            int64_t R, int64_t M, cudaStream_t stream) {
   const int tile = tile_tokens(H * D);
   const int64_t blocks = (M + tile - 1) / tile;
-  scatter_convert_kernel<To, From><<<static_cast<unsigned>(blocks), kThreads, 0, stream>>>(
+  scatter_paged_kernel<To, From><<<static_cast<unsigned>(blocks), kThreads, 0, stream>>>(
       static_cast<To*>(dst), static_cast<const From*>(src), idx, cu, cu_keep, rows, dst_start, R, M,
       paged_in_units(l, sizeof(To), sizeof(To)), l.stride_head, l.stride_dim, static_cast<int>(H),
       static_cast<int>(D), tile);
