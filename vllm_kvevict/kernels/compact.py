@@ -7,8 +7,8 @@ batched gather for all rows), build the policy's :class:`KVView`, let it update 
 and, for compacting rows, let it choose (and, for merging policies, rewrite) ``L - e_new`` slots
 per KV head, written in slot order into ``[e_new, L)``. Reads complete before any write, so
 overlapping source and destination are safe. Per-slot positions and state move with the tokens.
-Policies that score from keys and positions alone are scored and selected for all their rows at
-once (:mod:`vllm_kvevict.kernels.ops`).
+Policies that score from keys and positions alone are scored for all their rows at once, and every
+row with the default selection is selected in one call (:mod:`vllm_kvevict.kernels.ops`).
 """
 
 from __future__ import annotations
@@ -52,8 +52,11 @@ def evict_step(
     written by one block-table kernel each (:func:`~vllm_kvevict.kernels.ops.gather_paged`,
     :func:`~vllm_kvevict.kernels.ops.scatter_paged`); otherwise through ``gather``/``write`` at
     explicit slots. Compacting rows whose policy is
-    :attr:`~vllm_kvevict.policies.base.Policy.batched` are scored and selected together, one call
-    per policy for all its rows; the others go through the policy row by row.
+    :attr:`~vllm_kvevict.policies.base.Policy.batched` are scored together, one call per policy for
+    all its rows; the others are scored through their policy row by row. Every row with the default
+    selection (:attr:`~vllm_kvevict.policies.base.Policy.default_selection`) is then selected in one
+    :func:`~vllm_kvevict.kernels.ops.select_topk` call, whatever its policy; merging policies select
+    (and rewrite K/V) themselves.
     """
     if not work:
         return []
@@ -105,18 +108,13 @@ def evict_step(
             merged[r] = (new_kv[0].transpose(0, 1).to(K.dtype), new_kv[1].transpose(0, 1).to(V.dtype))
     for idxs in groups.values():  # policies that score from keys and positions: all their rows at once
         policy = work[idxs[0]].policy
-        g_rows = [work[i].row for i in idxs]
-        tok = torch.cat([torch.arange(bounds[i], bounds[i + 1], device=K_all.device) for i in idxs])
-        g_lens = [bounds[i + 1] - bounds[i] for i in idxs]
-        g_cu = reference.cu_from_lengths(torch.tensor(g_lens, device=K_all.device))
-        L = torch.tensor([plan.seq_lens[r] for r in g_rows])
+        tok, g_cu = _packed(bounds, idxs, K_all.device)
+        L = torch.tensor([plan.seq_lens[work[i].row] for i in idxs])
         scores = policy.score_ragged(K_all[tok], pos_all[tok].long(), g_cu, L, layer)
-        to_select += zip(idxs, scores.split(g_lens))
+        to_select += zip(idxs, scores.split([bounds[i + 1] - bounds[i] for i in idxs]))
     if to_select:  # one top-k for every row with the default selection, whatever its policy
         sel_rows = [work[i].row for i, _ in to_select]
-        tok = torch.cat([torch.arange(bounds[i], bounds[i + 1], device=K_all.device) for i, _ in to_select])
-        s_cu = reference.cu_from_lengths(torch.tensor([bounds[i + 1] - bounds[i] for i, _ in to_select],
-                                                      device=K_all.device))
+        tok, s_cu = _packed(bounds, [i for i, _ in to_select], K_all.device)
         keep = torch.tensor([plan.seq_lens[r] - plan.e_new[r] for r in sel_rows], device=K_all.device)
         idx, cu_keep = ops.select_topk(torch.cat([s for _, s in to_select]), pos_all[tok].long(), s_cu, keep)
         ck = cu_keep.tolist()
@@ -127,6 +125,14 @@ def evict_step(
         _write_kept(plan, out, kept_tok, merged, K_all, V_all, pos_all, slots_all, block_size, write, slot_pos,
                     slot_state, views)
     return [pos_all[kept_tok[r], h] for r in out]
+
+
+def _packed(bounds: list[int], idxs: list[int], device) -> tuple[torch.Tensor, torch.Tensor]:
+    """The packed tokens of work rows ``idxs`` (row ``i`` owns ``[bounds[i], bounds[i + 1])``), in
+    that order, and their ``cu``."""
+    tok, _, cu = reference.ranges(torch.tensor([bounds[i] for i in idxs], device=device),
+                                  torch.tensor([bounds[i + 1] for i in idxs], device=device))
+    return tok, cu
 
 
 def _write_kept(plan, out, kept_tok, merged, K_all, V_all, pos_all, slots_all, block_size, write, slot_pos,

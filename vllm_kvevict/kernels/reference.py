@@ -45,14 +45,18 @@ def cu_from_lengths(lengths: torch.Tensor) -> torch.Tensor:
     return torch.nn.functional.pad(torch.cumsum(lengths.long(), 0), (1, 0))
 
 
+def ranges(starts: torch.Tensor, ends: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
+    """The integers ``[starts[r], ends[r])`` of every row ``r``, packed; the row of each; ``cu``."""
+    cu = cu_from_lengths((ends - starts).long())
+    rid = row_ids(cu)
+    return starts.long()[rid] + torch.arange(int(cu[-1]), device=cu.device) - cu[:-1][rid], rid, cu
+
+
 def logical_tokens(block_table: torch.Tensor, rows: torch.Tensor, starts: torch.Tensor, ends: torch.Tensor,
                    block_size: int) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
     """(physical block, offset) of every logical token ``[starts[r], ends[r])`` of each row, packed;
     and ``cu``."""
-    lens = (ends - starts).long()
-    cu = cu_from_lengths(lens)
-    rid = row_ids(cu)
-    tok = starts.long()[rid] + torch.arange(int(cu[-1]), device=cu.device) - cu[:-1][rid]
+    tok, rid, cu = ranges(starts, ends)
     blocks = block_table[rows.long()[rid], tok // block_size].long()
     return blocks, tok % block_size, cu
 

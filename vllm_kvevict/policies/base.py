@@ -139,7 +139,7 @@ class Policy:
 
     @property
     def batched(self) -> bool:
-        """Whether the engine may score and select this policy's rows together
+        """Whether the engine may score this policy's rows together
         (:func:`vllm_kvevict.kernels.compact.evict_step`): it has :meth:`score_ragged` and uses the
         default selection, no state, queries or merging."""
         cls = type(self)
