@@ -119,7 +119,9 @@ def test_merged_values_are_written(monkeypatch):
 @pytest.mark.parametrize("kernels", ["torch", "triton"])
 def test_one_selection_equals_per_row(monkeypatch, kernels):
     """Every row with the default selection (all policies but kvmerger) is selected in one
-    ``select_topk`` call: the same kept sets as each policy's own ``select`` (KVEVICT_BATCHED=0)."""
+    ``select_topk`` call, and every row that reads attention (h2o and kvmerger observing, snapkv,
+    tova, criticalkv scoring) has it computed by one ragged ``column_sums``: the same state, kept
+    sets and cache as each policy computing and selecting on its own (KVEVICT_BATCHED=0)."""
     if kernels == "triton" and not CUDA and os.environ.get("TRITON_INTERPRET") != "1":
         pytest.skip("Triton on CPU needs TRITON_INTERPRET=1 from the start")
     from vllm_kvevict.kernels import compact, ops
@@ -128,11 +130,13 @@ def test_one_selection_equals_per_row(monkeypatch, kernels):
     with monkeypatch.context() as m:
         m.setattr(compact, "BATCHED", False)
         want = _run("flash", torch.float32)
-    calls = []
-    select = ops.select_topk
+    calls, attn_calls = [], []
+    select, column_sums = ops.select_topk, ops.column_sums
     monkeypatch.setattr(ops, "select_topk", lambda *a: calls.append(a[2].numel() - 1) or select(*a))
+    monkeypatch.setattr(ops, "column_sums", lambda *a: attn_calls.append(a[4].numel() - 1) or column_sums(*a))
     got = _run("flash", torch.float32)
     assert calls == [len(COMPACT) - 1]  # every compacting row but kvmerger's, at once
+    assert attn_calls == [sum(p in ("h2o", "kvmerger", "snapkv", "tova", "criticalkv") for p in POLICIES)]
     assert torch.equal(want[0], got[0]) and torch.equal(want[1], got[1])
     for k in want[2]:
         assert torch.equal(want[2][k], got[2][k]), k

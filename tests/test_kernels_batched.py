@@ -195,30 +195,56 @@ def test_evict_step_batched_equals_per_row(monkeypatch, kernels):
     assert len(want[3]) == len(got[3]) == 6 and all(torch.equal(a, b) for a, b in zip(want[3], got[3]))
 
 
-ATTN_CASES = [  # (H_q, H_kv, m queries, n keys, head_dim, softcap)
-    (2, 2, 1, 37, 64, None),
-    (4, 2, 40, 100, 64, None),
-    (6, 3, 33, 130, 128, 30.0),
-    (2, 1, 5, 3, 64, None),  # queries older than every key see nothing
+ATTN_CASES = [  # (H_q, H_kv, head_dim, softcap, rows as (m queries, n keys))
+    (2, 2, 64, None, [(1, 37)]),
+    (4, 2, 64, None, [(40, 100), (1, 7), (33, 64), (5, 130)]),
+    (6, 3, 128, 30.0, [(33, 130), (2, 0), (0, 12), (17, 65)]),  # rows without keys / without queries
+    (2, 1, 64, None, [(5, 3), (3, 40)]),  # row 0: its queries are older than every key (see nothing)
 ]
+
+
+def ragged_attention_case(case: int):
+    """Packed queries ``[M, H_q, D]`` and keys ``[N, H_kv, D]`` of several rows, compacted (shuffled,
+    gapped) key positions per head, each row's queries at its newest positions."""
+    Hq, H, D, cap, shape = ATTN_CASES[case]
+    g = torch.Generator().manual_seed(case)
+    Q, K, q_pos, k_pos = [], [], [], []
+    for r, (m, n) in enumerate(shape):
+        Q.append(torch.randn(m, Hq, D, generator=g))
+        K.append(2 * torch.randn(n, H, D, generator=g))
+        k_pos.append(torch.stack([torch.randperm(n + 10, generator=g)[:n] for _ in range(H)], dim=1))
+        q_pos.append(torch.arange(m) + n + 10 - m if not (case == 3 and r == 0) else torch.arange(m) - 100)
+    cu_q = ref.cu_from_lengths(torch.tensor([m for m, _ in shape]))
+    cu_k = ref.cu_from_lengths(torch.tensor([n for _, n in shape]))
+    return [x.to(DEV) for x in (torch.cat(Q), torch.cat(K), torch.cat(q_pos), torch.cat(k_pos), cu_q, cu_k)] + [
+        Hq // H, D ** -0.5, cap]
+
+
+@pytest.mark.parametrize("case", range(len(ATTN_CASES)))
+def test_column_sums_rows_are_attention_probs(case):
+    """The ragged reference, row by row: the softmax probabilities of each row's queries over its own
+    keys (never another row's), summed per key; each query that sees a key sums to one."""
+    Q, K, q_pos, k_pos, cu_q, cu_k, G, scale, cap = ragged_attention_case(case)
+    got = ref.column_sums(Q, K, q_pos, k_pos, cu_q, cu_k, G, scale, cap)
+    cq, ck = cu_q.tolist(), cu_k.tolist()
+    for r in range(len(cq) - 1):
+        q, k, kp = Q[cq[r]:cq[r + 1]], K[ck[r]:ck[r + 1]], k_pos[ck[r]:ck[r + 1]]
+        p = ref.attention_probs(q.transpose(0, 1), k.transpose(0, 1), q_pos[cq[r]:cq[r + 1]], kp.T, G, scale, cap)
+        torch.testing.assert_close(got[ck[r]:ck[r + 1]], p.sum(dim=1).T, atol=1e-5, rtol=1e-5)
+        if k.shape[0]:
+            sees = (q_pos[cq[r]:cq[r + 1]][None, :] >= kp.min(dim=0).values[:, None]).repeat_interleave(G, 0)
+            torch.testing.assert_close(got[ck[r]:ck[r + 1]].sum(0), sees.sum(-1).float(), atol=1e-3, rtol=1e-4)
+    if case == 3:
+        assert not got[: ck[1]].any()
 
 
 @pytest.mark.parametrize("case", range(len(ATTN_CASES)))
 def test_triton_column_sums(tri, case):
-    Hq, H, m, n, D, cap = ATTN_CASES[case]
-    g = torch.Generator().manual_seed(case)
-    Q, K = torch.randn(Hq, m, D, generator=g).to(DEV), (2 * torch.randn(H, n, D, generator=g)).to(DEV)
-    k_pos = torch.stack([torch.randperm(n + 10, generator=g)[:n] for _ in range(H)]).to(DEV)  # compacted layouts
-    q_pos = (torch.arange(m) + n + 10 - m).to(DEV)
-    if case == 3:
-        q_pos = torch.arange(m).to(DEV) - 100
-    want = ref.column_sums(Q, K, q_pos, k_pos, Hq // H, D ** -0.5, cap)
-    got = tri.column_sums(Q, K, q_pos, k_pos, Hq // H, D ** -0.5, cap)
+    """Every row in one launch per pass equals the reference's row-by-row matmuls."""
+    args = ragged_attention_case(case)
+    want = ref.column_sums(*args)
+    got = tri.column_sums(*args)
     torch.testing.assert_close(got, want, atol=2e-5, rtol=1e-4)
-    if case == 3:
-        assert not want.any()
-    else:  # each query's row sums to one
-        torch.testing.assert_close(want.sum(-1), torch.full((Hq,), float(m), device=DEV), atol=1e-3, rtol=1e-4)
 
 
 @pytest.mark.parametrize("case", range(3))

@@ -12,9 +12,10 @@ Per (requests R, context n) on one layer's paged cache (FlashAttention layout, b
   the device-to-device copy bandwidth measured in the same run (``torch.Tensor.copy_`` of 1 GiB).
 * ``chunk``: one prefill chunk's eviction work (scores + select + scatter over the window
   ``budget + chunk``) against the chunk's attention over its context in the same run
-  (``scaled_dot_product_attention``, causal, the chunk's queries over the window; FlashAttention
-  on CUDA): the fraction eviction adds. Scores: ``--score keydiff`` (batched over the requests)
-  or ``snapkv`` (each request's 32-query window attention, ``column_sums``, as the engine runs it).
+  (``scaled_dot_product_attention`` with a lower-right causal mask, the chunk's queries over the
+  window, which torch runs as FlashAttention on CUDA): the fraction eviction adds. Scores:
+  ``--score keydiff`` (batched over the requests) or ``snapkv`` (every request's 32-query window
+  attention in one ragged ``column_sums``, as the engine runs it).
 
 Times are medians of CUDA-event-timed repetitions (wall clock on CPU). Prints a table and writes
 JSON and a PNG. No vLLM needed: this is what runs on a machine with a GPU and only torch + Triton.
@@ -30,6 +31,7 @@ import time
 from pathlib import Path
 
 import torch
+from torch.nn.attention.bias import causal_lower_right
 
 from vllm_kvevict.kernels import ops
 
@@ -71,16 +73,15 @@ def paged_layer(R: int, n: int, H: int, D: int, bs: int, dtype, device):
 
 
 def snapkv_scores(K, pos, cu, Qw, G: int) -> torch.Tensor:
-    """``[N, H]``: each request's window queries ``Qw [R, H_q, w, D]`` summed over, per key (the
-    SnapKV/TOVA/H2O/CAOTE/CriticalKV building block), one request at a time as in the engine."""
-    bounds = cu.tolist()
-    out = []
-    for r in range(len(bounds) - 1):
-        Kr, pr = K[bounds[r]:bounds[r + 1]].transpose(0, 1), pos[bounds[r]:bounds[r + 1]].transpose(0, 1)
-        q_pos = torch.arange(int(pr.max()) + 1 - Qw.shape[2], int(pr.max()) + 1, device=K.device)
-        cs = ops.column_sums(Qw[r], Kr, q_pos, pr, G, Kr.shape[-1] ** -0.5)
-        out.append(cs.reshape(Kr.shape[0], G, -1).mean(dim=1).transpose(0, 1))
-    return torch.cat(out)
+    """``[N, H]``: the attention each key receives from its request's window queries
+    ``Qw [R, H_q, w, D]``, summed and group-averaged (the SnapKV/TOVA/H2O/CAOTE/CriticalKV building
+    block): one ragged ``column_sums`` for every request, as the engine runs it."""
+    R, Hq, w, D = Qw.shape
+    last = pos[cu[1:] - 1, 0]  # each request's newest position
+    q_pos = (last[:, None] - w + 1 + torch.arange(w, device=K.device)).reshape(-1)
+    cu_q = torch.arange(R + 1, device=K.device) * w
+    cs = ops.column_sums(Qw.transpose(1, 2).reshape(R * w, Hq, D), K, q_pos, pos, cu_q, cu, G, D ** -0.5)
+    return cs.reshape(K.shape[0], -1, G).mean(dim=-1)
 
 
 def eviction_step(k, v, table, rows, starts, ends, budget: int, score: str = "keydiff", Qw=None, G: int = 1):
@@ -121,7 +122,7 @@ def run(device: str, requests: list[int], contexts: list[int], chunk: int, budge
             q = torch.randn(R, Hq, chunk, D, dtype=dtype, device=dev)
             kk = torch.randn(R, H, win, D, dtype=dtype, device=dev).repeat_interleave(Hq // H, dim=1)
             vv = torch.randn_like(kk)
-            mask = torch.ones(chunk, win, dtype=torch.bool, device=dev).tril(win - chunk)
+            mask = causal_lower_right(chunk, win)  # the chunk's queries are the window's last: FlashAttention on CUDA
 
             def attn():
                 return torch.nn.functional.scaled_dot_product_attention(q, kk, vv, attn_mask=mask)

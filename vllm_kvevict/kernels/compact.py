@@ -7,8 +7,9 @@ batched gather for all rows), build the policy's :class:`KVView`, let it update 
 and, for compacting rows, let it choose (and, for merging policies, rewrite) ``L - e_new`` slots
 per KV head, written in slot order into ``[e_new, L)``. Reads complete before any write, so
 overlapping source and destination are safe. Per-slot positions and state move with the tokens.
-Policies that score from keys and positions alone are scored for all their rows at once, and every
-row with the default selection is selected in one call (:mod:`vllm_kvevict.kernels.ops`).
+Policies that score from keys and positions alone are scored for all their rows at once, the
+attention rows the others read are computed for all rows at once, and every row with the default
+selection is selected in one call (:mod:`vllm_kvevict.kernels.ops`).
 """
 
 from __future__ import annotations
@@ -53,7 +54,9 @@ def evict_step(
     :func:`~vllm_kvevict.kernels.ops.scatter_paged`); otherwise through ``gather``/``write`` at
     explicit slots. Compacting rows whose policy is
     :attr:`~vllm_kvevict.policies.base.Policy.batched` are scored together, one call per policy for
-    all its rows; the others are scored through their policy row by row. Every row with the default
+    all its rows; the others are scored through their policy row by row, their attention rows
+    (:meth:`~vllm_kvevict.policies.base.Policy.attention_queries`) computed for all of them by one
+    :func:`~vllm_kvevict.kernels.ops.column_sums`. Every row with the default
     selection (:attr:`~vllm_kvevict.policies.base.Policy.default_selection`) is then selected in one
     :func:`~vllm_kvevict.kernels.ops.select_topk` call, whatever its policy; merging policies select
     (and rewrite K/V) themselves.
@@ -79,21 +82,26 @@ def evict_step(
     to_select: list[tuple[int, torch.Tensor]] = []  # (index into work, scores [n, H]): one selection for all
 
     groups: dict[int, list[int]] = {}  # batched policy -> indices into work
+    row_views: list[tuple[int, KVView]] = []  # the rows scored (or observed) through their policy
     for i, w in enumerate(work):
         if w.compact and BATCHED and w.policy.batched:
             groups.setdefault(id(w.policy), []).append(i)
             continue
-        r, sl = w.row, slice(bounds[i], bounds[i + 1])
+        sl = slice(bounds[i], bounds[i + 1])
         K, V, pos = K_all[sl], V_all[sl], pos_all[sl]
-        names = list(w.policy.slot_state)
-        state = {k: slot_state[k][slots_all[sl]].transpose(0, 1).contiguous() for k in names}
-        view = KVView(
+        state = {k: slot_state[k][slots_all[sl]].transpose(0, 1).contiguous() for k in w.policy.slot_state}
+        row_views.append((i, KVView(
             K=K.transpose(0, 1), V=V.transpose(0, 1), pos=pos.transpose(0, 1).long(), layer=layer, G=G,
             state=state, **w.extra,
-        )
+        )))
+    if BATCHED:  # every row's attention rows in one call (view.attn)
+        _attention(work, row_views, bounds, K_all, pos_all, G)
+    for i, view in row_views:
+        w, sl = work[i], slice(bounds[i], bounds[i + 1])
+        r = w.row
         if w.policy.observes:
             w.policy.observe(view)
-            for k in names:  # written back now: the compaction below moves it from slot_state
+            for k in view.state:  # written back now: the compaction below moves it from slot_state
                 slot_state[k][slots_all[sl]] = view.state[k].transpose(0, 1).to(slot_state[k].dtype)
         if not w.compact:
             continue
@@ -105,7 +113,7 @@ def evict_step(
         kept, new_kv = w.policy.evict(view, keep)  # [H, keep], ascending per head
         kept_tok[r] = kept.transpose(0, 1) + bounds[i]
         if new_kv is not None:
-            merged[r] = (new_kv[0].transpose(0, 1).to(K.dtype), new_kv[1].transpose(0, 1).to(V.dtype))
+            merged[r] = (new_kv[0].transpose(0, 1).to(K_all.dtype), new_kv[1].transpose(0, 1).to(V_all.dtype))
     for idxs in groups.values():  # policies that score from keys and positions: all their rows at once
         policy = work[idxs[0]].policy
         tok, g_cu = _packed(bounds, idxs, K_all.device)
@@ -125,6 +133,30 @@ def evict_step(
         _write_kept(plan, out, kept_tok, merged, K_all, V_all, pos_all, slots_all, block_size, write, slot_pos,
                     slot_state, views)
     return [pos_all[kept_tok[r], h] for r in out]
+
+
+def _attention(work: list[RowWork], row_views: list[tuple[int, KVView]], bounds: list[int], K_all: torch.Tensor,
+               pos_all: torch.Tensor, G: int) -> None:
+    """Set ``view.attn`` of every row whose policy reads attention (``attention_queries``): one ragged
+    :func:`~vllm_kvevict.kernels.ops.column_sums` over all of them, queries and keys packed."""
+    need = [(i, v, q) for i, v in row_views if (q := work[i].policy.attention_queries(v)) is not None]
+    if not need:
+        return
+    dev = K_all.device
+    Q = torch.cat([q[0].transpose(0, 1) for _, _, q in need])  # [M, H_q, d]
+    q_pos = torch.cat([q[1].to(dev) for _, _, q in need])
+    cu_q = reference.cu_from_lengths(torch.tensor([q[0].shape[1] for _, _, q in need], device=dev))
+    idxs = [i for i, _, _ in need]
+    if idxs == list(range(len(work))):  # every row of the step: the packed window as gathered
+        K, pos, cu_k = K_all, pos_all, torch.tensor(bounds, device=dev)
+    else:
+        tok, cu_k = _packed(bounds, idxs, dev)
+        K, pos = K_all[tok], pos_all[tok]
+    v0 = need[0][1]
+    A = ops.column_sums(Q, K, q_pos, pos.long(), cu_q, cu_k, G, v0.attn_scale, v0.softcap)  # [N, H_q]
+    ck = cu_k.tolist()
+    for j, (_, view, _) in enumerate(need):
+        view.attn = A[ck[j]:ck[j + 1]].T
 
 
 def _packed(bounds: list[int], idxs: list[int], device) -> tuple[torch.Tensor, torch.Tensor]:

@@ -3,7 +3,7 @@ and the implementation the CPU engine runs.
 
 Every operation works on a *ragged set* of rows at once (every request that compacts in a step):
 row ``r`` owns the packed tokens ``[cu[r], cu[r + 1])`` of ``[N, H, ...]`` tensors, one entry per
-token and KV head. Nothing loops over rows in Python.
+token and KV head. Nothing loops over rows in Python but :func:`column_sums`.
 
 * :func:`gather_paged`: K and V of logical tokens ``[starts[r], ends[r])`` of each row, read through
   vLLM's block table from the FlashAttention views ``[num_blocks, block_size, H, D]``.
@@ -12,7 +12,7 @@ token and KV head. Nothing loops over rows in Python.
 * :func:`key_norms`: ``||k_i||_2``.
 * :func:`select_topk`: the ``keep[r]`` best tokens of each row and head, ties to the larger
   position (ALGORITHMS.md 6.5 #21), as row-local indices in ascending order, packed ``[sum keep, H]``.
-* :func:`column_sums`: the softmax attention each key receives from a set of queries, causal by
+* :func:`column_sums`: the softmax attention each key receives from its row's queries, causal by
   position, summed over the queries (SnapKV, TOVA, H2O, CAOTE and CriticalKV read it).
 * :func:`lshe_victims`: LSH-E's victim choice (Alg. 1 line 1), token by token, per KV head.
 * :func:`simhash_codes`: LSH-E's SimHash codes ``[R x >= 0]``, bit-packed into int64.
@@ -152,12 +152,24 @@ def attention_probs(Q: torch.Tensor, K: torch.Tensor, q_pos: torch.Tensor, k_pos
     return p.view(Hq, m, n)
 
 
-def column_sums(Q: torch.Tensor, K: torch.Tensor, q_pos: torch.Tensor, k_pos: torch.Tensor, G: int, scale: float,
-                softcap: float | None = None) -> torch.Tensor:
-    """``[H_q, n]``: :func:`attention_probs` summed over the queries, ``ROW_CHUNK`` rows at a time."""
-    out = torch.zeros(Q.shape[0], K.shape[1], dtype=torch.float32, device=K.device)
-    for i in range(0, Q.shape[1], ROW_CHUNK):
-        out += attention_probs(Q[:, i:i + ROW_CHUNK], K, q_pos[i:i + ROW_CHUNK], k_pos, G, scale, softcap).sum(dim=1)
+def column_sums(Q: torch.Tensor, K: torch.Tensor, q_pos: torch.Tensor, k_pos: torch.Tensor, cu_q: torch.Tensor,
+                cu_k: torch.Tensor, G: int, scale: float, softcap: float | None = None) -> torch.Tensor:
+    """``[N, H_q]`` float32: for every key of every row, the :func:`attention_probs` its row's queries
+    give it, summed over those queries (query head ``h`` at column ``h``).
+
+    Row ``r``: queries ``Q [M, H_q, d]`` (positions ``q_pos [M]``) ``[cu_q[r], cu_q[r + 1])`` over
+    keys ``K [N, H_kv, d]`` (positions ``k_pos [N, H_kv]``) ``[cu_k[r], cu_k[r + 1])``; keys outside
+    every row get 0. The rows' matmuls differ in shape, so this loops over rows (the one loop in
+    this module), ``ROW_CHUNK`` queries at a time; the Triton kernel does every row in one launch."""
+    out = torch.zeros(K.shape[0], Q.shape[1], dtype=torch.float32, device=K.device)
+    cq, ck = cu_q.tolist(), cu_k.tolist()
+    for r in range(len(cq) - 1):
+        k0, k1 = ck[r], ck[r + 1]
+        Kr, kp = K[k0:k1].transpose(0, 1), k_pos[k0:k1].transpose(0, 1)
+        for i in range(cq[r], cq[r + 1], ROW_CHUNK):
+            j = min(i + ROW_CHUNK, cq[r + 1])
+            p = attention_probs(Q[i:j].transpose(0, 1), Kr, q_pos[i:j], kp, G, scale, softcap)  # [H_q, rows, n]
+            out[k0:k1] += p.sum(dim=1).T
     return out
 
 

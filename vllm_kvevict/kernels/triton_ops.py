@@ -9,6 +9,9 @@ tiles, so no ``[H, n, n]`` or per-row padding is ever materialised. ``select_top
 over the row), then writes the kept indices in token order with a running prefix sum: exact and
 deterministic, whatever the row length.
 
+``column_sums`` (attention rows for SnapKV, TOVA, H2O, CAOTE, CriticalKV) takes every row of a step
+in two launches with grids (query head, row, tile): per-query log-sum-exp, then per-key sums.
+
 The policy kernels: ``simhash_codes`` one program per tile of vectors, a loop over the bits;
 ``hamming_distances`` one per (KV head, tile of queries, tile of keys), XOR and a bit-trick popcount
 on the packed codes; ``projected_value_norms`` one per (KV head, tile of tokens), looping over the
@@ -209,76 +212,99 @@ def scatter_paged(dst, src, idx, cu, cu_keep, block_table, rows, dst_start):
 
 
 @triton.jit
-def _scores_tile(q_ptr, k_ptr, qp_ptr, kp_ptr, hq, hk, qi, ki, m, n, D: tl.constexpr, BLOCK_D: tl.constexpr,
-                 scale, softcap, HAS_CAP: tl.constexpr):
-    """Scaled (soft-capped) logits of queries ``qi`` x keys ``ki`` of query head ``hq``, masked
-    causally by position (-inf where the key is newer than the query or out of range)."""
+def _row_range(cu_ptr, r):
+    lo = tl.load(cu_ptr + r)
+    return lo, tl.load(cu_ptr + r + 1) - lo
+
+
+@triton.jit
+def _scores_tile(q_ptr, k_ptr, qp_ptr, kp_ptr, hq, hk, q0, qi, m, k0, ki, n, HQ: tl.constexpr, H: tl.constexpr,
+                 D: tl.constexpr, BLOCK_D: tl.constexpr, scale, softcap, HAS_CAP: tl.constexpr):
+    """Scaled (soft-capped) logits of the row's queries ``qi`` x keys ``ki`` (row-local; the row
+    starts at packed query ``q0`` and key ``k0``) of query head ``hq``, masked causally by position
+    (-inf where the key is newer than the query or out of the row)."""
     d = tl.arange(0, BLOCK_D)
-    q = tl.load(q_ptr + (hq * m + qi[:, None]) * D + d[None, :], mask=(qi < m)[:, None] & (d[None, :] < D),
-                other=0.0).to(tl.float32)
-    k = tl.load(k_ptr + (hk * n + ki[:, None]) * D + d[None, :], mask=(ki < n)[:, None] & (d[None, :] < D),
-                other=0.0).to(tl.float32)
+    q = tl.load(q_ptr + ((q0 + qi)[:, None] * HQ + hq) * D + d[None, :],
+                mask=(qi < m)[:, None] & (d[None, :] < D), other=0.0).to(tl.float32)
+    k = tl.load(k_ptr + ((k0 + ki)[:, None] * H + hk) * D + d[None, :],
+                mask=(ki < n)[:, None] & (d[None, :] < D), other=0.0).to(tl.float32)
     s = tl.dot(q, tl.trans(k), input_precision="ieee") * scale
     if HAS_CAP:
         s = softcap * (1.0 - 2.0 / (tl.exp(2.0 * s / softcap) + 1.0))  # softcap * tanh(s / softcap)
-    qp = tl.load(qp_ptr + qi, mask=qi < m, other=0)
-    kp = tl.load(kp_ptr + hk * n + ki, mask=ki < n, other=0)
+    qp = tl.load(qp_ptr + q0 + qi, mask=qi < m, other=0)
+    kp = tl.load(kp_ptr + (k0 + ki) * H + hk, mask=ki < n, other=0)
     visible = (kp[None, :] <= qp[:, None]) & (ki < n)[None, :] & (qi < m)[:, None]
     return tl.where(visible, s, float("-inf"))
 
 
 @triton.jit
-def _lse_kernel(q_ptr, k_ptr, qp_ptr, kp_ptr, lse_ptr, m, n, G: tl.constexpr, D: tl.constexpr,
-                BLOCK_D: tl.constexpr, BQ: tl.constexpr, BK: tl.constexpr, scale, softcap, HAS_CAP: tl.constexpr):
+def _lse_kernel(q_ptr, k_ptr, qp_ptr, kp_ptr, cuq_ptr, cuk_ptr, lse_ptr, HQ: tl.constexpr, H: tl.constexpr,
+                D: tl.constexpr, BLOCK_D: tl.constexpr, BQ: tl.constexpr, BK: tl.constexpr, scale, softcap,
+                HAS_CAP: tl.constexpr):
     hq = tl.program_id(0)
-    qi = tl.program_id(1) * BQ + tl.arange(0, BQ)
+    r = tl.program_id(1)
+    q0, m = _row_range(cuq_ptr, r)
+    k0, n = _row_range(cuk_ptr, r)
+    qi = tl.program_id(2) * BQ + tl.arange(0, BQ)
     mx = tl.full([BQ], float("-inf"), tl.float32)
     acc = tl.zeros([BQ], dtype=tl.float32)
-    for start in tl.range(0, n, BK):  # online log-sum-exp over the keys
-        s = _scores_tile(q_ptr, k_ptr, qp_ptr, kp_ptr, hq, hq // G, qi, start + tl.arange(0, BK), m, n, D,
-                         BLOCK_D, scale, softcap, HAS_CAP)
+    n_loop = tl.where(tl.program_id(2) * BQ < m, n, 0)  # tiles past the row's queries skip the loop
+    for start in tl.range(0, n_loop, BK):  # online log-sum-exp over the row's keys
+        s = _scores_tile(q_ptr, k_ptr, qp_ptr, kp_ptr, hq, hq // (HQ // H), q0, qi, m, k0, start + tl.arange(0, BK),
+                         n, HQ, H, D, BLOCK_D, scale, softcap, HAS_CAP)
         new = tl.maximum(mx, tl.max(s, axis=1))
         safe = tl.where(new == float("-inf"), 0.0, new)
         acc = acc * tl.exp(mx - safe) + tl.sum(tl.exp(s - safe[:, None]), axis=1)
         mx = new
     lse = tl.where(mx == float("-inf"), float("inf"), mx + tl.log(acc))  # a query that sees nothing: p = 0
-    tl.store(lse_ptr + hq * m + qi, lse, mask=qi < m)
+    tl.store(lse_ptr + (q0 + qi) * HQ + hq, lse, mask=qi < m)
 
 
 @triton.jit
-def _colsum_kernel(q_ptr, k_ptr, qp_ptr, kp_ptr, lse_ptr, out_ptr, m, n, G: tl.constexpr, D: tl.constexpr,
-                   BLOCK_D: tl.constexpr, BQ: tl.constexpr, BK: tl.constexpr, scale, softcap, HAS_CAP: tl.constexpr):
+def _colsum_kernel(q_ptr, k_ptr, qp_ptr, kp_ptr, cuq_ptr, cuk_ptr, lse_ptr, out_ptr, HQ: tl.constexpr,
+                   H: tl.constexpr, D: tl.constexpr, BLOCK_D: tl.constexpr, BQ: tl.constexpr, BK: tl.constexpr,
+                   scale, softcap, HAS_CAP: tl.constexpr):
     hq = tl.program_id(0)
-    ki = tl.program_id(1) * BK + tl.arange(0, BK)
+    r = tl.program_id(1)
+    q0, m = _row_range(cuq_ptr, r)
+    k0, n = _row_range(cuk_ptr, r)
+    ki = tl.program_id(2) * BK + tl.arange(0, BK)
     acc = tl.zeros([BK], dtype=tl.float32)
-    for start in tl.range(0, m, BQ):
+    m_loop = tl.where(tl.program_id(2) * BK < n, m, 0)  # tiles past the row's keys skip the loop
+    for start in tl.range(0, m_loop, BQ):
         qi = start + tl.arange(0, BQ)
-        s = _scores_tile(q_ptr, k_ptr, qp_ptr, kp_ptr, hq, hq // G, qi, ki, m, n, D, BLOCK_D, scale, softcap,
-                         HAS_CAP)
-        lse = tl.load(lse_ptr + hq * m + qi, mask=qi < m, other=float("inf"))
+        s = _scores_tile(q_ptr, k_ptr, qp_ptr, kp_ptr, hq, hq // (HQ // H), q0, qi, m, k0, ki, n, HQ, H, D, BLOCK_D,
+                         scale, softcap, HAS_CAP)
+        lse = tl.load(lse_ptr + (q0 + qi) * HQ + hq, mask=qi < m, other=float("inf"))
         acc += tl.sum(tl.exp(s - lse[:, None]), axis=0)
-    tl.store(out_ptr + hq * n + ki, acc, mask=ki < n)
+    tl.store(out_ptr + (k0 + ki) * HQ + hq, acc, mask=ki < n)
 
 
-def column_sums(Q, K, q_pos, k_pos, G: int, scale: float, softcap: float | None = None):
-    """``[H_q, n]`` float32: softmax attention of queries ``Q [H_q, m, d]`` (positions ``q_pos [m]``)
-    over keys ``K [H_kv, n, d]`` (positions ``k_pos [H_kv, n]``), causal by position, summed over the
-    queries; query head ``h`` reads KV head ``h // G``. Two passes (log-sum-exp per query, then
-    column sums per key tile): never more than a ``[BQ, BK]`` tile of probabilities."""
-    Hq, m, D = Q.shape
-    n = K.shape[1]
-    out = torch.zeros(Hq, n, dtype=torch.float32, device=K.device)
-    if m == 0 or n == 0:
+def column_sums(Q, K, q_pos, k_pos, cu_q, cu_k, G: int, scale: float, softcap: float | None = None):
+    """``[N, H_q]`` float32: for every key of every row, the softmax attention of its row's queries,
+    causal by position, summed over the queries (the reference's semantics and layout). Every row
+    in one launch per pass: grids (query head, row, tile); pass 1 writes each query's log-sum-exp,
+    pass 2 sums ``exp(s - lse)`` per key tile, so at most a ``[BQ, BK]`` tile of probabilities
+    exists; a row's tiles beyond its length do nothing."""
+    M, Hq, D = Q.shape
+    N, H = K.shape[:2]
+    out = torch.zeros(N, Hq, dtype=torch.float32, device=K.device)
+    R = cu_q.numel() - 1
+    if M == 0 or N == 0 or R == 0:
         return out
     Q, K = Q.contiguous(), K.contiguous()
     qp, kp = q_pos.long().contiguous(), k_pos.long().contiguous()
-    lse = torch.empty(Hq, m, dtype=torch.float32, device=K.device)
-    BD = max(16, triton.next_power_of_2(D))
+    cu_q, cu_k = cu_q.long().contiguous(), cu_k.long().contiguous()
+    lse = torch.empty(M, Hq, dtype=torch.float32, device=K.device)
     BQ, BK = 32, 64
     cap = float(softcap) if softcap else 1.0
-    common = dict(G=G, D=D, BLOCK_D=BD, BQ=BQ, BK=BK, HAS_CAP=bool(softcap))
-    _lse_kernel[(Hq, triton.cdiv(m, BQ))](Q, K, qp, kp, lse, m, n, scale=float(scale), softcap=cap, **common)
-    _colsum_kernel[(Hq, triton.cdiv(n, BK))](Q, K, qp, kp, lse, out, m, n, scale=float(scale), softcap=cap, **common)
+    common = dict(HQ=Hq, H=H, D=D, BLOCK_D=max(16, triton.next_power_of_2(D)), BQ=BQ, BK=BK, HAS_CAP=bool(softcap),
+                  scale=float(scale), softcap=cap)
+    m_max, n_max = int((cu_q[1:] - cu_q[:-1]).max()), int((cu_k[1:] - cu_k[:-1]).max())
+    if m_max == 0 or n_max == 0:
+        return out
+    _lse_kernel[(Hq, R, triton.cdiv(m_max, BQ))](Q, K, qp, kp, cu_q, cu_k, lse, **common)
+    _colsum_kernel[(Hq, R, triton.cdiv(n_max, BK))](Q, K, qp, kp, cu_q, cu_k, lse, out, **common)
     return out
 
 

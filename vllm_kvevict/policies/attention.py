@@ -1,26 +1,19 @@
-"""Attention rows for the attention-based policies (ALGORITHMS.md 0.2 and 6.2 ``probs``).
+"""Helpers for the attention-based policies (ALGORITHMS.md 0.2 and 6.2 ``probs``).
 
 The engine's kernels do not return probabilities, so the policies that need them recompute the
 few rows they read (TOVA 1, SnapKV 32, H2O every query of the step) from the queries and the
-window's keys, with the model's scaling and soft-capping. Masking is causal by *position*: a
-query at position p sees the keys at positions <= p, whatever slots they moved to. GQA: each
-query head reads its KV head's keys (``G`` query heads per KV head); :func:`group_mean` averages
-the group's rows onto the KV head, as the KeyDiff harness does (KeyDiff App. B.2).
+window's keys, with the model's scaling and soft-capping (:meth:`Policy.attention
+<vllm_kvevict.policies.base.Policy.attention>`; the engine computes every request's at once).
+Masking is causal by *position*: a query at position p sees the keys at positions <= p, whatever
+slots they moved to. GQA: each query head reads its KV head's keys (``G`` query heads per KV
+head); :func:`group_mean` averages the group's rows onto the KV head, as the KeyDiff harness does
+(KeyDiff App. B.2).
 """
 
 from __future__ import annotations
 
 import torch
 import torch.nn.functional as F
-
-from vllm_kvevict.kernels import ops
-from vllm_kvevict.policies.base import KVView
-
-
-def column_sums(view: KVView, Q: torch.Tensor, q_pos: torch.Tensor) -> torch.Tensor:
-    """``[H_q, n]``: the attention each key receives, summed over the queries (a fused two-pass
-    Triton kernel on CUDA, never the ``[H_q, m, n]`` tensor; chunked torch on CPU)."""
-    return ops.column_sums(Q, view.K, q_pos.to(view.pos.device), view.pos, view.G, view.attn_scale, view.softcap)
 
 
 def group_mean(x: torch.Tensor, G: int) -> torch.Tensor:

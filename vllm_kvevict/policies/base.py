@@ -23,6 +23,8 @@ from typing import Any, ClassVar
 import torch
 from pydantic import BaseModel, ConfigDict
 
+from vllm_kvevict.kernels import ops
+
 
 class PolicyParams(BaseModel):
     """Per-policy parameters. Unknown keys are an error, as everywhere in the config."""
@@ -47,7 +49,8 @@ class KVView:
     ``[H_q, d, D]`` this layer's output projection per query head. ``state``: per-slot tensors
     ``[H_kv, n]`` named by :attr:`Policy.slot_state`, moved with the tokens. ``budget``: the
     configured budget; ``keep``: the count kept at this compaction (at least the budget, less than
-    a block more).
+    a block more). ``attn``: ``[H_q, n]``, the attention of :meth:`Policy.attention_queries` summed
+    per slot, when the engine has computed it for every row of the step at once.
     """
 
     K: torch.Tensor
@@ -66,6 +69,7 @@ class KVView:
     budget: int | None = None
     keep: int | None = None
     state: dict[str, Any] = field(default_factory=dict)
+    attn: torch.Tensor | None = None
 
     @property
     def num_heads(self) -> int:
@@ -118,6 +122,26 @@ class Policy:
 
     def observe(self, view: KVView) -> None:
         """Update ``view.state`` with this step's tokens (``view.Q``/``q_pos``); in place."""
+
+    def attention_queries(self, view: KVView) -> tuple[torch.Tensor, torch.Tensor] | None:
+        """The queries ``[H_q, m, d]`` and their positions ``[m]`` whose attention to the window the
+        policy reads in a step (in :meth:`observe` if it observes, else in :meth:`score`); None:
+        it reads none. One set per step, so the engine computes every row's in one call."""
+        return None
+
+    def attention(self, view: KVView) -> torch.Tensor:
+        """``[H_q, n]`` float32: the softmax attention each slot receives from
+        :meth:`attention_queries`, scaled and soft-capped as the model does, causal by position
+        (ALGORITHMS.md 0.2), summed over the queries; query head ``h`` reads KV head ``h // G``.
+        ``view.attn`` when the engine has computed it (one ragged
+        :func:`~vllm_kvevict.kernels.ops.column_sums` for every row of the step); computed here
+        otherwise (the transformers reference, tests), never as ``[H_q, m, n]``."""
+        if view.attn is not None:
+            return view.attn
+        Q, q_pos = self.attention_queries(view)
+        one = lambda n: torch.tensor([0, n], device=view.K.device)  # noqa: E731 - a single row
+        return ops.column_sums(Q.transpose(0, 1), view.K.transpose(0, 1), q_pos.to(view.K.device), view.pos.T,
+                               one(Q.shape[1]), one(view.K.shape[1]), view.G, view.attn_scale, view.softcap).T
 
     def score(self, view: KVView) -> torch.Tensor:  # pragma: no cover - abstract
         """``[H_kv, n]`` float32 scores, higher = keep; ``+inf`` marks protected slots."""

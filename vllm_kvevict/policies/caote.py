@@ -21,9 +21,9 @@ from pydantic import Field
 
 from vllm_kvevict.policies.base import KVView, Policy, PolicyParams
 from vllm_kvevict.policies.h2o import STATE as H2O_STATE
-from vllm_kvevict.policies.h2o import h2o_observe
-from vllm_kvevict.policies.snapkv import SnapKVParams, snapkv_scores
-from vllm_kvevict.policies.tova import tova_scores
+from vllm_kvevict.policies.h2o import h2o_observe, h2o_queries
+from vllm_kvevict.policies.snapkv import SnapKVParams, snapkv_queries, snapkv_scores
+from vllm_kvevict.policies.tova import tova_queries, tova_scores
 
 Base = Literal["h2o", "tova", "snapkv"]
 ONE_MINUS_MIN = 1e-6
@@ -54,17 +54,20 @@ class BaseScorePolicy(Policy):
     def slot_state(self):
         return {H2O_STATE: (torch.float32, 0.0)} if self.params.base == "h2o" else {}
 
+    def attention_queries(self, view: KVView):
+        return {"h2o": h2o_queries, "tova": tova_queries, "snapkv": snapkv_queries}[self.params.base](view)
+
     def observe(self, view: KVView) -> None:
         if self.params.base == "h2o":
-            h2o_observe(view)
+            h2o_observe(view, self.attention(view))
 
     def base_scores(self, view: KVView) -> tuple[torch.Tensor, torch.Tensor | None]:
         """Non-negative finite base scores ``[H_kv, n]`` and the protected mask (or None)."""
         if self.params.base == "h2o":
             return view.state[H2O_STATE].float(), None
         if self.params.base == "tova":
-            return tova_scores(view), None
-        return snapkv_scores(view, self.params.snapkv)
+            return tova_scores(view, self.attention(view)), None
+        return snapkv_scores(view, self.attention(view), self.params.snapkv)
 
 
 def caote_scores(h: torch.Tensor, V: torch.Tensor, fast: bool) -> torch.Tensor:

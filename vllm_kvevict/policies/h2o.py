@@ -13,7 +13,7 @@ from __future__ import annotations
 import torch
 from pydantic import Field
 
-from vllm_kvevict.policies.attention import column_sums, group_mean
+from vllm_kvevict.policies.attention import group_mean
 from vllm_kvevict.policies.base import KVView, Policy, PolicyParams
 
 STATE = "h2o"
@@ -26,9 +26,15 @@ class H2OParams(PolicyParams):
         return self.recent_tokens + 1
 
 
-def h2o_observe(view: KVView) -> None:
-    """Add this step's queries' attention to every key's accumulator."""
-    view.state[STATE] += group_mean(column_sums(view, view.Q, view.q_pos), view.G)
+def h2o_queries(view: KVView) -> tuple[torch.Tensor, torch.Tensor]:
+    """Every query of the step."""
+    return view.Q, view.q_pos
+
+
+def h2o_observe(view: KVView, A: torch.Tensor) -> None:
+    """Add ``A^T 1``, this step's queries' attention summed per key (``[H_q, n]``), to every key's
+    accumulator."""
+    view.state[STATE] += group_mean(A, view.G)
 
 
 def protect_recent(scores: torch.Tensor, view: KVView, recent: int) -> torch.Tensor:
@@ -44,8 +50,11 @@ class H2O(Policy):
     def slot_state(self):
         return {STATE: (torch.float32, 0.0)}
 
+    def attention_queries(self, view: KVView):
+        return h2o_queries(view)
+
     def observe(self, view: KVView) -> None:
-        h2o_observe(view)
+        h2o_observe(view, self.attention(view))
 
     def score(self, view: KVView) -> torch.Tensor:
         return protect_recent(view.state[STATE].clone(), view, self.params.recent_tokens)

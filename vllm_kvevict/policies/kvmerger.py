@@ -30,7 +30,7 @@ from pydantic import Field
 
 from vllm_kvevict.policies.base import KVView, Policy, PolicyParams, topk_newer
 from vllm_kvevict.policies.h2o import STATE as H2O_STATE
-from vllm_kvevict.policies.h2o import h2o_observe
+from vllm_kvevict.policies.h2o import h2o_observe, h2o_queries
 
 
 class KVMergerParams(PolicyParams):
@@ -50,8 +50,11 @@ class KVMerger(Policy):
     def slot_state(self):
         return {H2O_STATE: (torch.float32, 0.0)}
 
+    def attention_queries(self, view: KVView):
+        return h2o_queries(view)
+
     def observe(self, view: KVView) -> None:
-        h2o_observe(view)
+        h2o_observe(view, self.attention(view))
 
     def score(self, view: KVView) -> torch.Tensor:
         raise NotImplementedError("kvmerger merges; call evict()")

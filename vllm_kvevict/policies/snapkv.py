@@ -18,7 +18,7 @@ from typing import Literal
 import torch
 from pydantic import Field, field_validator
 
-from vllm_kvevict.policies.attention import column_sums, group_mean, pool1d
+from vllm_kvevict.policies.attention import group_mean, pool1d
 from vllm_kvevict.policies.base import KVView, Policy, PolicyParams
 
 
@@ -38,10 +38,16 @@ class SnapKVParams(PolicyParams):
         return self.window + 1
 
 
-def snapkv_scores(view: KVView, p: SnapKVParams) -> tuple[torch.Tensor, torch.Tensor]:
+def snapkv_queries(view: KVView) -> tuple[torch.Tensor, torch.Tensor]:
+    """The observation window: the sequence's last ``window`` queries."""
+    return view.Q_window, view.w_pos
+
+
+def snapkv_scores(view: KVView, A: torch.Tensor, p: SnapKVParams) -> tuple[torch.Tensor, torch.Tensor]:
     """Finite scores ``[H_kv, n]`` (prefix: pooled window attention; window: its raw mean
-    attention) and the mask of the protected window slots."""
-    A = column_sums(view, view.Q_window, view.w_pos) / view.Q_window.shape[1]  # [H_q, n]: mean over the window
+    attention) and the mask of the protected window slots; ``A [H_q, n]``: the window's attention
+    summed per key."""
+    A = A / view.Q_window.shape[1]  # mean over the window
     kpos = view.pos.repeat_interleave(view.G, dim=0)
     in_win = kpos >= view.length - p.window
     n_win = int(in_win[0].sum())
@@ -61,6 +67,9 @@ class SnapKV(Policy):
     def query_window(self) -> int:
         return self.params.window
 
+    def attention_queries(self, view: KVView):
+        return snapkv_queries(view)
+
     def score(self, view: KVView) -> torch.Tensor:
-        s, protected = snapkv_scores(view, self.params)
+        s, protected = snapkv_scores(view, self.attention(view), self.params)
         return s.masked_fill(protected, float("inf"))

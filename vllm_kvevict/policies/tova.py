@@ -11,13 +11,18 @@ from __future__ import annotations
 
 import torch
 
-from vllm_kvevict.policies.attention import column_sums, group_mean
+from vllm_kvevict.policies.attention import group_mean
 from vllm_kvevict.policies.base import KVView, Policy
 
 
-def tova_scores(view: KVView) -> torch.Tensor:
-    """``[H_kv, n]``: group-mean attention of the newest query."""
-    return group_mean(column_sums(view, view.Q[:, -1:], view.q_pos[-1:]), view.G)
+def tova_queries(view: KVView) -> tuple[torch.Tensor, torch.Tensor]:
+    """The newest query."""
+    return view.Q[:, -1:], view.q_pos[-1:]
+
+
+def tova_scores(view: KVView, A: torch.Tensor) -> torch.Tensor:
+    """``[H_kv, n]``: group mean of ``A [H_q, n]``, the newest query's attention."""
+    return group_mean(A, view.G)
 
 
 class TOVA(Policy):
@@ -28,5 +33,8 @@ class TOVA(Policy):
     def needs_queries(self) -> bool:
         return True
 
+    def attention_queries(self, view: KVView):
+        return tova_queries(view)
+
     def score(self, view: KVView) -> torch.Tensor:
-        return tova_scores(view)
+        return tova_scores(view, self.attention(view))

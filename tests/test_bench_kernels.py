@@ -1,0 +1,65 @@
+"""The kernel benchmark (``python -m vllm_kvevict.bench.kernels``) on CPU at tiny shapes: its
+eviction step does what the engine's does (checked against a per-request recomputation), and a
+run prints its table and writes well-formed JSON and a PNG. The GPU numbers come from the same
+script on a lent GPU (docs/benchmarks.md)."""
+
+from __future__ import annotations
+
+import json
+
+import pytest
+import torch
+
+from vllm_kvevict.bench import kernels as bench
+from vllm_kvevict.kernels import reference as ref
+from vllm_kvevict.policies.base import topk_newer
+
+
+@pytest.mark.parametrize("score", ["keydiff", "snapkv"])
+@pytest.mark.parametrize("kernels", ["torch", "triton"])
+def test_eviction_step_keeps_the_top_tokens_right_aligned(monkeypatch, score, kernels):
+    if kernels == "triton":
+        pytest.importorskip("triton")
+    monkeypatch.setenv("KVEVICT_KERNELS", kernels)
+    torch.manual_seed(0)
+    R, n, H, Hq, D, bs, budget = 3, 70, 2, 4, 64, 16, 20
+    cache, k, v, table = bench.paged_layer(R, n, H, D, bs, torch.float32, "cpu")
+    before_k, before_v = k.clone(), v.clone()
+    rows = torch.arange(R, dtype=torch.int32)
+    starts, ends = torch.zeros(R, dtype=torch.long), torch.full((R,), n)
+    Qw = torch.randn(R, Hq, 32, D)
+    assert bench.eviction_step(k, v, table, rows, starts, ends, budget, score, Qw, Hq // H) == R * budget
+    for r in range(R):
+        i = torch.arange(n)
+        Kr = before_k[table[r][i // bs].long(), i % bs]  # [n, H, D]
+        Vr = before_v[table[r][i // bs].long(), i % bs]
+        pos = i[None, :].expand(H, n)
+        if score == "keydiff":
+            s = ref.keydiff_scores(Kr, torch.tensor([0, n])).T
+        else:  # the window's attention summed per key, mean over each KV head's query group
+            p = ref.attention_probs(Qw[r], Kr.transpose(0, 1), torch.arange(n - 32, n), pos, Hq // H, D ** -0.5)
+            s = p.sum(dim=1).reshape(H, Hq // H, n).mean(dim=1)
+        kept = topk_newer(s, budget, pos)  # [H, budget], ascending
+        j = torch.arange(n - budget, n)
+        h = torch.arange(H)
+        got_k = k[table[r][j // bs].long(), j % bs]  # [budget, H, D]: right-aligned in the request's blocks
+        got_v = v[table[r][j // bs].long(), j % bs]
+        torch.testing.assert_close(got_k, Kr[kept.T, h], rtol=0, atol=0)
+        torch.testing.assert_close(got_v, Vr[kept.T, h], rtol=0, atol=0)
+
+
+def test_run_writes_table_json_and_plot(tmp_path, capsys, monkeypatch):
+    monkeypatch.setenv("KVEVICT_KERNELS", "torch")
+    assert bench.main(["--device", "cpu", "--requests", "1,2", "--contexts", "128,256", "--chunk", "32",
+                       "--q-heads", "4", "--kv-heads", "2", "--head-dim", "64", "--dtype", "float32", "--reps", "1",
+                       "--score", "snapkv", "--out", str(tmp_path)]) == 0
+    report = json.loads((tmp_path / "kernels.json").read_text())
+    assert report["device"] == "cpu" and report["kernels"] == "reference" and report["score"] == "snapkv"
+    assert [(r["requests"], r["context"]) for r in report["rows"]] == [(1, 128), (1, 256), (2, 128), (2, 256)]
+    for r in report["rows"]:
+        assert r["budget"] == r["context"] // 4 and r["window"] == r["budget"] + 32
+        assert r["compact_bytes"] == 2 * 2 * r["requests"] * r["budget"] * 2 * 64 * 4
+        assert r["compact_s"] > 0 and r["chunk_evict_s"] > 0 and r["chunk_attn_s"] > 0
+        assert r["chunk_fraction"] == pytest.approx(r["chunk_evict_s"] / r["chunk_attn_s"])
+    assert (tmp_path / "kernels.png").stat().st_size > 1000
+    assert "ev/attn" in capsys.readouterr().out
