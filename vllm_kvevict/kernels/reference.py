@@ -74,11 +74,13 @@ def keydiff_scores(K: torch.Tensor, cu: torch.Tensor) -> torch.Tensor:
     Kf = K.float()
     norm = Kf.norm(dim=-1)  # [N, H]
     k_hat = Kf / norm.clamp_min(EPS)[..., None]
-    rid = row_ids(cu)
     R = cu.numel() - 1
-    mu = torch.zeros(R, *K.shape[1:], dtype=torch.float32, device=K.device).index_add_(0, rid, k_hat)
-    mu = mu / (cu[1:] - cu[:-1]).clamp_min(1)[:, None, None].float()
-    mu_t = mu[rid]  # [N, H, D]
+    if R == 1:  # one row: its mean, broadcast
+        mu_t = k_hat.mean(dim=0, keepdim=True).expand_as(k_hat)
+    else:
+        rid = row_ids(cu)
+        mu = torch.zeros(R, *K.shape[1:], dtype=torch.float32, device=K.device).index_add_(0, rid, k_hat)
+        mu_t = (mu / (cu[1:] - cu[:-1]).clamp_min(1)[:, None, None].float())[rid]  # [N, H, D]
     return -((Kf * mu_t).sum(-1) / (mu_t.norm(dim=-1) * norm).clamp_min(EPS))
 
 
@@ -97,24 +99,28 @@ def sort_keys(scores: torch.Tensor, pos: torch.Tensor) -> torch.Tensor:
 
 def select_topk(scores: torch.Tensor, pos: torch.Tensor, cu: torch.Tensor, keep: torch.Tensor) -> tuple[
         torch.Tensor, torch.Tensor]:
-    """The ``keep[r]`` highest-scoring tokens of each row, per head, ties to the larger position.
+    """The ``keep[r]`` highest-scoring tokens of each row, per head, ties to the larger position
+    (positions are distinct within a row and head, so (score, position) orders them totally).
 
     Returns ``(idx, cu_keep)``: ``idx [sum keep, H]`` row-local indices, ascending within each row
     and head; rows ``[cu_keep[r], cu_keep[r + 1])``. ``keep[r] >= n_r`` keeps the whole row.
     """
     N, H = scores.shape
-    lens = cu[1:] - cu[:-1]
-    keep = torch.minimum(keep.long().to(cu.device), lens)
-    rid = row_ids(cu)
+    R = cu.numel() - 1
+    keep = torch.minimum(keep.long().to(cu.device), cu[1:] - cu[:-1])
     key = sort_keys(scores, pos)
-    order = torch.argsort(key, dim=0, descending=True, stable=True)  # best first, per head
-    order = torch.gather(order, 0, torch.argsort(rid[order], dim=0, stable=True))  # grouped by row
-    rank = torch.arange(N, device=cu.device)[:, None] - cu[:-1][rid][:, None]  # rank within its row
     kept = torch.zeros(N, H, dtype=torch.bool, device=scores.device)
-    kept.scatter_(0, order, (rank < keep[rid][:, None]).expand(N, H))
-    local = torch.arange(N, device=cu.device) - cu[:-1][rid]
-    first = torch.argsort((~kept).to(torch.int8), dim=0, stable=True)[: int(keep.sum())]  # kept, in token order
-    return local[first], cu_from_lengths(keep)
+    if R == 1:  # one row: its top keys
+        kept.scatter_(0, torch.topk(key, int(keep[0]), dim=0, sorted=False).indices, True)
+    else:
+        rid = row_ids(cu)
+        order = torch.argsort(key, dim=0, descending=True, stable=True)  # best first, per head
+        order = torch.gather(order, 0, torch.argsort(rid[order], dim=0, stable=True))  # grouped by row
+        rank = torch.arange(N, device=cu.device)[:, None] - cu[:-1][rid][:, None]  # rank within its row
+        kept.scatter_(0, order, (rank < keep[rid][:, None]).expand(N, H))
+    tok = kept.T.nonzero()[:, 1].view(H, int(keep.sum())).T  # [sum keep, H]: each head's kept tokens, in order
+    start = cu[0] if R == 1 else cu[:-1][row_ids(cu)][tok]
+    return (tok - start).contiguous(), cu_from_lengths(keep)
 
 
 def scatter_paged(dst: torch.Tensor, src: torch.Tensor, idx: torch.Tensor, cu: torch.Tensor, cu_keep: torch.Tensor,
