@@ -18,7 +18,9 @@ import hashlib
 import os
 import re
 import subprocess
+import sys
 import time
+import zipfile
 from pathlib import Path
 
 import pytest
@@ -271,3 +273,17 @@ def test_ops_dispatch(monkeypatch):
         t = torch.empty(1, device="cuda")
         assert ops.backend_for(t, "scatter_paged") is cuda_ops
         assert ops.backend_for(t, "column_sums") is not cuda_ops
+
+
+def test_wheel_ships_the_sources(tmp_path):
+    """A non-editable install can build the extension: the wheel carries ``csrc/`` (through the
+    ``kernels/csrc`` link), byte for byte."""
+    root = Path(__file__).resolve().parents[1]
+    subprocess.run([sys.executable, "-m", "pip", "wheel", "--no-deps", "--no-build-isolation", "-q", str(root),
+                    "-w", str(tmp_path)], check=True, timeout=600, capture_output=True)
+    (wheel,) = tmp_path.glob("vllm_kvevict-*.whl")
+    with zipfile.ZipFile(wheel) as z:
+        for name in ("kvevict_kernels.cu", "kvevict_kernels.h", "bindings.cpp", "emulate/cuda_runtime.h",
+                     "emulate/cuda_bf16.h", "emulate/cuda_fp16.h"):
+            assert z.read(f"vllm_kvevict/kernels/csrc/{name}") == (root / "csrc" / name).read_bytes(), name
+    assert cuda_ops.CSRC.resolve() == (root / "csrc").resolve()

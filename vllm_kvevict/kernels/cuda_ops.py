@@ -3,7 +3,8 @@ semantics as :mod:`vllm_kvevict.kernels.reference` (the specification) for :func
 :func:`scatter_paged`, :func:`keydiff_scores` and :func:`key_norms`. Written against vLLM 0.32.0's
 KV-cache layouts (any strides of the ``[num_blocks, block_size, H, D]`` views).
 
-The sources live in ``csrc/`` at the top of the repository (the package is installed editable):
+The sources live in ``csrc/`` at the top of the repository and ship inside the package
+(``kernels/csrc``):
 ``kvevict_kernels.cu`` (pure CUDA: the kernels and their host launchers, raw pointers and strides)
 and ``bindings.cpp`` (torch's CPU headers only: checks, allocation, the pybind11 module). They are
 compiled with :func:`torch.utils.cpp_extension.load` on first use, never at import, and cached
@@ -41,8 +42,10 @@ from vllm_kvevict.kernels.reference import EPS
 logger = logging.getLogger(__name__)
 
 NAME = "kvevict_cuda_ops"
-#: ``csrc/`` next to the package (repository root)
-CSRC = Path(__file__).resolve().parents[2] / "csrc"
+#: ``csrc/``: shipped inside the package (``kernels/csrc``, a link to the repository's ``csrc/`` in a
+#: checkout), else found at the top of a checkout (a copy of the tree without the link)
+CSRC = next((p for p in (Path(__file__).parent / "csrc", Path(__file__).resolve().parents[2] / "csrc")
+             if (p / "kvevict_kernels.cu").is_file()), Path(__file__).parent / "csrc")
 KERNELS = CSRC / "kvevict_kernels.cu"
 HEADER = CSRC / "kvevict_kernels.h"
 BINDINGS = CSRC / "bindings.cpp"
@@ -53,8 +56,7 @@ DEFAULT_ARCHS = "8.0+PTX"
 
 if not (KERNELS.is_file() and HEADER.is_file() and BINDINGS.is_file()):
     raise ImportError(f"kvevict cuda_ops: the CUDA sources are not in {CSRC} (kvevict_kernels.cu, kvevict_kernels.h, "
-                      "bindings.cpp); they are not packaged: install vllm-kvevict editable (pip install -e .) "
-                      "from a checkout to use KVEVICT_KERNELS=cuda")
+                      "bindings.cpp): reinstall vllm-kvevict (the wheel ships them) to use KVEVICT_KERNELS=cuda")
 
 _lock = threading.Lock()
 _ext: ModuleType | None = None
