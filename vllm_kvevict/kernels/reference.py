@@ -112,15 +112,16 @@ def select_topk(scores: torch.Tensor, pos: torch.Tensor, cu: torch.Tensor, keep:
     kept = torch.zeros(N, H, dtype=torch.bool, device=scores.device)
     if R == 1:  # one row: its top keys
         kept.scatter_(0, torch.topk(key, int(keep[0]), dim=0, sorted=False).indices, True)
+        row_start = cu[:1].expand(N)
     else:
         rid = row_ids(cu)
         order = torch.argsort(key, dim=0, descending=True, stable=True)  # best first, per head
         order = torch.gather(order, 0, torch.argsort(rid[order], dim=0, stable=True))  # grouped by row
-        rank = torch.arange(N, device=cu.device)[:, None] - cu[:-1][rid][:, None]  # rank within its row
+        row_start = cu[:-1][rid]  # [N]: each token's row's first index
+        rank = torch.arange(N, device=cu.device)[:, None] - row_start[:, None]  # rank within its row
         kept.scatter_(0, order, (rank < keep[rid][:, None]).expand(N, H))
     tok = kept.T.nonzero()[:, 1].view(H, int(keep.sum())).T  # [sum keep, H]: each head's kept tokens, in order
-    start = cu[0] if R == 1 else cu[:-1][row_ids(cu)][tok]
-    return (tok - start).contiguous(), cu_from_lengths(keep)
+    return (tok - row_start[tok]).contiguous(), cu_from_lengths(keep)
 
 
 def scatter_paged(dst: torch.Tensor, src: torch.Tensor, idx: torch.Tensor, cu: torch.Tensor, cu_keep: torch.Tensor,

@@ -30,14 +30,20 @@ TILE = 128
 
 
 @triton.jit
+def _row_range(cu_ptr, r):
+    """Row ``r``'s first packed index and its length, from ``cu``."""
+    lo = tl.load(cu_ptr + r)
+    return lo, tl.load(cu_ptr + r + 1) - lo
+
+
+@triton.jit
 def _gather_kernel(k_ptr, v_ptr, bt_ptr, rows_ptr, starts_ptr, cu_ptr, ok_ptr, ov_ptr,
                    s_b, s_o, s_h, s_d, s_bt, bs, D: tl.constexpr, TILE_T: tl.constexpr, BLOCK_D: tl.constexpr,
                    H: tl.constexpr):
     r = tl.program_id(0)
     t = tl.program_id(1) * TILE_T + tl.arange(0, TILE_T)
     h = tl.program_id(2)
-    lo = tl.load(cu_ptr + r)
-    n = tl.load(cu_ptr + r + 1) - lo
+    lo, n = _row_range(cu_ptr, r)
     m = t < n
     tok = tl.load(starts_ptr + r).to(tl.int64) + t
     row = tl.load(rows_ptr + r).to(tl.int64)
@@ -72,8 +78,7 @@ def _keydiff_kernel(k_ptr, cu_ptr, out_ptr, H: tl.constexpr, D: tl.constexpr, TI
                     BLOCK_D: tl.constexpr, EPS_: tl.constexpr):
     r = tl.program_id(0)
     h = tl.program_id(1)
-    lo = tl.load(cu_ptr + r)
-    n = tl.load(cu_ptr + r + 1) - lo
+    lo, n = _row_range(cu_ptr, r)
     d = tl.arange(0, BLOCK_D)
     acc = tl.zeros([BLOCK_D], dtype=tl.float32)
     for start in tl.range(0, n, TILE_T):  # pass 1: the anchor, mean of the normalised keys
@@ -136,8 +141,7 @@ def _sort_key(s, p):
 def _select_kernel(s_ptr, p_ptr, cu_ptr, keep_ptr, cuk_ptr, out_ptr, H: tl.constexpr, TILE_T: tl.constexpr):
     r = tl.program_id(0)
     h = tl.program_id(1)
-    lo = tl.load(cu_ptr + r)
-    n = tl.load(cu_ptr + r + 1) - lo
+    lo, n = _row_range(cu_ptr, r)
     keep = tl.minimum(tl.load(keep_ptr + r).to(tl.int64), n)
     out0 = tl.load(cuk_ptr + r)
     # The keep-th largest key, built from the top bit down: the largest T with count(key >= T) >= keep.
@@ -184,8 +188,8 @@ def _scatter_kernel(dst_ptr, src_ptr, idx_ptr, cu_ptr, cuk_ptr, bt_ptr, rows_ptr
     r = tl.program_id(0)
     j = tl.program_id(1) * TILE_T + tl.arange(0, TILE_T)
     h = tl.program_id(2)
-    k0 = tl.load(cuk_ptr + r)
-    m = j < tl.load(cuk_ptr + r + 1) - k0
+    k0, n_keep = _row_range(cuk_ptr, r)
+    m = j < n_keep
     i = tl.load(idx_ptr + (k0 + j) * H + h, mask=m, other=0)
     src_tok = tl.load(cu_ptr + r) + i
     tok = tl.load(dstart_ptr + r).to(tl.int64) + j
@@ -209,12 +213,6 @@ def scatter_paged(dst, src, idx, cu, cu_keep, block_table, rows, dst_start):
     grid = (rows.numel(), triton.cdiv(int(keep.max()), TILE), H)
     _scatter_kernel[grid](dst, src, idx.contiguous(), cu, cu_keep, block_table, rows, dst_start, *strides,
                           block_table.stride(0), bs, H=H, D=D, TILE_T=TILE, BLOCK_D=triton.next_power_of_2(D))
-
-
-@triton.jit
-def _row_range(cu_ptr, r):
-    lo = tl.load(cu_ptr + r)
-    return lo, tl.load(cu_ptr + r + 1) - lo
 
 
 @triton.jit
