@@ -14,9 +14,9 @@ from __future__ import annotations
 import json
 import os
 from functools import lru_cache
-from typing import Any, Literal
+from typing import Annotated, Any, Literal
 
-from pydantic import BaseModel, ConfigDict, Field, ValidationError, field_validator, model_validator
+from pydantic import BaseModel, BeforeValidator, ConfigDict, Field, ValidationError, field_validator, model_validator
 
 from vllm_kvevict.policies import POLICIES, PolicyParams
 from vllm_kvevict.window import WindowConfig
@@ -42,12 +42,24 @@ def _policy_fields() -> dict[str, Any]:
     return fields
 
 
+#: Upper bound of every budget: far above any context vLLM serves, inside int32 positions.
+#: A request's own budget is further bounded by the server's ``max_model_len`` (plugin.py).
+MAX_BUDGET = 1 << 30
+#: ``kvevict_params`` in a request: at most this many characters of JSON, nested this deep.
+MAX_PARAMS_CHARS = 4096
+MAX_PARAMS_DEPTH = 4
+#: Error messages quote at most this many characters of an offending value.
+QUOTE_CHARS = 40
+
+
 class _Base(BaseModel):
-    model_config = ConfigDict(extra="forbid", frozen=True)
+    # Strict: an integer is a JSON integer (not a bool, float or string), a bool a JSON bool; floats
+    # are finite. Every bound is in the field, so a refusal can name the allowed range.
+    model_config = ConfigDict(extra="forbid", frozen=True, strict=True, allow_inf_nan=False)
 
     enabled: bool = Field(True, description="evict at all; false keeps every token (stock vLLM behaviour)")
-    policy: str = Field("keydiff", description="eviction policy, one of POLICIES")
-    budget: int = Field(2048, description="tokens kept per sequence, per layer and KV head")
+    policy: str = Field("keydiff", max_length=64, description="eviction policy, one of POLICIES")
+    budget: int = Field(2048, ge=1, le=MAX_BUDGET, description="tokens kept per sequence, per layer and KV head")
     trigger: Literal["chunked", "once"] | None = Field(
         None,
         description="chunked: compact after every step; once: only when the prompt completes; "
@@ -58,14 +70,7 @@ class _Base(BaseModel):
     @classmethod
     def _known_policy(cls, v: str) -> str:
         if v not in POLICIES:
-            raise ValueError(f"unknown policy {v!r}")
-        return v
-
-    @field_validator("budget")
-    @classmethod
-    def _positive_budget(cls, v: int) -> int:
-        if v < 1:
-            raise ValueError("must be a positive number of tokens")
+            raise ValueError(f"unknown policy {short_repr(v)}")
         return v
 
 
@@ -132,6 +137,67 @@ def _allowed_values(field_path: list[str]) -> str:
     return ", ".join(sorted(model.model_fields))
 
 
+def quote(value: Any, limit: int = QUOTE_CHARS) -> str:
+    """``value`` as JSON (or repr), cut to ``limit`` characters: messages never echo a whole input."""
+    try:
+        text = json.dumps(value)
+    except (TypeError, ValueError):
+        text = repr(value)
+    return text if len(text) <= limit else text[:limit] + f"... ({len(text)} characters)"
+
+
+def short_repr(value: Any, limit: int = QUOTE_CHARS) -> str:
+    """``repr(value)`` of at most about ``limit`` characters (for names: policies, keys)."""
+    text = repr(value)
+    return text if len(text) <= limit else text[:limit] + f"... ({len(text)} characters)"
+
+
+def _field_at(loc: list[str]):
+    """The pydantic FieldInfo at a location of the configuration, or None."""
+    model: Any = KVEvictConfig
+    info = None
+    for part in loc:
+        fields = getattr(model, "model_fields", None)
+        if not fields or part not in fields:
+            return None
+        info = fields[part]
+        model = info.annotation
+    return info
+
+
+def allowed_range(loc: list[str]) -> str:
+    """What the field at ``loc`` accepts, from its type and bounds: "an integer in [1, 128]"."""
+    import annotated_types as at
+
+    info = _field_at(loc)
+    if info is None:
+        return ""
+    ann = info.annotation
+    kind = {int: "an integer", float: "a finite number", bool: "true or false", str: "a string"}.get(ann)
+    if kind is None:
+        from typing import get_args
+
+        flat = [b for a in get_args(ann) for b in (get_args(a) or (a,))]  # Literal[...] | None
+        if flat and all(isinstance(a, str) or a is type(None) for a in flat):
+            return "one of " + ", ".join("null" if a is type(None) else json.dumps(a) for a in flat)
+        return ""
+    lo = hi = None
+    lo_open = hi_open = False
+    for m in info.metadata:
+        if isinstance(m, at.Ge):
+            lo = m.ge
+        elif isinstance(m, at.Gt):
+            lo, lo_open = m.gt, True
+        elif isinstance(m, at.Le):
+            hi = m.le
+        elif isinstance(m, at.Lt):
+            hi, hi_open = m.lt, True
+    if lo is None and hi is None:
+        return kind
+    return f"{kind} in {'(' if lo_open else '['}{lo if lo is not None else '-inf'}, " \
+           f"{hi if hi is not None else 'inf'}{')' if hi_open else ']'}"
+
+
 def _config_key(loc: list[str]) -> str:
     return ".".join(["kvevict", *loc])
 
@@ -143,25 +209,17 @@ def _one_line(err: ValidationError, source: str, key=_config_key) -> str:
     msg = e["msg"].removeprefix("Value error, ")
     if e["type"] == "extra_forbidden":
         parent = loc[:-1]
-        text = f"unknown key {where!r}; allowed keys: {_allowed_values(parent)}"
+        text = f"unknown key {short_repr(where)}; allowed keys: {_allowed_values(parent)}"
     elif loc == ["policy"]:
         text = f"{where}: {msg}; allowed values: {', '.join(sorted(POLICIES))}"
     elif not loc:
         text = f"{key(['budget'])}: {msg}"  # model-level (budget vs. policy minimum)
     else:
-        got = e.get("input")
-        text = f"{where}: {msg} (got {json.dumps(got) if _jsonable(got) else repr(got)})"
+        allowed = allowed_range(loc)
+        text = f"{where}: {msg} (got {quote(e.get('input'))}{'; allowed: ' + allowed if allowed else ''})"
     if len(err.errors()) > 1:
         text += f" (and {len(err.errors()) - 1} more error(s))"
     return f"invalid kvevict configuration ({source}): {text}" if source else text
-
-
-def _jsonable(x: Any) -> bool:
-    try:
-        json.dumps(x)
-        return True
-    except (TypeError, ValueError):
-        return False
 
 
 def _merge(base: dict[str, Any], over: dict[str, Any]) -> dict[str, Any]:
@@ -252,12 +310,13 @@ class RequestConfigError(KVEvictConfigError):
 
 def request_overrides(extra_args: Any) -> tuple[tuple[str, Any], ...] | None:
     """The kvevict overrides of a request's ``extra_args`` as a hashable, sorted tuple (or None)."""
-    if not extra_args:
+    if not extra_args or not isinstance(extra_args, dict):
         return None
-    unknown = sorted(k for k in extra_args if k.startswith("kvevict_") and k not in REQUEST_KEYS)
+    unknown = sorted(k for k in extra_args if isinstance(k, str) and k.startswith("kvevict_") and k not in REQUEST_KEYS)
     if unknown:
         raise RequestConfigError(
-            f"unknown request key {unknown[0]!r}; allowed keys: {', '.join(sorted(REQUEST_KEYS))}", unknown[0]
+            f"unknown request key {short_repr(unknown[0])}; allowed keys: {', '.join(sorted(REQUEST_KEYS))}",
+            unknown[0][:64],
         )
     raw = {REQUEST_KEYS[k]: v for k, v in extra_args.items() if k in REQUEST_KEYS}
     if not raw:
@@ -265,20 +324,35 @@ def request_overrides(extra_args: Any) -> tuple[tuple[str, Any], ...] | None:
     try:
         typed = _Overrides.model_validate(raw)
     except ValidationError as err:
-        raise _request_error(err) from None
+        raise _request_error(err, _Overrides) from None
     items = {k: v for k, v in typed.model_dump().items() if v is not None}
     if "params" in items:  # hashable: the tuple keys per-request config caches
         items["params"] = json.dumps(items["params"], sort_keys=True)
     return tuple(sorted(items.items()))
 
 
+def _depth(obj: Any) -> int:
+    """Nesting depth of a JSON value (a scalar is 0, ``{}`` is 1)."""
+    if isinstance(obj, dict):
+        return 1 + max((_depth(v) for v in obj.values()), default=0)
+    if isinstance(obj, list):
+        return 1 + max((_depth(v) for v in obj), default=0)
+    return 0
+
+
+def _zero_one(v: Any) -> Any:
+    # vLLM's ``vllm_xargs`` is typed ``str | int | float | list``: pydantic turns a JSON true/false
+    # into 1/0 before we see it, so exactly those two integers stand for the booleans here.
+    return bool(v) if type(v) is int and v in (0, 1) else v
+
+
 class _Overrides(BaseModel):
     """The types of the per-request keys (their values are checked against the server's config later)."""
 
-    model_config = ConfigDict(extra="forbid", frozen=True)
-    policy: str | None = None
-    budget: int | None = None
-    enabled: bool | None = None
+    model_config = ConfigDict(extra="forbid", frozen=True, strict=True, allow_inf_nan=False)
+    policy: str | None = Field(None, max_length=64)
+    budget: int | None = Field(None, ge=1, le=MAX_BUDGET)
+    enabled: Annotated[bool | None, BeforeValidator(_zero_one)] = None
     # vLLM's ``vllm_xargs`` carries strings, numbers and lists: the parameters come as a JSON object
     # in a string (a dict passes too, from the Python API's ``extra_args``).
     params: dict[str, Any] | None = None
@@ -287,16 +361,33 @@ class _Overrides(BaseModel):
     @classmethod
     def _json_object(cls, v: Any) -> Any:
         if isinstance(v, str):
+            if len(v) > MAX_PARAMS_CHARS:
+                raise ValueError(f"at most {MAX_PARAMS_CHARS} characters of JSON")
             try:
                 v = json.loads(v)
-            except json.JSONDecodeError:
+            except (ValueError, RecursionError):  # JSONDecodeError, over-long integers, deep nesting
                 raise ValueError("must be a JSON object of the policy's parameters") from None
             if not isinstance(v, dict):
                 raise ValueError("must be a JSON object of the policy's parameters")
+        if isinstance(v, dict):
+            try:
+                size, depth = len(json.dumps(v)), _depth(v)
+            except (TypeError, ValueError, RecursionError):
+                raise ValueError("must be a JSON object of the policy's parameters") from None
+            if size > MAX_PARAMS_CHARS or depth > MAX_PARAMS_DEPTH:
+                raise ValueError(f"at most {MAX_PARAMS_CHARS} characters of JSON, nested at most {MAX_PARAMS_DEPTH} deep")
         return v
 
 
-def _request_error(err: ValidationError) -> RequestConfigError:
+_REQUEST_RANGES = {
+    "kvevict_policy": "one of " + ", ".join(sorted(POLICIES)),
+    "kvevict_budget": f"an integer in [1, {MAX_BUDGET}]",
+    "kvevict_enabled": "true or false",
+    "kvevict_params": f"a JSON object (in a string) of the policy's parameters, at most {MAX_PARAMS_CHARS} characters",
+}
+
+
+def _request_error(err: ValidationError, model: type[BaseModel] | None = None) -> RequestConfigError:
     loc = [str(p) for p in err.errors()[0]["loc"]]
 
     def key(loc: list[str]) -> str:
@@ -304,7 +395,10 @@ def _request_error(err: ValidationError) -> RequestConfigError:
             return "kvevict_params." + ".".join(loc[1:]) if len(loc) > 1 else "kvevict_params"
         return _FIELD_TO_KEY.get(loc[0] if loc else "budget", ".".join(loc))
 
-    return RequestConfigError(_one_line(err, "", key=key), key(loc))
+    text = _one_line(err, "", key=key)
+    if model is _Overrides and loc and (r := _REQUEST_RANGES.get(key(loc))) and "allowed" not in text:
+        text += f" (allowed: {r})"
+    return RequestConfigError(text, key(loc)[:64])
 
 
 def request_config(server: KVEvictConfig, overrides: tuple[tuple[str, Any], ...] | None) -> KVEvictConfig:

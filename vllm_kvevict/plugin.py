@@ -100,44 +100,108 @@ def _disable_prefix_caching(vllm_config, cfg) -> None:
         )
 
 
-def validate_request(vllm_config, extra_args) -> None:
-    """Check one request's ``kvevict_*`` keys; raises :class:`RequestConfigError` naming the key."""
+def validate_request(vllm_config, extra_args):
+    """Check one request's ``kvevict_*`` keys; raises :class:`RequestConfigError` naming the key.
+
+    Returns the request's own configuration (None when it has no overrides)."""
     overrides = request_overrides(extra_args)
     if not overrides:
-        return
+        return None
     key = "kvevict_" + overrides[0][0]
     if not _is_kvevict_selected(vllm_config):
         raise RequestConfigError(f"{key}: this server was not started with --attention-backend kvevict", key)
     server = config_from_vllm(vllm_config)
     cfg = request_config(server, overrides)
+    max_len = vllm_config.model_config.max_model_len
+    if dict(overrides).get("budget", 0) > max_len:
+        raise RequestConfigError(
+            f"kvevict_budget: {dict(overrides)['budget']} is above this server's max_model_len "
+            f"(allowed: an integer in [{cfg.policy_params.min_budget()}, {max_len}])", "kvevict_budget",
+        )
     if cfg.eviction_active and not server.eviction_active and vllm_config.cache_config.enable_prefix_caching:
         raise RequestConfigError(
             f"{key}: eviction is off on this server and prefix caching is on, so a request cannot turn it on; "
             "start the server with --no-enable-prefix-caching (or with eviction enabled)", key,
         )
+    return cfg
+
+
+def check_fits_pool(vllm_config, cfg, prompt_len: int, max_tokens: int | None, key: str | None) -> None:
+    """Refuse (HTTP 400) a request that could hold more KV blocks than the whole pool: one whose
+    override turns eviction off, picks a ``once`` policy or a large budget, with a prompt plus
+    output longer than the KV cache. Admitted, it could never finish and would preempt everyone
+    else in a loop."""
+    from vllm_kvevict.window import peak_blocks
+
+    cache = vllm_config.cache_config
+    num_blocks = getattr(cache, "num_gpu_blocks", None)
+    if not num_blocks or not cache.block_size:
+        return  # the engine has not reported its pool (not in a serving process)
+    usable = num_blocks - 1  # block 0 is vLLM's null block
+    max_len = vllm_config.model_config.max_model_len
+    total = min(prompt_len + (max_tokens if max_tokens is not None else max_len), max_len)
+    window = cfg.window(cache.block_size)
+    peak = peak_blocks(prompt_len, total, window, vllm_config.max_in_flight_tokens)
+    if peak > usable:
+        why = ("with eviction off" if not window.enabled else
+               f"with trigger {window.trigger}" if window.trigger != "chunked" or not window.decode else
+               f"with budget {cfg.budget}")
+        raise RequestConfigError(
+            f"{key or 'max_tokens'}: this request could hold {peak} KV blocks ({prompt_len} prompt + up to "
+            f"{total - prompt_len} output tokens {why}) but the KV cache has {usable}; shorten the prompt or "
+            f"max_tokens, or keep eviction on with a smaller budget", key or "max_tokens",
+        )
 
 
 def _wrap_request_validation() -> None:
-    """HTTP 400 for a bad per-request override (vLLM 0.32.0 ``InputProcessor._validate_params``)."""
+    """HTTP 400 for a bad per-request override or a request that cannot fit the KV pool (vLLM
+    0.32.0 ``InputProcessor._validate_params`` and ``process_inputs``). Anything unexpected while
+    checking is logged and refused as a 400 too: a request never gets a 500 from the plugin."""
     from vllm.exceptions import VLLMValidationError
     from vllm.v1.engine.input_processor import InputProcessor
 
     if InputProcessor.__dict__.get("_kvevict_validation_hook"):
         return
-    orig = InputProcessor._validate_params
+    orig_validate, orig_process = InputProcessor._validate_params, InputProcessor.process_inputs
+
+    def _checked(fn, *args):
+        try:
+            return fn(*args)
+        except RequestConfigError as err:
+            raise VLLMValidationError(str(err), parameter=err.key) from None
+        except Exception as err:  # noqa: BLE001 - a bug here must fail the request, not the server
+            logger.warning("kvevict: could not check a request's kvevict keys: %r", err, exc_info=True)
+            raise VLLMValidationError(f"kvevict: could not check the request's kvevict keys ({type(err).__name__})",
+                                      parameter="vllm_xargs") from None
 
     def _validate_params(self, params, supported_tasks):
-        result = orig(self, params, supported_tasks)
+        result = orig_validate(self, params, supported_tasks)
         extra = getattr(params, "extra_args", None)
         if extra and any(str(k).startswith("kvevict_") for k in extra):
-            try:
-                validate_request(self.vllm_config, extra)
-            except RequestConfigError as err:
-                raise VLLMValidationError(str(err), parameter=err.key) from None
+            _checked(validate_request, self.vllm_config, extra)
         return result
 
+    def process_inputs(self, request_id, prompt, params, *args, **kwargs):
+        request = orig_process(self, request_id, prompt, params, *args, **kwargs)
+        sp = getattr(request, "sampling_params", None)
+        if sp is not None and _is_kvevict_selected(self.vllm_config):
+            _checked(_check_request_fits, self.vllm_config, request, sp)
+        return request
+
     InputProcessor._validate_params = _validate_params
+    InputProcessor.process_inputs = process_inputs
     InputProcessor._kvevict_validation_hook = True
+
+
+def _check_request_fits(vllm_config, request, sp) -> None:
+    overrides = request_overrides(getattr(sp, "extra_args", None))
+    cfg = request_config(config_from_vllm(vllm_config), overrides)
+    tokens = request.prompt_token_ids
+    prompt_len = len(tokens) if tokens is not None else int(getattr(request, "prompt_embeds").shape[0])
+    over = dict(overrides or ())
+    # The key that made the window unbounded or large: the one a 400 names.
+    key = next((f"kvevict_{k}" for k in ("enabled", "policy", "params", "budget") if k in over), None)
+    check_fits_pool(vllm_config, cfg, prompt_len, sp.max_tokens, key)
 
 
 def _wrap_cpu_selector() -> None:

@@ -68,6 +68,28 @@ def window_bound_blocks(cfg: WindowConfig, max_chunk: int) -> int:
     return -(-(cfg.budget + cfg.block_size - 1 + max_chunk) // cfg.block_size)
 
 
+def admission_blocks(cfg: WindowConfig, max_chunk: int) -> int | None:
+    """The blocks vLLM's admission gate reserves for a request with this window: its bound in
+    ``chunked`` mode with decode-time eviction; ``None`` (the whole sequence) otherwise."""
+    if not cfg.enabled or cfg.trigger != "chunked" or not cfg.decode:
+        return None
+    return window_bound_blocks(cfg, max_chunk)
+
+
+def peak_blocks(prompt_len: int, total_len: int, cfg: WindowConfig, max_chunk: int) -> int:
+    """Most blocks a request with this window ever holds, computing ``total_len`` tokens
+    (prompt plus the most it may generate) of which ``prompt_len`` are prompt."""
+    bs = cfg.block_size
+    full = -(-total_len // bs)
+    if not cfg.enabled:
+        return full
+    prefill = min(window_bound_blocks(cfg, max_chunk), full) if cfg.trigger == "chunked" else -(-prompt_len // bs)
+    if cfg.trigger == "chunked" and cfg.decode:
+        return prefill
+    # E stays at its value for the whole prompt while the request decodes.
+    return min(full, max(prefill, full - _floor_evict(prompt_len, cfg) // bs))
+
+
 @dataclass(frozen=True)
 class StepWindow:
     """What one step does to one request: attend over ``[e_prev, L)``, then keep ``[e_new, L)``."""

@@ -26,10 +26,22 @@ from pydantic import BaseModel, ConfigDict
 from vllm_kvevict.kernels import ops
 
 
-class PolicyParams(BaseModel):
-    """Per-policy parameters. Unknown keys are an error, as everywhere in the config."""
+#: Upper bound of token-count parameters (sink/recent tokens): far above any budget a server runs
+#: with, far below what overflows the int32 positions and the index arithmetic.
+MAX_TOKENS_PARAM = 1 << 20
+#: Seeds are 31-bit: ``random``'s hash and LSH-E's generator seed stay inside int64 with them.
+MAX_SEED = (1 << 31) - 1
 
-    model_config = ConfigDict(extra="forbid", frozen=True)
+
+class PolicyParams(BaseModel):
+    """Per-policy parameters. Unknown keys are an error, as everywhere in the config.
+
+    Strict and bounded: an integer must be a JSON integer (not a bool, float or string), a float a
+    finite number; every field states its range, so no accepted value can overflow or divide by
+    zero inside the kernels (docs/configuration.md, "Bounds").
+    """
+
+    model_config = ConfigDict(extra="forbid", frozen=True, strict=True, allow_inf_nan=False)
 
     def min_budget(self) -> int:
         """Smallest budget this policy can honour (its protected sink/recent tokens, plus one)."""

@@ -40,7 +40,7 @@ class CriticalKVParams(BaseScoreParams):
         default_factory=CriticalSnapKVParams, description="the snapkv base (max-pooling, Alg. 2)"
     )
     alpha: float = Field(0.5, ge=0.0, le=1.0, description="share of the budget chosen by attention alone")
-    eps: float = Field(1e-4, ge=0.0, description="added to the attention in stage 2")
+    eps: float = Field(1e-4, ge=0.0, le=1.0, description="added to the attention in stage 2")
 
 
 class CriticalKV(BaseScorePolicy):

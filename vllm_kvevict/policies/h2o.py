@@ -14,13 +14,13 @@ import torch
 from pydantic import Field
 
 from vllm_kvevict.policies.attention import group_mean
-from vllm_kvevict.policies.base import KVView, Policy, PolicyParams
+from vllm_kvevict.policies.base import MAX_TOKENS_PARAM, KVView, Policy, PolicyParams
 
 STATE = "h2o"
 
 
 class H2OParams(PolicyParams):
-    recent_tokens: int = Field(0, ge=0, description="most recent tokens always kept")
+    recent_tokens: int = Field(0, ge=0, le=MAX_TOKENS_PARAM, description="most recent tokens always kept")
 
     def min_budget(self) -> int:
         return self.recent_tokens + 1

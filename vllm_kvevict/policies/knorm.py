@@ -13,12 +13,12 @@ from pydantic import Field
 
 from vllm_kvevict.kernels import ops
 from vllm_kvevict.kernels.reference import row_ids
-from vllm_kvevict.policies.base import KVView, Policy, PolicyParams
+from vllm_kvevict.policies.base import MAX_TOKENS_PARAM, KVView, Policy, PolicyParams
 
 
 class KNormParams(PolicyParams):
-    sink_tokens: int = Field(4, ge=0, description="initial tokens always kept")
-    recent_tokens: int = Field(10, ge=0, description="most recent tokens always kept")
+    sink_tokens: int = Field(4, ge=0, le=MAX_TOKENS_PARAM, description="initial tokens always kept")
+    recent_tokens: int = Field(10, ge=0, le=MAX_TOKENS_PARAM, description="most recent tokens always kept")
 
     def min_budget(self) -> int:
         return self.sink_tokens + self.recent_tokens + 1

@@ -35,7 +35,7 @@ from vllm_kvevict.policies.h2o import h2o_observe, h2o_queries
 
 class KVMergerParams(PolicyParams):
     threshold: float = Field(0.75, ge=-1.0, le=1.0, description="cosine above which adjacent keys merge")
-    sigma: float = Field(5.0, gt=0.0, description="Gaussian kernel width on key distances")
+    sigma: float = Field(5.0, ge=1e-3, le=1e6, description="Gaussian kernel width on key distances")
     recent_ratio: float = Field(0.17, ge=0.0, le=1.0, description="share of the sequence kept as recent tokens")
     heavy_ratio: float = Field(0.12, ge=0.0, le=1.0, description="share kept as heavy hitters (not merged)")
     value_scale: Literal["set_size", "none"] = Field("set_size", description="multiply merged values by |S|")

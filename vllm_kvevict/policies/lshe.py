@@ -27,16 +27,16 @@ import torch
 from pydantic import Field
 
 from vllm_kvevict.kernels import ops
-from vllm_kvevict.policies.base import KVView, Policy, PolicyParams
+from vllm_kvevict.policies.base import MAX_SEED, MAX_TOKENS_PARAM, KVView, Policy, PolicyParams
 
 CODE, VICTIM = "lsh_code", "lsh_victim"
 
 
 class LSHEParams(PolicyParams):
     bits: int = Field(16, ge=1, le=62, description="hash length c in bits")
-    sink_tokens: int = Field(4, ge=0, description="initial tokens never evicted")
-    recent_tokens: int = Field(10, ge=0, description="most recent tokens never evicted")
-    seed: int = Field(0, ge=0, description="seed of the per-layer random projections")
+    sink_tokens: int = Field(4, ge=0, le=MAX_TOKENS_PARAM, description="initial tokens never evicted")
+    recent_tokens: int = Field(10, ge=0, le=MAX_TOKENS_PARAM, description="most recent tokens never evicted")
+    seed: int = Field(0, ge=0, le=MAX_SEED, description="seed of the per-layer random projections")
     hash: Literal["query", "key"] = Field("query", description="query (paper) or key (public code) hashing")
 
     def min_budget(self) -> int:

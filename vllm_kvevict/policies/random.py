@@ -10,13 +10,13 @@ from __future__ import annotations
 import torch
 from pydantic import Field
 
-from vllm_kvevict.policies.base import KVView, Policy, PolicyParams
+from vllm_kvevict.policies.base import MAX_SEED, KVView, Policy, PolicyParams
 
 _M31 = 0x7FFFFFFF
 
 
 class RandomParams(PolicyParams):
-    seed: int = Field(0, ge=0, description="seed of the per-token scores")
+    seed: int = Field(0, ge=0, le=MAX_SEED, description="seed of the per-token scores")
 
 
 def _mix(x: torch.Tensor) -> torch.Tensor:

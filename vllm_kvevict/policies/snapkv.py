@@ -21,10 +21,18 @@ from pydantic import Field, field_validator
 from vllm_kvevict.policies.attention import group_mean, pool1d
 from vllm_kvevict.policies.base import KVView, Policy, PolicyParams
 
+#: Longest observation window. The backend keeps each request's last ``window`` queries per layer
+#: (``[H_q, window, d]``), so this bounds that buffer: 128 x 32 heads x 128 x 2 bytes = 1 MiB per
+#: layer and request for Llama-3.1-8B in bf16. The papers use 16-64 (ALGORITHMS.md).
+MAX_QUERY_WINDOW = 128
+#: Widest pooling kernel (the papers use 5-7).
+MAX_KERNEL = 63
+
 
 class SnapKVParams(PolicyParams):
-    window: int = Field(32, ge=1, description="observation window: the last queries scored with, always kept")
-    kernel: int = Field(7, ge=1, description="pooling kernel along the tokens (odd)")
+    window: int = Field(32, ge=1, le=MAX_QUERY_WINDOW,
+                       description="observation window: the last queries scored with, always kept")
+    kernel: int = Field(7, ge=1, le=MAX_KERNEL, description="pooling kernel along the tokens (odd)")
     pooling: Literal["avg", "max"] = Field("avg", description="avg (KeyDiff/CAOTE harness) or max (CriticalKV)")
 
     @field_validator("kernel")

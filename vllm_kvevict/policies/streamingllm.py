@@ -9,11 +9,11 @@ from __future__ import annotations
 import torch
 from pydantic import Field
 
-from vllm_kvevict.policies.base import KVView, Policy, PolicyParams
+from vllm_kvevict.policies.base import MAX_TOKENS_PARAM, KVView, Policy, PolicyParams
 
 
 class StreamingLLMParams(PolicyParams):
-    sink_tokens: int = Field(4, ge=0, description="initial tokens always kept (attention sinks)")
+    sink_tokens: int = Field(4, ge=0, le=MAX_TOKENS_PARAM, description="initial tokens always kept (attention sinks)")
 
     def min_budget(self) -> int:
         return self.sink_tokens + 1

@@ -19,7 +19,7 @@ from vllm.v1.kv_cache_interface import FullAttentionSpec
 
 from vllm_kvevict._logging import logger
 from vllm_kvevict.config import KVEvictConfig, config_from_json, request_config
-from vllm_kvevict.window import WindowConfig, evicted_tokens, window_bound_blocks
+from vllm_kvevict.window import WindowConfig, admission_blocks, evicted_tokens, window_bound_blocks
 
 
 @dataclass(frozen=True, kw_only=True)
@@ -97,6 +97,23 @@ class KVEvictManager(FullAttentionManager):
         pool = self.block_pool
         self.pool_peak_used = max(self.pool_peak_used, pool.num_gpu_blocks - 1 - pool.get_num_free_blocks())
         return new
+
+    def get_num_blocks_to_allocate(self, request_id: str, num_tokens: int, *args, apply_admission_cap: bool = False,
+                                   **kwargs) -> int:
+        """vLLM's count, with the admission cap of the request's *own* window: its bound when it
+        evicts in ``chunked`` mode, none (the whole sequence must fit) when a per-request override
+        turns eviction off, chooses a ``once`` policy or a larger budget. (The API refuses a
+        request whose peak exceeds the whole pool, so every admitted request can finish alone.)"""
+        if not apply_admission_cap:
+            return super().get_num_blocks_to_allocate(request_id, num_tokens, *args, **kwargs)
+        server_cap = self.max_admission_blocks_per_request
+        self.max_admission_blocks_per_request = admission_blocks(
+            self.window_for(request_id), self.kv_cache_spec.evict_max_in_flight)
+        try:
+            return super().get_num_blocks_to_allocate(request_id, num_tokens, *args, apply_admission_cap=True,
+                                                      **kwargs)
+        finally:
+            self.max_admission_blocks_per_request = server_cap
 
     def free(self, request_id: str) -> None:
         st = self._stats.pop(request_id, None)
