@@ -19,8 +19,8 @@ CASES = {  # name: (--additional-config, KVEVICT_CONFIG, extra vllm args, the on
     ),
     "wrong_type": (
         {"kvevict": {"budget": "lots"}}, None, [],
-        "invalid kvevict configuration (--additional-config): kvevict.budget: Input should be a valid integer, "
-        'unable to parse string as an integer (got "lots")',
+        "invalid kvevict configuration (--additional-config): kvevict.budget: Input should be a valid integer "
+        '(got "lots"; allowed: an integer in [1, 1073741824])',
     ),
     "budget_below_minimum": (
         {"kvevict": {"policy": "streamingllm", "budget": 3}}, None, [],
@@ -35,8 +35,8 @@ CASES = {  # name: (--additional-config, KVEVICT_CONFIG, extra vllm args, the on
     ),
     "env_wrong_type": (
         None, {"enabled": "perhaps"}, [],
-        "invalid kvevict configuration (KVEVICT_CONFIG): kvevict.enabled: Input should be a valid boolean, "
-        'unable to interpret input (got "perhaps")',
+        "invalid kvevict configuration (KVEVICT_CONFIG): kvevict.enabled: Input should be a valid boolean "
+        '(got "perhaps"; allowed: true or false)',
     ),
     "fp8_kv_cache": (
         {"kvevict": {"policy": "keydiff", "budget": 64}}, None, ["--kv-cache-dtype", "fp8"],

@@ -21,6 +21,7 @@ import os
 import torch
 
 from vllm_kvevict import profiling
+from vllm_kvevict.backends import fault
 from vllm_kvevict._logging import info_once, logger
 from vllm_kvevict.backends.step import (
     get_step_context,
@@ -34,6 +35,8 @@ from vllm_kvevict.kernels.compact import RowWork, evict_step
 from vllm_kvevict.policies import get_policy
 
 BACKEND_NAME = "CUSTOM"
+#: Policy objects kept per layer (one per distinct policy and parameters in use).
+MAX_POLICIES = 64
 
 #: Debugging and testing: write every compaction's kept positions (JSON lines) into this directory.
 DUMP_DIR = os.environ.get("KVEVICT_DUMP_DIR")
@@ -140,7 +143,7 @@ class KVEvictImplMixin:
 
     def _kvevict_init(self, base_name: str) -> None:
         self.kvevict_config = _current_config()
-        self._kvevict_policies: dict = {}  # config -> Policy: requests may choose their own
+        self._kvevict_policies: dict = {}  # (policy, params) -> Policy, LRU order: requests may choose their own
         self._kvevict_slot_pos: torch.Tensor | None = None
         self._kvevict_slot_state: dict[str, torch.Tensor] = {}  # per-slot policy state, like positions
         self._kvevict_qwin: dict[str, torch.Tensor] = {}  # req_id -> its latest queries [H_q, w, d]
@@ -177,10 +180,20 @@ class KVEvictImplMixin:
                 self._kvevict_after_attention(layer, query, kv_cache, plan)
         return out
 
-    def _policy(self, config):
-        policy = self._kvevict_policies.get(config)
+    def _policy(self, config, req_id: str | None):
+        """The policy object of a request's configuration: one per (policy, parameters), shared by
+        every request and budget that uses them (a policy holds no per-request state), at most
+        :data:`MAX_POLICIES` per layer (least recently used dropped). A request that has fallen
+        back after a fault gets the safe policy (:mod:`vllm_kvevict.backends.fault`)."""
+        if req_id is not None and fault.has_fallen_back(req_id):
+            return fault.SAFE_POLICY
+        key = (config.policy, config.policy_params)
+        policy = self._kvevict_policies.pop(key, None)
         if policy is None:
-            policy = self._kvevict_policies[config] = get_policy(config.policy, config.policy_params)
+            policy = fault.maybe_faulty(get_policy(config.policy, config.policy_params))
+            if len(self._kvevict_policies) >= MAX_POLICIES:
+                del self._kvevict_policies[next(iter(self._kvevict_policies))]
+        self._kvevict_policies[key] = policy  # most recently used last
         return policy
 
     def _slot_pos(self, kv_cache: torch.Tensor) -> torch.Tensor:
@@ -231,7 +244,8 @@ class KVEvictImplMixin:
         valid = slots >= 0
         slot_pos[slots[valid]] = plan.positions[valid].to(torch.int32)[:, None]
         compact = set(plan.compact_rows)
-        policies = [self._policy(c) if c.eviction_active else None for c in plan.configs]
+        rids = plan.req_ids or [None] * len(plan.configs)
+        policies = [self._policy(c, rid) if c.eviction_active else None for c, rid in zip(plan.configs, rids)]
         # Per-slot state: this step's slots start from the policy's initial value.
         for p in {id(p): p for p in policies if p is not None}.values():
             for name, (dtype, init) in p.slot_state.items():
@@ -239,6 +253,8 @@ class KVEvictImplMixin:
         if plan.live is not None and len(self._kvevict_qwin) > 0:
             for rid in [k for k in self._kvevict_qwin if k not in plan.live]:
                 del self._kvevict_qwin[rid]  # finished or aborted
+        if plan.live is not None:
+            fault.forget_finished(plan.live)
         work = []
         qsl, positions, G = plan.query_start_loc, plan.positions, self.num_heads // self.num_kv_heads
         for r, policy in enumerate(policies):
@@ -265,13 +281,20 @@ class KVEvictImplMixin:
             return
         bs = kv_cache.shape[2]
         layer_idx = self._layer_index(layer)
-        kept = evict_step(
-            plan, work, bs,
-            gather=lambda b, o: self._kvevict_gather(layer, kv_cache, b, o),
-            write=lambda s, K, V: self._kvevict_write(layer, kv_cache, s, K, V),
-            slot_pos=slot_pos, slot_state=self._kvevict_slot_state, layer=layer_idx, G=G,
-            views=self._kvevict_views(layer, kv_cache),
-        )
+        views = self._kvevict_views(layer, kv_cache)
+
+        def step(items: list[RowWork]) -> list[torch.Tensor]:
+            return evict_step(
+                plan, items, bs,
+                gather=lambda b, o: self._kvevict_gather(layer, kv_cache, b, o),
+                write=lambda s, K, V: self._kvevict_write(layer, kv_cache, s, K, V),
+                slot_pos=slot_pos, slot_state=self._kvevict_slot_state, layer=layer_idx, G=G, views=views,
+            )
+
+        try:
+            kept = step(work)
+        except Exception as err:  # noqa: BLE001 - one request's policy must never kill the engine
+            work, kept = fault.isolate(plan, work, step, err)
         rows = [w.row for w in work if w.compact]
         if DUMP_DIR:
             _dump_kept(plan, rows, layer_idx, kept)

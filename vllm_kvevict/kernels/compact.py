@@ -96,13 +96,13 @@ def evict_step(
         )))
     if BATCHED:  # every row's attention rows in one call (view.attn)
         _attention(work, row_views, bounds, K_all, pos_all, G)
+    observed: list[tuple[slice, dict]] = []  # per-slot state to write back once every row is scored
     for i, view in row_views:
         w, sl = work[i], slice(bounds[i], bounds[i + 1])
         r = w.row
         if w.policy.observes:
             w.policy.observe(view)
-            for k in view.state:  # written back now: the compaction below moves it from slot_state
-                slot_state[k][slots_all[sl]] = view.state[k].transpose(0, 1).to(slot_state[k].dtype)
+            observed.append((sl, view.state))
         if not w.compact:
             continue
         keep = plan.seq_lens[r] - plan.e_new[r]
@@ -128,6 +128,11 @@ def evict_step(
         ck = cu_keep.tolist()
         for j, ((i, _), r) in enumerate(zip(to_select, sel_rows)):
             kept_tok[r] = idx[ck[j]:ck[j + 1]] + bounds[i]
+    # Nothing is written before every row is scored and selected: a policy that raises leaves the
+    # cache and the per-slot state as they were, so the step can be retried row by row.
+    for sl, state in observed:  # before the compaction below, which moves the state from slot_state
+        for k in state:
+            slot_state[k][slots_all[sl]] = state[k].transpose(0, 1).to(slot_state[k].dtype)
     out = [w.row for w in work if w.compact]
     if out:
         _write_kept(plan, out, kept_tok, merged, K_all, V_all, pos_all, slots_all, block_size, write, slot_pos,

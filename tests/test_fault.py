@@ -1,0 +1,72 @@
+"""Fault isolation in the eviction step (backends/fault.py): a policy that raises for one row
+leaves every other row exactly as a step without the fault computes it, and the faulty row is
+compacted with the safe policy inside the same window. The engine-level twin (concurrent requests
+on a real server, one of them faulty) is in tests/engine/test_hardening.py."""
+
+from __future__ import annotations
+
+import pytest
+import torch
+
+from tests.test_evict_step import BS, HQ, H, _setup
+from vllm_kvevict.backends import fault
+from vllm_kvevict.kernels import flash_cache
+from vllm_kvevict.kernels.compact import RowWork, evict_step
+
+FAULTY_ROW = 6  # snapkv: scored after the observing rows 1, 3 and 5 (h2o, lshe, h2o)
+
+
+def _step(cache, slot_pos, state, plan):
+    def step(items):
+        return evict_step(plan, items, BS, gather=lambda b, o: flash_cache.gather_tokens(cache, b, o),
+                          write=lambda s, K, V: flash_cache.write_tokens(cache, s, K, V), slot_pos=slot_pos,
+                          slot_state=state, G=HQ // H, views=flash_cache.cache_views(cache))
+    return step
+
+
+@pytest.fixture(autouse=True)
+def _clean():
+    fault._fallen.clear()
+    fault.FALLBACKS.clear()
+    yield
+    fault._fallen.clear()
+    fault.FALLBACKS.clear()
+
+
+def test_faulty_row_falls_back_and_others_are_untouched(monkeypatch, caplog):
+    # Reference: the same step with the faulty row's policy replaced by the safe one up front.
+    cache_r, _, pos_r, state_r, plan_r, work_r = _setup("flash", torch.float32)
+    w = work_r[FAULTY_ROW]
+    work_r[FAULTY_ROW] = RowWork(w.row, fault.SAFE_POLICY, w.compact, w.extra)
+    kept_r = _step(cache_r, pos_r, state_r, plan_r)(work_r)
+
+    monkeypatch.setenv(fault.TEST_FAULT_ENV, "snapkv")
+    cache, _, slot_pos, state, plan, work = _setup("flash", torch.float32)
+    w = work[FAULTY_ROW]
+    work[FAULTY_ROW] = RowWork(w.row, fault.maybe_faulty(w.policy), w.compact, w.extra)
+    step = _step(cache, slot_pos, state, plan)
+    with pytest.raises(RuntimeError, match="fault injected into snapkv"):
+        step(work)  # the batched step raises, having written nothing
+    done, kept = fault.isolate(plan, work, step, RuntimeError("batched"))
+
+    assert [x.policy is fault.SAFE_POLICY for x in done] == [r == FAULTY_ROW for r in range(len(work))]
+    assert torch.equal(cache, cache_r) and torch.equal(slot_pos, pos_r)
+    for k in state:  # observed state applied exactly once (not once per attempt)
+        assert torch.equal(state[k], state_r[k]), k
+    assert all(torch.equal(a, b) for a, b in zip(kept, kept_r))
+    assert fault.has_fallen_back("g") and fault.FALLBACKS == {"snapkv": 1}
+    assert sum("policy snapkv failed" in r.message for r in caplog.records) == 1
+
+
+def test_fallback_is_sticky_and_forgotten_when_the_request_ends():
+    fault._fall_back("req-1", fault.SAFE_POLICY, ValueError("x"))
+    fault._fall_back("req-1", fault.SAFE_POLICY, ValueError("again"))  # counted and logged once
+    assert fault.has_fallen_back("req-1") and sum(fault.FALLBACKS.values()) == 1
+    fault.forget_finished(frozenset({"req-2"}))
+    assert not fault.has_fallen_back("req-1")
+
+
+def test_injection_is_off_by_default(monkeypatch):
+    monkeypatch.delenv(fault.TEST_FAULT_ENV, raising=False)
+    p = fault.SAFE_POLICY
+    assert fault.maybe_faulty(p) is p

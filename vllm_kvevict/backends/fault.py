@@ -1,0 +1,104 @@
+"""Fault isolation for the eviction step: one request's policy error never kills the engine.
+
+vLLM declares the engine core dead when the attention forward raises, and every later request then
+fails. The eviction step therefore never lets an exception out: when the batched step raises,
+:func:`isolate` runs every row alone; a row whose policy raises again is given the safe policy
+(:data:`SAFE_POLICY`: keep the newest tokens of each KV head) and compacted with it, inside the
+same window, so the scheduler's block accounting (which only knows the window) stays right. The
+request keeps the safe policy for the rest of its life, on every layer; one WARNING names it, its
+policy and the error, and :data:`FALLBACKS` counts it per policy.
+
+The step writes nothing before every row is scored and selected
+(:func:`~vllm_kvevict.kernels.compact.evict_step`), so a retry starts from the untouched cache.
+
+Testing: ``KVEVICT_TEST_FAULT=<policy>[,<policy>...]`` (read when a policy object is made; off by
+default) makes the scoring of those policies raise, so a test can fault one request among many.
+"""
+
+from __future__ import annotations
+
+import os
+from collections import Counter
+from collections.abc import Callable
+
+import torch
+
+from vllm_kvevict._logging import logger
+from vllm_kvevict.policies import Policy
+from vllm_kvevict.policies.streamingllm import StreamingLLM, StreamingLLMParams
+
+TEST_FAULT_ENV = "KVEVICT_TEST_FAULT"
+
+#: Keeps the newest tokens per KV head (StreamingLLM without sinks): scores are the positions,
+#: nothing it computes can fail for a window the engine could gather.
+SAFE_POLICY: Policy = StreamingLLM(StreamingLLMParams(sink_tokens=0))
+
+#: policy name -> requests that fell back to :data:`SAFE_POLICY` in this worker since start.
+FALLBACKS: Counter[str] = Counter()
+
+_fallen: dict[str, str] = {}  # request id -> the policy it fell back from
+
+
+def has_fallen_back(req_id: str) -> bool:
+    return req_id in _fallen
+
+
+def forget_finished(live: frozenset[str]) -> None:
+    """Drop the requests the runner no longer holds (finished, aborted)."""
+    if _fallen:
+        for rid in [r for r in _fallen if r not in live]:
+            del _fallen[rid]
+
+
+def _fall_back(req_id: str | None, policy: Policy, err: BaseException) -> None:
+    name = getattr(policy, "name", type(policy).__name__)
+    if req_id is not None and req_id in _fallen:
+        return
+    if req_id is not None:
+        _fallen[req_id] = name
+    FALLBACKS[name] += 1
+    logger.warning("kvevict: request %s: policy %s failed (%s: %s); it keeps the newest tokens from now on",
+                   req_id or "?", name, type(err).__name__, str(err)[:200])
+
+
+def isolate(plan, work: list, step: Callable[[list], list[torch.Tensor]], err: BaseException):
+    """The batched ``step(work)`` raised ``err``: run each row alone, replacing the policy of every
+    row that fails again by :data:`SAFE_POLICY`. Returns the work as finally run and the kept
+    positions of its compacting rows, in order (what ``step`` returns)."""
+    from vllm_kvevict.kernels.compact import RowWork
+
+    logger.debug("kvevict: eviction step failed for %d rows (%r); retrying row by row", len(work), err)
+    done: list = []
+    kept: list[torch.Tensor] = []
+    for w in work:
+        try:
+            out = step([w])
+        except Exception as row_err:  # noqa: BLE001
+            rid = plan.req_ids[w.row] if plan.req_ids else None
+            _fall_back(rid, w.policy, row_err)
+            w = RowWork(w.row, SAFE_POLICY, w.compact, w.extra)
+            out = step([w])
+        done.append(w)
+        kept += out
+    return done, kept
+
+
+class _InjectedFault(RuntimeError):
+    pass
+
+
+def maybe_faulty(policy: Policy) -> Policy:
+    """``policy``, or (under ``KVEVICT_TEST_FAULT``) a copy whose scoring raises."""
+    names = {n.strip() for n in os.environ.get(TEST_FAULT_ENV, "").split(",") if n.strip()}
+    if policy.name not in names:
+        return policy
+
+    def fail(*_args, **_kwargs):
+        raise _InjectedFault(f"fault injected into {policy.name} by {TEST_FAULT_ENV}")
+
+    cls = type(policy)
+    faulty = type(f"Faulty{cls.__name__}", (cls,), {"score": fail, "observe": fail,
+                                                    **({"evict": fail} if cls.evict is not Policy.evict else {}),
+                                                    **({"score_ragged": fail}
+                                                       if cls.score_ragged is not Policy.score_ragged else {})})
+    return faulty(policy.params)
