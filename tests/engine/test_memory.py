@@ -10,9 +10,6 @@ from __future__ import annotations
 
 import json
 import re
-import threading
-import time
-import urllib.request
 from concurrent.futures import ThreadPoolExecutor
 
 import pytest
@@ -21,7 +18,7 @@ import requests
 from tests.conftest import CPU_SERVER_ARGS
 from tests.engine.evict_common import check_against_reference, complete, make_prompt
 from vllm_kvevict.testing.hf_reference import load_attempts
-from vllm_kvevict.testing.server import VLLMServer
+from vllm_kvevict.testing.server import VLLMServer, wait_until
 from vllm_kvevict.window import WindowConfig, window_bound_blocks
 
 pytestmark = [pytest.mark.engine, pytest.mark.timeout(900)]
@@ -32,7 +29,7 @@ POOL = 8
 ABORTED_PROMPT = 30000
 RELEASED = re.compile(
     r"kvevict: request (\S+) released: (\d+) blocks freed by eviction, peak (\d+) blocks held "
-    r"\(window bound (\d+)\); pool (\d+)/(\d+) blocks free, peak (\d+) used"
+    r"\(window bound (\d+|None)\); pool (\d+)/(\d+) blocks free, peak (\d+) used"
 )
 
 
@@ -46,29 +43,34 @@ def server(gqa_model, tmp_path_factory):
         # which avoids preemption altogether); over-admission makes vLLM preempt, as under load.
         "--no-scheduler-reserve-full-isl", "--max-model-len", "32768",
         "--max-num-batched-tokens", str(CHUNK), "--max-num-seqs", "4", "--additional-config", json.dumps(cfg),
+        "--enable-log-requests",  # admit_together counts the requests that reached the engine
     ]
-    srv = VLLMServer(gqa_model, args, log_path=base / "server.log", env={"KVEVICT_DUMP_DIR": str(base / "dump")})
+    srv = VLLMServer(gqa_model, args, log_path=base / "server.log",
+                     env={"KVEVICT_DUMP_DIR": str(base / "dump"), "VLLM_SERVER_DEV_MODE": "1"})
     with srv:
         srv.dump_dir = base / "dump"
         yield srv
 
 
 def _released(srv: VLLMServer) -> list[tuple]:
-    return [(m[1], *map(int, m.groups()[1:])) for m in RELEASED.finditer(srv.log())]
+    return [(m[1], *(None if g == "None" else int(g) for g in m.groups()[1:])) for m in RELEASED.finditer(srv.log())]
 
 
-def _line_for(srv: VLLMServer, request_id: str) -> tuple:
-    lines = [r for r in _released(srv) if r[0].startswith(request_id + "-")]
-    assert lines, f"no release line for {request_id}"
-    return lines[-1]
+def released_line(srv: VLLMServer, request_id: str, timeout: float = 60.0) -> tuple:
+    """The last release line of a request, once the engine core has logged it (it frees the request
+    right after the last output reaches the client: wait for it, never sleep)."""
+    def lines():
+        return [r for r in _released(srv) if r[0].startswith(request_id + "-")]
+
+    wait_until(lambda: bool(lines()), timeout, f"the release line of {request_id}")
+    return lines()[-1]
 
 
 def test_prompt_longer_than_whole_cache_runs_within_bound(server, hf_model):
     prompt = make_prompt(8 * BUDGET + 40, 11, hf_model.config.vocab_size)  # 808 tokens > 256 in the cache
     out = complete(server, prompt, 40)
     assert len(out["tokens"]) == 40
-    time.sleep(0.5)
-    _, freed, peak, bound, free, total, pool_peak = _line_for(server, out["id"])
+    _, freed, peak, bound, free, total, pool_peak = released_line(server, out["id"])
     assert (bound, total) == (BOUND, POOL)
     assert peak <= BOUND and pool_peak <= BOUND  # one running request: the whole pool stayed in the bound
     assert freed == (len(prompt) + 39 - BUDGET) // BS  # every evicted block went back to the pool
@@ -77,14 +79,9 @@ def test_prompt_longer_than_whole_cache_runs_within_bound(server, hf_model):
     check_against_reference(hf_model, out, load_attempts(server.dump_dir))
 
 
-def _metric(srv: VLLMServer, name: str) -> float:
-    text = urllib.request.urlopen(srv.base_url + "/metrics").read().decode()
-    return sum(float(line.rsplit(" ", 1)[1]) for line in text.splitlines() if line.startswith(name + "{"))
-
-
 def test_mixed_run_returns_every_block(server, hf_model):
     vocab = hf_model.config.vocab_size
-    preemptions_before = _metric(server, "vllm:num_preemptions_total")
+    preemptions_before = server.metrics().get("vllm:num_preemptions_total", 0.0)
     released_before = len(_released(server))
     # 1. A client that disconnects mid-prefill: 30000 tokens take ~470 steps of 64.
     with pytest.raises(requests.exceptions.ReadTimeout):
@@ -93,16 +90,18 @@ def test_mixed_run_returns_every_block(server, hf_model):
         })
     # vLLM notices the disconnect at its next check; wait until it has released the request.
     full_prefill_frees = (ABORTED_PROMPT - BUDGET) // BS
-    deadline = time.monotonic() + 60
-    while len(_released(server)) == released_before and time.monotonic() < deadline:
-        time.sleep(0.2)
+    wait_until(lambda: len(_released(server)) > released_before, 120, "the aborted request's release line")
     aborted = _released(server)[released_before]
-    # 2. Four concurrent requests that need up to 4 x 6 blocks from a pool of 8: vLLM preempts.
+    # 2. Four requests that need up to 4 x 6 blocks from a pool of 8, admitted together (the
+    #    scheduler is paused until all four have reached it): vLLM must preempt.
     specs = [(300, 22), (450, 23), (600, 24), (700, 25)]
     with ThreadPoolExecutor(4) as pool:
-        outs = list(pool.map(lambda a: complete(server, make_prompt(*a, vocab), 64), specs))
+        futures = server.admit_together(
+            lambda: [pool.submit(complete, server, make_prompt(*a, vocab), 64) for a in specs], len(specs))
+        outs = [f.result() for f in futures]
     assert all(len(o["tokens"]) == 64 for o in outs)
-    assert _metric(server, "vllm:num_preemptions_total") > preemptions_before, "expected preemptions"
+    wait_until(lambda: server.metrics().get("vllm:num_preemptions_total", 0.0) > preemptions_before, 60,
+               "a preemption counted in /metrics")
     # Preempted requests were recomputed and still equal the reference (per attempt).
     attempts = load_attempts(server.dump_dir)
     recomputed = [o for o in outs if len(check_against_reference(hf_model, o, attempts)) > 1]
@@ -111,8 +110,7 @@ def test_mixed_run_returns_every_block(server, hf_model):
     assert 0 < aborted[1] < full_prefill_frees - 2, f"aborted request not released mid-prefill: {aborted}"
     # 4. Afterwards every block is free again.
     last = complete(server, make_prompt(200, 26, vocab), 8)
-    time.sleep(0.5)
-    line = _line_for(server, last["id"])
+    line = released_line(server, last["id"])
     assert line[4] == POOL, f"{POOL - line[4]} blocks leaked"
     for r in _released(server):
         assert r[2] <= BOUND, f"request {r[0]} held {r[2]} blocks"

@@ -8,14 +8,13 @@ A bad value is refused with HTTP 400 naming the key, and the server keeps servin
 from __future__ import annotations
 
 import json
-import time
 
 import openai
 import pytest
 
 from tests.conftest import CPU_SERVER_ARGS
 from tests.engine.evict_common import check_against_reference, complete, make_prompt
-from tests.engine.test_memory import RELEASED
+from tests.engine.test_memory import released_line
 from vllm_kvevict.testing.hf_reference import attempts_for, load_attempts
 from vllm_kvevict.testing.server import VLLMServer
 
@@ -41,9 +40,7 @@ def _kept_counts(srv, out) -> set[int]:
 
 
 def _freed(srv, out) -> int:
-    time.sleep(0.3)
-    lines = [m for m in RELEASED.finditer(srv.log()) if m[1].startswith(out["id"] + "-")]
-    return int(lines[-1][2]) if lines else 0
+    return released_line(srv, out["id"])[1]
 
 
 def test_overrides_apply_on_both_sides(server, hf_model):

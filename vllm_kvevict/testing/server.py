@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import os
+import re
 import signal
 import socket
 import subprocess
@@ -10,6 +11,7 @@ import sys
 import time
 import urllib.error
 import urllib.request
+from collections.abc import Callable
 from pathlib import Path
 
 # Environment for a vLLM subprocess on this kind of machine: no model hub, a fixed KV cache size.
@@ -128,6 +130,53 @@ class VLLMServer:
     def log(self) -> str:
         return self.log_path.read_text(errors="replace") if self.log_path.exists() else ""
 
+    def wait_log(self, pattern: str, count: int = 1, timeout: float = 120.0) -> list[re.Match]:
+        """The matches of ``pattern`` in the log once there are at least ``count`` (or TimeoutError)."""
+        rx = re.compile(pattern)
+        found: list[re.Match] = []
+
+        def enough() -> bool:
+            found[:] = list(rx.finditer(self.log()))
+            return len(found) >= count
+
+        wait_until(enough, timeout, f"{count} log lines matching {pattern!r}")
+        return found
+
+    def metrics(self) -> dict[str, float]:
+        """vLLM's ``/metrics``: each metric name summed over its label sets."""
+        with urllib.request.urlopen(self.base_url + "/metrics", timeout=30) as r:
+            text = r.read().decode()
+        out: dict[str, float] = {}
+        for line in text.splitlines():
+            if line and not line.startswith("#"):
+                name, value = line.split("{", 1)[0].split(" ", 1)[0], line.rsplit(" ", 1)[1]
+                out[name] = out.get(name, 0.0) + float(value)
+        return out
+
+    def post(self, path: str, timeout: float = 60.0) -> int:
+        req = urllib.request.Request(self.base_url + path, method="POST", data=b"")
+        with urllib.request.urlopen(req, timeout=timeout) as r:
+            return r.status
+
+    def added_requests(self) -> int:
+        """How many requests the API server has handed to the engine (needs --enable-log-requests)."""
+        return self.log().count("Added request ")
+
+    def admit_together(self, send: Callable[[], list], count: int, timeout: float = 120.0) -> list:
+        """Run ``send()`` (which starts ``count`` requests, e.g. in threads, and returns their
+        futures) while the scheduler is paused, and resume it once all ``count`` have reached the
+        engine: the scheduler then sees them all waiting at once, whatever the timing of the
+        client threads. Needs ``VLLM_SERVER_DEV_MODE=1`` (vLLM's /pause and /resume) and
+        ``--enable-log-requests``."""
+        before = self.added_requests()
+        assert self.post("/pause?mode=keep") == 200
+        try:
+            futures = send()
+            wait_until(lambda: self.added_requests() >= before + count, timeout, f"{count} requests added")
+        finally:
+            assert self.post("/resume") == 200
+        return futures
+
     def tail(self, n: int = 60) -> str:
         return "\n".join(self.log().splitlines()[-n:])
 
@@ -136,6 +185,15 @@ class VLLMServer:
 
     def __exit__(self, *exc) -> None:
         self.stop()
+
+
+def wait_until(cond: Callable[[], bool], timeout: float, what: str, interval: float = 0.05) -> None:
+    """Poll ``cond`` until it holds; TimeoutError naming ``what`` after ``timeout`` seconds."""
+    deadline = time.monotonic() + timeout
+    while not cond():
+        if time.monotonic() > deadline:
+            raise TimeoutError(f"not reached within {timeout:.0f}s: {what}")
+        time.sleep(interval)
 
 
 class _suppress_lookup:
