@@ -68,6 +68,7 @@ def _wrap_check_and_update_config(platform_cls) -> None:
             if selected:
                 logger.debug("kvevict: configuration from %s: %s", source, cfg.summary())
                 _check_kv_cache_dtype(vllm_config, cfg)
+                _refuse_unsafe_combinations(vllm_config, cfg)
                 _disable_prefix_caching(vllm_config, cfg)
             else:
                 logger.warning(
@@ -87,6 +88,67 @@ def _check_kv_cache_dtype(vllm_config, cfg) -> None:
         raise KVEvictConfigError(
             f"invalid kvevict configuration: --kv-cache-dtype {dtype} is not supported with eviction; allowed: auto"
         )
+
+
+#: Set while vLLM builds its config from engine arguments that asked for prefix caching explicitly.
+_explicit_prefix_caching = False
+V2_RUNNER_ENV = "VLLM_USE_V2_MODEL_RUNNER"
+
+
+def _refuse(what: str, why: str) -> None:
+    raise KVEvictConfigError(f"invalid kvevict configuration: {what} is not supported with eviction ({why})")
+
+
+def _refuse_unsafe_combinations(vllm_config, cfg) -> None:
+    """Stop at start-up, with one line, on what eviction cannot run beside (any request of the
+    server may evict: by default, or through an override when prefix caching is off)."""
+    if not (cfg.eviction_active or not vllm_config.cache_config.enable_prefix_caching):
+        return
+    if getattr(vllm_config, "speculative_config", None) is not None:
+        _refuse("speculative decoding (--speculative-config)", "draft and verified tokens would need their own windows")
+    cache = vllm_config.cache_config
+    if getattr(vllm_config, "kv_transfer_config", None) is not None or getattr(cache, "kv_offloading_size", None):
+        _refuse("a KV transfer or offloading connector (--kv-transfer-config, --kv-offloading-size)",
+                "compaction rewrites blocks the connector would copy")
+    if _explicit_prefix_caching and cfg.eviction_active:
+        _refuse("--enable-prefix-caching", "compaction rewrites KV blocks in place; leave it unset or pass "
+                "--no-enable-prefix-caching")
+    _force_v1_runner(vllm_config)
+
+
+def _force_v1_runner(vllm_config) -> None:
+    """The per-step hook that gives the workers each request's own window is installed into the V1
+    model runner (``backends/step.py``); vLLM 0.32 picks Model Runner V2 by default on GPUs.
+    Force V1 (the environment is inherited by the engine and worker processes), or refuse when the
+    user asked for V2."""
+    if os.environ.get(V2_RUNNER_ENV, "").strip().lower() in ("1", "true"):
+        _refuse(f"{V2_RUNNER_ENV}=1", f"the plugin's per-step hook is in vLLM's V1 model runner; unset it or set "
+                f"{V2_RUNNER_ENV}=0")
+    if os.environ.get(V2_RUNNER_ENV) is None and getattr(vllm_config, "use_v2_model_runner", False):
+        os.environ[V2_RUNNER_ENV] = "0"
+        logger.info("kvevict: using vLLM's V1 model runner (%s=0): the plugin's per-step hook is installed "
+                    "into it, not into Model Runner V2", V2_RUNNER_ENV)
+
+
+def _wrap_engine_args() -> None:
+    """Tell an explicit ``--enable-prefix-caching`` from vLLM's default (vLLM 0.32.0
+    ``EngineArgs.create_engine_config``: the field is None unless the user set it)."""
+    from vllm.engine.arg_utils import EngineArgs
+
+    if EngineArgs.__dict__.get("_kvevict_args_hook"):
+        return
+    orig = EngineArgs.create_engine_config
+
+    def create_engine_config(self, *args, **kwargs):
+        global _explicit_prefix_caching
+        _explicit_prefix_caching = self.enable_prefix_caching is True
+        try:
+            return orig(self, *args, **kwargs)
+        finally:
+            _explicit_prefix_caching = False
+
+    EngineArgs.create_engine_config = create_engine_config
+    EngineArgs._kvevict_args_hook = True
 
 
 def _disable_prefix_caching(vllm_config, cfg) -> None:
@@ -281,6 +343,7 @@ def register() -> None:
     elif current_platform.is_cuda():
         _wrap_cuda_selector()
     _wrap_check_and_update_config(type(current_platform))
+    _wrap_engine_args()
     from vllm_kvevict.scheduler import install_scheduler_hooks, register_spec
 
     register_spec()

@@ -42,16 +42,41 @@ CASES = {  # name: (--additional-config, KVEVICT_CONFIG, extra vllm args, the on
         {"kvevict": {"policy": "keydiff", "budget": 64}}, None, ["--kv-cache-dtype", "fp8"],
         "invalid kvevict configuration: --kv-cache-dtype fp8 is not supported with eviction; allowed: auto",
     ),
+    "speculative_decoding": (
+        {"kvevict": {"policy": "keydiff", "budget": 64}}, None,
+        ["--speculative-config", json.dumps({"method": "ngram", "num_speculative_tokens": 2, "prompt_lookup_max": 3})],
+        "invalid kvevict configuration: speculative decoding (--speculative-config) is not supported with eviction "
+        "(draft and verified tokens would need their own windows)",
+    ),
+    "kv_connector": (
+        {"kvevict": {"policy": "keydiff", "budget": 64}}, None,
+        ["--kv-transfer-config", json.dumps({"kv_connector": "ExampleConnector", "kv_role": "kv_both"})],
+        "invalid kvevict configuration: a KV transfer or offloading connector (--kv-transfer-config, "
+        "--kv-offloading-size) is not supported with eviction (compaction rewrites blocks the connector would copy)",
+    ),
+    "explicit_prefix_caching": (
+        {"kvevict": {"policy": "keydiff", "budget": 64}}, None, ["--enable-prefix-caching"],
+        "invalid kvevict configuration: --enable-prefix-caching is not supported with eviction (compaction rewrites "
+        "KV blocks in place; leave it unset or pass --no-enable-prefix-caching)",
+    ),
+    "model_runner_v2": (
+        {"kvevict": {"policy": "keydiff", "budget": 64}}, None, ["ENV:VLLM_USE_V2_MODEL_RUNNER=1"],
+        "invalid kvevict configuration: VLLM_USE_V2_MODEL_RUNNER=1 is not supported with eviction (the plugin's "
+        "per-step hook is in vLLM's V1 model runner; unset it or set VLLM_USE_V2_MODEL_RUNNER=0)",
+    ),
 }
 
 
 @pytest.mark.parametrize("case", list(CASES))
 def test_bad_config_fails_fast_with_one_line(case, tiny_model, server_log):
     additional, env_cfg, extra, expected = CASES[case]
+    extra_env = dict(a.removeprefix("ENV:").split("=", 1) for a in extra if a.startswith("ENV:"))
+    extra = [a for a in extra if not a.startswith("ENV:")]
     args = ["--attention-backend", "kvevict", "--dtype", "float32", "--block-size", "32", "--enforce-eager", *extra]
     if additional is not None:
         args += ["--additional-config", json.dumps(additional)]
     env = {"KVEVICT_CONFIG": json.dumps(env_cfg)} if env_cfg is not None else {"KVEVICT_CONFIG": ""}
+    env.update(extra_env)
     srv = VLLMServer(tiny_model, args, log_path=server_log(case), env=env)
     rc = srv.wait_exit(timeout=240)
     log = srv.log()
