@@ -50,7 +50,10 @@ def server(gqa_model, tmp_path_factory):
 
 
 def _post(srv: VLLMServer, body: dict) -> requests.Response:
-    return requests.post(srv.base_url + "/v1/completions", json={"model": srv.served_model_name, **body}, timeout=300)
+    # NaN and Infinity are sent as such (Python's JSON writes them; clients in the wild do too).
+    data = json.dumps({"model": srv.served_model_name, **body}, allow_nan=True)
+    return requests.post(srv.base_url + "/v1/completions", data=data, timeout=300,
+                         headers={"Content-Type": "application/json"})
 
 
 def _assert_idle(srv: VLLMServer) -> None:
