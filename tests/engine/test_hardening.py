@@ -146,7 +146,8 @@ def test_unbounded_override_does_not_starve_others(server, hf_model):
 @pytest.fixture(scope="module")
 def one_chunk_server(gqa_model, tmp_path_factory):
     base = tmp_path_factory.mktemp("one-chunk")
-    with VLLMServer(gqa_model, _args(2048, POOL), log_path=base / "server.log") as srv:
+    # Chunks of 2048 tokens: the window bound is then 68 blocks, so this server needs a larger pool.
+    with VLLMServer(gqa_model, _args(2048, 80), log_path=base / "server.log") as srv:
         yield srv
 
 

@@ -84,6 +84,8 @@ class KVEvictManager(FullAttentionManager):
         self._stats: dict[str, list[int]] = {}
         #: Peak of blocks in use in the whole pool (vLLM's free-block count), since start.
         self.pool_peak_used = 0
+        self._in_free = False
+        self._popped: list[int] | None = None
 
     def _held(self, request_id: str) -> int:
         # The nulled blocks are exactly a prefix of vLLM's block list (the evicted window start).
@@ -115,20 +117,45 @@ class KVEvictManager(FullAttentionManager):
         finally:
             self.max_admission_blocks_per_request = server_cap
 
-    def free(self, request_id: str) -> None:
+    def pop_blocks_for_free(self, request_id: str):
+        """vLLM's last call for a request on both of its free paths: ``free`` (blocks go back to
+        the pool now) and the deferred one (``Scheduler._free_request_blocks`` hands them back
+        after an in-flight step). The request's bookkeeping ends here either way."""
+        blocks = super().pop_blocks_for_free(request_id)
         st = self._stats.pop(request_id, None)
-        super().free(request_id)
-        if st is not None:  # once per request (and per preemption), whether it evicted or not
-            pool = self.block_pool
-            cfg = request_config(self.kv_cache_spec.config, REQUEST_OVERRIDES.get(request_id) or None)
-            bound = admission_blocks(cfg.window(self.block_size), self.kv_cache_spec.evict_max_in_flight)
-            logger.info(
-                "kvevict: request %s released: %d blocks freed by eviction, peak %d blocks held "
-                "(window bound %s); pool %d/%d blocks free, peak %d used; policy %s, budget %d",
-                request_id, st[0], st[1], bound, pool.get_num_free_blocks(),
-                pool.num_gpu_blocks - 1, self.pool_peak_used, cfg.policy if cfg.eviction_active else "none",
-                cfg.budget,
-            )
+        if self._in_free:
+            self._popped = st  # logged by free() once the blocks are back in the pool
+        elif st is not None:
+            self._log_release(request_id, st)
+        return blocks
+
+    def free(self, request_id: str) -> None:
+        self._in_free, self._popped = True, None
+        try:
+            super().free(request_id)
+        finally:
+            self._in_free = False
+        st, self._popped = self._popped, None
+        if st is not None:
+            self._log_release(request_id, st)
+
+    def _log_release(self, request_id: str, st: list[int]) -> None:
+        """Once per request (and per preemption), whether it evicted or not."""
+        pool = self.block_pool
+        cfg = request_config(self.kv_cache_spec.config, REQUEST_OVERRIDES.get(request_id) or None)
+        bound = admission_blocks(cfg.window(self.block_size), self.kv_cache_spec.evict_max_in_flight)
+        logger.info(
+            "kvevict: request %s released: %d blocks freed by eviction, peak %d blocks held "
+            "(window bound %s); pool %d/%d blocks free, peak %d used; policy %s, budget %d",
+            request_id, st[0], st[1], bound, pool.get_num_free_blocks(),
+            pool.num_gpu_blocks - 1, self.pool_peak_used, cfg.policy if cfg.eviction_active else "none",
+            cfg.budget,
+        )
+
+    @property
+    def tracked_requests(self) -> int:
+        """Requests this manager holds bookkeeping for (0 when nothing is allocated)."""
+        return len(self._stats)
 
     def window_for(self, request_id: str) -> WindowConfig:
         """The server's window, or the request's own when it overrides policy/budget/enabled."""
@@ -171,7 +198,8 @@ def install_scheduler_hooks() -> None:
     """Record each request's kvevict overrides for the manager (vLLM 0.32.0 ``KVCacheManager``).
 
     The single-type managers only see request ids; ``KVCacheManager.allocate_slots`` sees the
-    request. One wrap records its overrides, one wrap of ``free`` forgets them. Idempotent.
+    request. One wrap records its overrides; the wraps of ``free`` and ``pop_blocks_for_free`` (the
+    deferred-free path) forget them. Idempotent.
     """
     from vllm.v1.core.kv_cache_manager import KVCacheManager
 
@@ -180,6 +208,7 @@ def install_scheduler_hooks() -> None:
     if KVCacheManager.__dict__.get("_kvevict_hooks"):
         return
     orig_allocate, orig_free = KVCacheManager.allocate_slots, KVCacheManager.free
+    orig_pop = KVCacheManager.pop_blocks_for_free
 
     def allocate_slots(self, request, *args, **kwargs):
         if request.request_id not in REQUEST_OVERRIDES:
@@ -193,8 +222,15 @@ def install_scheduler_hooks() -> None:
         finally:
             REQUEST_OVERRIDES.pop(request.request_id, None)
 
+    def pop_blocks_for_free(self, request, *args, **kwargs):  # the deferred-free path
+        try:
+            return orig_pop(self, request, *args, **kwargs)
+        finally:
+            REQUEST_OVERRIDES.pop(request.request_id, None)
+
     KVCacheManager.allocate_slots = allocate_slots
     KVCacheManager.free = free
+    KVCacheManager.pop_blocks_for_free = pop_blocks_for_free
     KVCacheManager._kvevict_hooks = True
 
 

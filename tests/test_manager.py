@@ -1,0 +1,85 @@
+"""The engine-core side on vLLM's real KVCacheManager (no server): admission reserves each
+request's own window, and a request's bookkeeping ends on both of vLLM's free paths (``free`` and
+the deferred ``pop_blocks_for_free``)."""
+
+from __future__ import annotations
+
+import logging
+
+import pytest
+import torch
+
+pytest.importorskip("vllm")
+
+from vllm.sampling_params import SamplingParams  # noqa: E402
+from vllm.v1.core.kv_cache_manager import KVCacheManager  # noqa: E402
+from vllm.v1.kv_cache_interface import FullAttentionSpec, KVCacheConfig, KVCacheGroupSpec  # noqa: E402
+from vllm.v1.request import Request  # noqa: E402
+
+from vllm_kvevict.config import parse_config, request_overrides  # noqa: E402
+from vllm_kvevict.scheduler import manager as mgr  # noqa: E402
+from vllm_kvevict.window import WindowConfig, window_bound_blocks  # noqa: E402
+
+BS, CHUNK, NUM_BLOCKS, BUDGET, MAX_LEN = 32, 64, 41, 96, 8192
+
+
+@pytest.fixture(scope="module")
+def kv():
+    mgr.register_spec()
+    mgr.install_scheduler_hooks()
+    base = FullAttentionSpec(block_size=BS, num_kv_heads=2, head_size=64, dtype=torch.float32)
+    spec = mgr.KVEvictSpec.from_spec(base, parse_config({"policy": "keydiff", "budget": BUDGET}), CHUNK)
+    config = KVCacheConfig(num_blocks=NUM_BLOCKS, kv_cache_tensors=[],
+                           kv_cache_groups=[KVCacheGroupSpec(["layer.0"], spec)])
+    return KVCacheManager(config, max_model_len=MAX_LEN, scheduler_block_size=BS, hash_block_size=BS,
+                          max_in_flight_tokens=CHUNK, enable_caching=False)
+
+
+def _request(rid: str, n: int, xargs: dict | None = None) -> Request:
+    params = SamplingParams(max_tokens=16, extra_args=xargs)
+    return Request(rid, list(range(3, 3 + n)), params, None)
+
+
+def _single(kv) -> mgr.KVEvictManager:
+    (m,) = kv.coordinator.single_type_managers
+    assert isinstance(m, mgr.KVEvictManager)
+    return m
+
+
+def _admission(kv, req: Request) -> int:
+    """The blocks vLLM's admission gate asks the manager for (``apply_admission_cap``), with the
+    request's overrides recorded as the ``allocate_slots`` hook records them."""
+    mgr.REQUEST_OVERRIDES[req.request_id] = request_overrides(req.sampling_params.extra_args) or ()
+    try:
+        return _single(kv).get_num_blocks_to_allocate(req.request_id, req.num_tokens, [], 0, 0, req.num_tokens,
+                                                      apply_admission_cap=True)
+    finally:
+        mgr.REQUEST_OVERRIDES.pop(req.request_id, None)
+
+
+def test_admission_reserves_the_requests_own_window(kv):
+    server_bound = window_bound_blocks(WindowConfig(BUDGET, BS), CHUNK)
+    assert _admission(kv, _request("a", 2000)) == server_bound
+    assert _admission(kv, _request("b", 2000, {"kvevict_budget": 400})) == window_bound_blocks(WindowConfig(400, BS), CHUNK)
+    assert _admission(kv, _request("c", 2000, {"kvevict_enabled": False})) == 2000 // BS + 1  # whole prompt
+    assert _admission(kv, _request("d", 2000, {"kvevict_policy": "criticalkv"})) == 2000 // BS + 1  # once
+    assert _admission(kv, _request("e", 100)) == 4  # a short prompt needs only itself
+    assert _single(kv).max_admission_blocks_per_request == server_bound  # restored after each call
+
+
+def test_bookkeeping_ends_on_both_free_paths(kv, caplog):
+    caplog.set_level(logging.INFO, logger="vllm.kvevict")
+    m = _single(kv)
+    free_before = kv.block_pool.get_num_free_blocks()
+    for rid, deferred in (("f", False), ("g", True)):
+        req = _request(rid, 300, {"kvevict_budget": 128})
+        assert kv.allocate_slots(req, 300) is not None
+        assert rid in mgr.REQUEST_OVERRIDES and m.tracked_requests == 1
+        if deferred:
+            blocks = kv.pop_blocks_for_free(req)
+            kv.block_pool.free_blocks(reversed(blocks))
+        else:
+            kv.free(req)
+        assert rid not in mgr.REQUEST_OVERRIDES and m.tracked_requests == 0
+        assert sum(f"request {rid} released" in r.message for r in caplog.records) == 1
+    assert kv.block_pool.get_num_free_blocks() == free_before
