@@ -15,6 +15,7 @@ from __future__ import annotations
 
 import json
 from concurrent.futures import ThreadPoolExecutor
+from functools import partial
 
 import pytest
 import requests
@@ -89,8 +90,7 @@ def test_fault_in_one_request_is_isolated(server, hf_model):
     def run(specs):
         with ThreadPoolExecutor(len(specs)) as pool:
             futures = server.admit_together(
-                lambda: [pool.submit(complete, server, make_prompt(n, s, vocab), 24, x) for n, s, x in specs],
-                len(specs))
+                pool, [partial(complete, server, make_prompt(n, s, vocab), 24, x) for n, s, x in specs])
             return [f.result() for f in futures]
 
     outs = run(specs)
@@ -135,7 +135,7 @@ def test_unbounded_override_does_not_starve_others(server, hf_model):
     small = [(500, 62 + i, 32, None) for i in range(3)]  # evicting: at most 6 blocks each
     with ThreadPoolExecutor(4) as pool:
         futures = server.admit_together(
-            lambda: [pool.submit(complete, server, make_prompt(n, s, vocab), m, x) for n, s, m, x in [big, *small]], 4)
+            pool, [partial(complete, server, make_prompt(n, s, vocab), m, x) for n, s, m, x in [big, *small]])
         outs = [f.result(timeout=900) for f in futures]
     assert [len(o["tokens"]) for o in outs] == [64, 32, 32, 32]
     line = released_line(server, outs[0]["id"])

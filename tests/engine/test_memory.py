@@ -11,6 +11,7 @@ from __future__ import annotations
 import json
 import re
 from concurrent.futures import ThreadPoolExecutor
+from functools import partial
 
 import pytest
 import requests
@@ -96,8 +97,7 @@ def test_mixed_run_returns_every_block(server, hf_model):
     #    scheduler is paused until all four have reached it): vLLM must preempt.
     specs = [(300, 22), (450, 23), (600, 24), (700, 25)]
     with ThreadPoolExecutor(4) as pool:
-        futures = server.admit_together(
-            lambda: [pool.submit(complete, server, make_prompt(*a, vocab), 64) for a in specs], len(specs))
+        futures = server.admit_together(pool, [partial(complete, server, make_prompt(*a, vocab), 64) for a in specs])
         outs = [f.result() for f in futures]
     assert all(len(o["tokens"]) == 64 for o in outs)
     wait_until(lambda: server.metrics().get("vllm:num_preemptions_total", 0.0) > preemptions_before, 60,

@@ -162,29 +162,22 @@ class VLLMServer:
         """How many requests the API server has handed to the engine (needs --enable-log-requests)."""
         return self.log().count("Added request ")
 
-    def admit_together(self, send: Callable[[], list], count: int, timeout: float = 120.0) -> list:
-        """Run ``send()`` (which starts ``count`` requests, e.g. in threads, and returns their
-        futures) while the scheduler is paused, and resume it once all ``count`` have reached the
-        engine: the scheduler then sees them all waiting at once, whatever the timing of the
-        client threads. Needs ``VLLM_SERVER_DEV_MODE=1`` (vLLM's /pause and /resume) and
-        ``--enable-log-requests``."""
-        before = self.added_requests()
+    def admit_together(self, pool, calls: list[Callable[[], object]], timeout: float = 120.0) -> list:
+        """Start ``calls`` (each sends one request) on the executor ``pool`` while the scheduler is
+        paused, one after another, each once the previous has reached the engine, then resume it:
+        the scheduler sees them all waiting at once and in this order, whatever the timing of the
+        client threads. Returns their futures. Needs ``VLLM_SERVER_DEV_MODE=1`` (vLLM's /pause and
+        /resume) and ``--enable-log-requests``."""
         assert self.post("/pause?mode=keep") == 200
+        futures = []
         try:
-            futures = send()
-            wait_until(lambda: self.added_requests() >= before + count, timeout, f"{count} requests added")
+            for call in calls:
+                before = self.added_requests()
+                futures.append(pool.submit(call))
+                wait_until(lambda: self.added_requests() > before, timeout, "the request reaching the engine")
         finally:
             assert self.post("/resume") == 200
         return futures
-
-    def tail(self, n: int = 60) -> str:
-        return "\n".join(self.log().splitlines()[-n:])
-
-    def __enter__(self) -> VLLMServer:
-        return self.start()
-
-    def __exit__(self, *exc) -> None:
-        self.stop()
 
 
 def wait_until(cond: Callable[[], bool], timeout: float, what: str, interval: float = 0.05) -> None:
