@@ -179,6 +179,15 @@ class VLLMServer:
             assert self.post("/resume") == 200
         return futures
 
+    def tail(self, n: int = 60) -> str:
+        return "\n".join(self.log().splitlines()[-n:])
+
+    def __enter__(self) -> VLLMServer:
+        return self.start()
+
+    def __exit__(self, *exc) -> None:
+        self.stop()
+
 
 def wait_until(cond: Callable[[], bool], timeout: float, what: str, interval: float = 0.05) -> None:
     """Poll ``cond`` until it holds; TimeoutError naming ``what`` after ``timeout`` seconds."""
