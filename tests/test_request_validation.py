@@ -90,7 +90,8 @@ def _run_policy(cfg) -> None:
         assert all(torch.isfinite(t).all() for t in merged)
 
 
-@settings(max_examples=600, deadline=None, suppress_health_check=[HealthCheck.too_slow])
+@settings(max_examples=600, deadline=None, derandomize=True, database=None,
+          suppress_health_check=[HealthCheck.too_slow])
 @given(overrides())
 def test_any_override_is_accepted_and_runs_or_refused_naming_the_key(xargs):
     try:
@@ -137,7 +138,7 @@ def test_vllm_xargs_booleans_arrive_as_integers():
     assert request_config(SERVER, request_overrides({"kvevict_enabled": 1})).enabled is True
 
 
-@settings(max_examples=300, deadline=None)
+@settings(max_examples=300, deadline=None, derandomize=True, database=None)
 @given(st.dictionaries(st.sampled_from(["policy", "budget", "enabled", "trigger", "snapkv", "random", "lshe", "x"]),
                        json_values, max_size=4))
 def test_server_configuration_is_accepted_or_one_line(data):

@@ -66,7 +66,8 @@ def _assert_idle(srv: VLLMServer) -> None:
     wait_until(idle, 60, "an idle engine with every KV block free")
 
 
-@settings(max_examples=30, deadline=None, suppress_health_check=[HealthCheck.too_slow, HealthCheck.function_scoped_fixture])
+@settings(max_examples=30, deadline=None, derandomize=True, database=None,
+          suppress_health_check=[HealthCheck.too_slow, HealthCheck.function_scoped_fixture])
 @given(xargs=overrides(), prompt_len=st.integers(1, 700), max_tokens=st.integers(1, 6))
 def test_arbitrary_xargs_are_served_or_refused_with_400(server, hf_model, xargs, prompt_len, max_tokens):
     r = _post(server, {"prompt": make_prompt(prompt_len, prompt_len, hf_model.config.vocab_size),

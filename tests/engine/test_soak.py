@@ -120,7 +120,8 @@ def _plan(rng: random.Random, i: int) -> dict:
         prompt_len = int(rng.choice([rng.randint(10, 100), rng.randint(100, 800), rng.randint(800, 3000)]))
     sampled = rng.random() < 0.35
     stream = rng.random() < 0.4
-    return {"kind": kind, "chat": rng.random() < 0.3, "stream": stream or kind != "ok",
+    chat = rng.random() < 0.3 and not unbounded  # a chat prompt's token count is only known after templating
+    return {"kind": kind, "chat": chat, "stream": stream or kind != "ok",
             "n": 2 if sampled and rng.random() < 0.4 else 1, "max_tokens": max_tokens, "prompt_len": prompt_len,
             "temperature": 0.8 if sampled else 0, "seed": rng.randint(0, 10**6) if sampled else None,
             "xargs": xargs}
@@ -134,7 +135,8 @@ def _body(srv: VLLMServer, p: dict, rng: random.Random) -> tuple[str, dict]:
     if p["xargs"]:
         body["vllm_xargs"] = p["xargs"]
     if p["chat"]:
-        words = " ".join(rng.choice(WORDS) for _ in range(max(1, p["prompt_len"] // 2)))
+        # At most 300 words: well inside max_model_len with this tokenizer, whatever the words.
+        words = " ".join(rng.choice(WORDS) for _ in range(min(300, max(1, p["prompt_len"] // 4))))
         return "/v1/chat/completions", {**body, "messages": [{"role": "user", "content": words}]}
     body["prompt"] = [rng.randrange(3, 500) for _ in range(p["prompt_len"])]
     if _traced(p):  # the chosen tokens, to compare with the transformers replay and a run alone
