@@ -191,6 +191,8 @@ def _send(srv: VLLMServer, p: dict, seed: int) -> dict:
 def test_soak(server, hf_model, tmp_path):
     rng = random.Random(SEED)
     plans = [_plan(rng, i) for i in range(N)]
+    used = {p["xargs"].get("kvevict_policy") for p in plans if p["kind"] == "ok"}
+    assert set(POLICIES) <= used, f"the mix misses policies: {set(POLICIES) - used}"
     before = server.metrics()
     with ThreadPoolExecutor(24) as pool:
         results = list(pool.map(lambda ip: _send(server, ip[1], SEED + ip[0]), enumerate(plans)))
