@@ -59,8 +59,8 @@ def test_faulty_row_falls_back_and_others_are_untouched(monkeypatch, caplog):
 
 
 def test_fallback_is_sticky_and_forgotten_when_the_request_ends():
-    fault._fall_back("req-1", fault.SAFE_POLICY, ValueError("x"))
-    fault._fall_back("req-1", fault.SAFE_POLICY, ValueError("again"))  # counted and logged once
+    fault.fall_back("req-1", fault.SAFE_POLICY, ValueError("x"))
+    fault.fall_back("req-1", fault.SAFE_POLICY, ValueError("again"))  # counted and logged once
     assert fault.has_fallen_back("req-1") and sum(fault.FALLBACKS.values()) == 1
     fault.forget_finished(frozenset({"req-2"}))
     assert not fault.has_fallen_back("req-1")

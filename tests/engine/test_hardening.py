@@ -44,7 +44,8 @@ def _args(chunk: int, pool: int) -> list[str]:
 @pytest.fixture(scope="module")
 def server(gqa_model, tmp_path_factory):
     base = tmp_path_factory.mktemp("hardening")
-    env = {"KVEVICT_DUMP_DIR": str(base / "dump"), "KVEVICT_TEST_FAULT": "snapkv", "VLLM_SERVER_DEV_MODE": "1"}
+    env = {"KVEVICT_DUMP_DIR": str(base / "dump"), "KVEVICT_TEST_FAULT": "snapkv,tova@prepare",
+           "VLLM_SERVER_DEV_MODE": "1"}
     with VLLMServer(gqa_model, _args(CHUNK, POOL), log_path=base / "server.log", env=env) as srv:
         srv.dump_dir = base / "dump"
         yield srv
@@ -86,7 +87,10 @@ def test_arbitrary_xargs_are_served_or_refused_with_400(server, hf_model, xargs,
 
 def test_fault_in_one_request_is_isolated(server, hf_model):
     vocab = hf_model.config.vocab_size
-    specs = [(300, 41, None), (450, 42, {"kvevict_policy": "snapkv"}), (380, 43, None), (260, 44, None)]
+    # Two faulty requests: snapkv's scoring raises inside the eviction step; tova's row preparation
+    # (queries, W_O) raises before it, as a policy needing W_O would on a model without one.
+    specs = [(300, 41, None), (450, 42, {"kvevict_policy": "snapkv"}), (380, 43, None),
+             (260, 44, {"kvevict_policy": "tova"})]
 
     def run(specs):
         with ThreadPoolExecutor(len(specs)) as pool:
@@ -96,9 +100,9 @@ def test_fault_in_one_request_is_isolated(server, hf_model):
 
     outs = run(specs)
     assert all(len(o["tokens"]) == 24 for o in outs)
-    faulty = outs[1]["id"]
-    warnings = server.wait_log(r"kvevict: request (\S+): policy snapkv failed \(_InjectedFault")
-    assert len(warnings) == 1 and warnings[0][1].startswith(faulty + "-"), [w[0] for w in warnings]
+    for i, name in ((1, "snapkv"), (3, "tova")):
+        warnings = server.wait_log(rf"kvevict: request (\S+): policy {name} failed \(_InjectedFault")
+        assert len(warnings) == 1 and warnings[0][1].startswith(outs[i]["id"] + "-"), [w[0] for w in warnings]
     # Every request, the faulty one included, equals the transformers replay of what it kept.
     attempts = load_attempts(server.dump_dir)
     for o in outs:
@@ -107,9 +111,9 @@ def test_fault_in_one_request_is_isolated(server, hf_model):
     # fault): the scheduler cuts the same chunks, so every output, the faulty one's included, is
     # the same as with the fault.
     safe = {"kvevict_policy": "streamingllm", "kvevict_params": json.dumps({"sink_tokens": 0})}
-    again = run([specs[0], (*specs[1][:2], safe), *specs[2:]])
+    again = run([specs[0], (*specs[1][:2], safe), specs[2], (*specs[3][:2], safe)])
     assert [o["tokens"] for o in again] == [o["tokens"] for o in outs]
-    assert len(server.wait_log(r"policy snapkv failed")) == 1  # nothing new
+    assert len(server.wait_log(r"policy (snapkv|tova) failed")) == 2  # nothing new
     _assert_idle(server)
 
 

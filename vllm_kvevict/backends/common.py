@@ -240,6 +240,27 @@ class KVEvictImplMixin:
         self._kvevict_qwin[rid] = buf
         return buf
 
+    def _row_work(self, plan, r: int, policy, compacts: bool, query, layer) -> RowWork | None:
+        """What row ``r``'s policy needs besides the KV (its queries, query window, W_O), or None
+        when it has nothing to do in this step."""
+        w = policy.query_window
+        if not compacts and not policy.observes and not w:
+            return None
+        qsl, L = plan.query_start_loc, plan.seq_lens[r]
+        Q = query[qsl[r]:qsl[r + 1]].transpose(0, 1)  # [H_q, m, d]
+        extra = {"L": L, "budget": plan.configs[r].budget, "scale": self.scale,
+                 "softcap": getattr(self, "logits_soft_cap", None) or None}
+        if policy.needs_queries:
+            extra.update(Q=Q, q_pos=plan.positions[qsl[r]:qsl[r + 1]].long())
+        if w:
+            Qw = self._query_window(plan, r, Q, w)
+            extra.update(Q_window=Qw, w_pos=torch.arange(L - Qw.shape[1], L, device=Qw.device))
+        if not compacts and not policy.observes:
+            return None  # only the query window moved
+        if policy.needs_w_o and compacts:
+            extra["W_O"] = self._w_o(layer)
+        return RowWork(r, policy, compacts, extra)
+
     def _kvevict_after_attention(self, layer, query, kv_cache, plan) -> None:
         slot_pos = self._slot_pos(kv_cache)
         slots = plan.slot_mapping
@@ -258,30 +279,19 @@ class KVEvictImplMixin:
         if plan.live is not None:
             fault.forget_finished(plan.live)
         work = []
-        qsl, positions, G = plan.query_start_loc, plan.positions, self.num_heads // self.num_kv_heads
         for r, policy in enumerate(policies):
             if policy is None:
                 continue
-            w = policy.query_window
-            if r not in compact and not policy.observes and not w:
-                continue
-            Q = query[qsl[r]:qsl[r + 1]].transpose(0, 1)  # [H_q, m, d]
-            L = plan.seq_lens[r]
-            extra = {"L": L, "budget": plan.configs[r].budget, "scale": self.scale,
-                     "softcap": getattr(self, "logits_soft_cap", None) or None}
-            if policy.needs_queries:
-                extra.update(Q=Q, q_pos=positions[qsl[r]:qsl[r + 1]].long())
-            if w:
-                Qw = self._query_window(plan, r, Q, w)
-                extra.update(Q_window=Qw, w_pos=torch.arange(L - Qw.shape[1], L, device=Qw.device))
-            if r not in compact and not policy.observes:
-                continue  # only the query window moved
-            if policy.needs_w_o and r in compact:
-                extra["W_O"] = self._w_o(layer)
-            work.append(RowWork(r, policy, r in compact, extra))
+            try:
+                item = self._row_work(plan, r, policy, r in compact, query, layer)
+            except Exception as err:  # noqa: BLE001 - e.g. no W_O on this model: that request falls back
+                fault.fall_back(plan.req_ids[r] if plan.req_ids else None, policy, err)
+                item = self._row_work(plan, r, fault.SAFE_POLICY, r in compact, query, layer)
+            if item is not None:
+                work.append(item)
         if not work:
             return
-        bs = kv_cache.shape[2]
+        bs, G = kv_cache.shape[2], self.num_heads // self.num_kv_heads
         layer_idx = self._layer_index(layer)
         views = self._kvevict_views(layer, kv_cache)
 

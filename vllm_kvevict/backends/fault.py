@@ -11,8 +11,13 @@ policy and the error, and :data:`FALLBACKS` counts it per policy.
 The step writes nothing before every row is scored and selected
 (:func:`~vllm_kvevict.kernels.compact.evict_step`), so a retry starts from the untouched cache.
 
-Testing: ``KVEVICT_TEST_FAULT=<policy>[,<policy>...]`` (read when a policy object is made; off by
-default) makes the scoring of those policies raise, so a test can fault one request among many.
+The backend's preparation of a row (its queries, query window, output projection ``W_O``) is
+guarded the same way: a request whose preparation raises (for example a policy that needs ``W_O``
+on a model where none is found) falls back before the step.
+
+Testing: ``KVEVICT_TEST_FAULT=<policy>[,<policy>@prepare...]`` (read when a policy object is made;
+off by default) makes the scoring (or the row preparation) of those policies raise, so a test can
+fault one request among many.
 """
 
 from __future__ import annotations
@@ -50,7 +55,7 @@ def forget_finished(live: frozenset[str]) -> None:
             del _fallen[rid]
 
 
-def _fall_back(req_id: str | None, policy: Policy, err: BaseException) -> None:
+def fall_back(req_id: str | None, policy: Policy, err: BaseException) -> None:
     name = getattr(policy, "name", type(policy).__name__)
     if req_id is not None and req_id in _fallen:
         return
@@ -75,7 +80,7 @@ def isolate(plan, work: list, step: Callable[[list], list[torch.Tensor]], err: B
             out = step([w])
         except Exception as row_err:  # noqa: BLE001
             rid = plan.req_ids[w.row] if plan.req_ids else None
-            _fall_back(rid, w.policy, row_err)
+            fall_back(rid, w.policy, row_err)
             w = RowWork(w.row, SAFE_POLICY, w.compact, w.extra)
             out = step([w])
         done.append(w)
@@ -88,17 +93,22 @@ class _InjectedFault(RuntimeError):
 
 
 def maybe_faulty(policy: Policy) -> Policy:
-    """``policy``, or (under ``KVEVICT_TEST_FAULT``) a copy whose scoring raises."""
+    """``policy``, or (under ``KVEVICT_TEST_FAULT``) a copy that raises: ``name`` makes its scoring
+    raise (inside the eviction step), ``name@prepare`` makes the backend's preparation of its rows
+    raise (where it reads the queries and W_O, before the step)."""
     names = {n.strip() for n in os.environ.get(TEST_FAULT_ENV, "").split(",") if n.strip()}
-    if policy.name not in names:
-        return policy
-
-    def fail(*_args, **_kwargs):
-        raise _InjectedFault(f"fault injected into {policy.name} by {TEST_FAULT_ENV}")
-
     cls = type(policy)
-    faulty = type(f"Faulty{cls.__name__}", (cls,), {"score": fail, "observe": fail,
-                                                    **({"evict": fail} if cls.evict is not Policy.evict else {}),
-                                                    **({"score_ragged": fail}
-                                                       if cls.score_ragged is not Policy.score_ragged else {})})
-    return faulty(policy.params)
+    if policy.name in names:
+        def fail(*_args, **_kwargs):
+            raise _InjectedFault(f"fault injected into {policy.name} by {TEST_FAULT_ENV}")
+
+        methods = {"score": fail, "observe": fail, **({"evict": fail} if cls.evict is not Policy.evict else {}),
+                   **({"score_ragged": fail} if cls.score_ragged is not Policy.score_ragged else {})}
+    elif f"{policy.name}@prepare" in names:
+        def fail_prepare(_self):
+            raise _InjectedFault(f"fault injected into the preparation of {policy.name} by {TEST_FAULT_ENV}")
+
+        methods = {"query_window": property(fail_prepare)}
+    else:
+        return policy
+    return type(f"Faulty{cls.__name__}", (cls,), methods)(policy.params)
