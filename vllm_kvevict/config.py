@@ -137,19 +137,21 @@ def _allowed_values(field_path: list[str]) -> str:
     return ", ".join(sorted(model.model_fields))
 
 
+def _cut(text: str, limit: int) -> str:
+    return text if len(text) <= limit else text[:limit] + f"... ({len(text)} characters)"
+
+
 def quote(value: Any, limit: int = QUOTE_CHARS) -> str:
     """``value`` as JSON (or repr), cut to ``limit`` characters: messages never echo a whole input."""
     try:
-        text = json.dumps(value)
+        return _cut(json.dumps(value), limit)
     except (TypeError, ValueError):
-        text = repr(value)
-    return text if len(text) <= limit else text[:limit] + f"... ({len(text)} characters)"
+        return short_repr(value, limit)
 
 
 def short_repr(value: Any, limit: int = QUOTE_CHARS) -> str:
     """``repr(value)`` of at most about ``limit`` characters (for names: policies, keys)."""
-    text = repr(value)
-    return text if len(text) <= limit else text[:limit] + f"... ({len(text)} characters)"
+    return _cut(repr(value), limit)
 
 
 def _field_at(loc: list[str]):

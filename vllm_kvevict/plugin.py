@@ -162,13 +162,11 @@ def _disable_prefix_caching(vllm_config, cfg) -> None:
         )
 
 
-def validate_request(vllm_config, extra_args):
-    """Check one request's ``kvevict_*`` keys; raises :class:`RequestConfigError` naming the key.
-
-    Returns the request's own configuration (None when it has no overrides)."""
+def validate_request(vllm_config, extra_args) -> None:
+    """Check one request's ``kvevict_*`` keys; raises :class:`RequestConfigError` naming the key."""
     overrides = request_overrides(extra_args)
     if not overrides:
-        return None
+        return
     key = "kvevict_" + overrides[0][0]
     if not _is_kvevict_selected(vllm_config):
         raise RequestConfigError(f"{key}: this server was not started with --attention-backend kvevict", key)
@@ -185,7 +183,6 @@ def validate_request(vllm_config, extra_args):
             f"{key}: eviction is off on this server and prefix caching is on, so a request cannot turn it on; "
             "start the server with --no-enable-prefix-caching (or with eviction enabled)", key,
         )
-    return cfg
 
 
 def check_fits_pool(vllm_config, cfg, prompt_len: int, max_tokens: int | None, key: str | None) -> None:
