@@ -58,8 +58,16 @@ def test_memory_smoke(smollm2_model, tmp_path):
     r = _bench(tmp_path, "memory")
     stock, kv = r["series"]["stock"], r["series"]["kvevict"]
     assert len(stock["points"]) > 10 and len(kv["points"]) > 10
-    assert stock["peak_blocks"] >= r["sequence_blocks"] - 1
-    assert 0 < kv["peak_blocks"] <= r["window_bound_blocks"]
+    bound = r["window_bound_blocks"]
+    # Exact, from the engine: kvevict's request never held more than its window bound.
+    assert 0 < kv["engine_peak_blocks"] <= bound < r["sequence_blocks"]
+    # Every sample of a gauge that never exceeds the bound is within the bound.
+    assert 0 < kv["peak_blocks"] <= kv["engine_peak_blocks"]
+    # Stock vLLM holds more than kvevict's bound from its third prefill chunk (24 blocks) until the
+    # request ends (34 blocks): seconds of 50 ms samples. Its sampled peak is a measurement, not
+    # asserted to the block (a loaded machine can stall the sampler through the short final stretch).
+    assert bound < stock["peak_blocks"] <= r["sequence_blocks"]
+    assert "engine_peak_blocks" not in stock
 
 
 def test_overhead_smoke(smollm2_model, tmp_path):
