@@ -14,9 +14,10 @@ import os
 import pytest
 import torch
 
-from vllm_kvevict.backends.step import StepPlan
-from vllm_kvevict.kernels import cpu_cache, flash_cache
-from vllm_kvevict.kernels.compact import RowWork, evict_step
+from vllm_kvevict.backends.plan import StepPlan
+from vllm_kvevict.backends import cpu_layout as cpu_cache
+from vllm_kvevict.backends import flash_layout as flash_cache
+from vllm_kvevict.backends.evict import RowWork, evict_step
 from vllm_kvevict.policies import POLICIES as POLICY_CLASSES
 
 CUDA = torch.cuda.is_available()
@@ -124,11 +125,11 @@ def test_one_selection_equals_per_row(monkeypatch, kernels):
     sets and cache as each policy computing and selecting on its own (KVEVICT_BATCHED=0)."""
     if kernels == "triton" and not CUDA and os.environ.get("TRITON_INTERPRET") != "1":
         pytest.skip("Triton on CPU needs TRITON_INTERPRET=1 from the start")
-    from vllm_kvevict.kernels import compact, ops
+    from vllm_kvevict.kernels import ops
 
     monkeypatch.setenv("KVEVICT_KERNELS", kernels)
     with monkeypatch.context() as m:
-        m.setattr(compact, "BATCHED", False)
+        m.setenv("KVEVICT_BATCHED", "0")
         want = _run("flash", torch.float32)
     calls, attn_calls = [], []
     select, column_sums = ops.select_topk, ops.column_sums

@@ -10,8 +10,8 @@ import torch
 
 from tests.test_evict_step import BS, HQ, H, _setup
 from vllm_kvevict.backends import fault
-from vllm_kvevict.kernels import flash_cache
-from vllm_kvevict.kernels.compact import RowWork, evict_step
+from vllm_kvevict.backends import flash_layout as flash_cache
+from vllm_kvevict.backends.evict import RowWork, evict_step
 
 FAULTY_ROW = 6  # snapkv: scored after the observing rows 1, 3 and 5 (h2o, lshe, h2o)
 

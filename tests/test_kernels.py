@@ -5,9 +5,10 @@ from __future__ import annotations
 import pytest
 import torch
 
-from vllm_kvevict.backends.step import StepPlan, shift_block_table
-from vllm_kvevict.kernels import cpu_cache, flash_cache
-from vllm_kvevict.kernels.compact import RowWork, evict_step
+from vllm_kvevict.backends.plan import StepPlan, shift_block_table
+from vllm_kvevict.backends import cpu_layout as cpu_cache
+from vllm_kvevict.backends import flash_layout as flash_cache
+from vllm_kvevict.backends.evict import RowWork, evict_step
 from vllm_kvevict.policies import get_policy
 
 

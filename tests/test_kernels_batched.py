@@ -154,17 +154,15 @@ def test_triton_select_extreme_scores(tri):
 # -- the engine's step: batched rows against the per-row path ---------------------------------------
 
 def _step(monkeypatch, batched: bool, kernels: str):
-    from vllm_kvevict.backends.step import StepPlan
-    from vllm_kvevict.kernels import flash_cache
-    from vllm_kvevict.kernels import compact
-    from vllm_kvevict.kernels.compact import RowWork, evict_step
-    from vllm_kvevict.policies import get_policy
-
+    from vllm_kvevict.backends import flash_layout as flash_cache
+    from vllm_kvevict.backends.evict import RowWork, evict_step
+    from vllm_kvevict.backends.plan import StepPlan
     from vllm_kvevict.kernels import ops
+    from vllm_kvevict.policies import get_policy
 
     monkeypatch.setenv("KVEVICT_KERNELS", kernels)
     if not batched:  # KVEVICT_BATCHED=0: every row through its policy object
-        monkeypatch.setattr(compact, "BATCHED", False)
+        monkeypatch.setenv("KVEVICT_BATCHED", "0")
     calls = []
     select = ops.select_topk
     monkeypatch.setattr(ops, "select_topk", lambda *a: calls.append(a[2].numel() - 1) or select(*a))

@@ -58,7 +58,7 @@ def test_backend_classes(registered):
     assert issubclass(cls.get_impl_cls(), CPUAttentionBackendImpl)
     # Attention.__init__ maps get_name() back to an enum member: it must be CUSTOM.
     assert AttentionBackendEnum[cls.get_name()] is AttentionBackendEnum.CUSTOM
-    from vllm_kvevict.backends.cuda import KVEvictFlashAttentionBackend  # importable without a GPU
+    from vllm_kvevict.backends.flash_attn import KVEvictFlashAttentionBackend  # importable without a GPU
 
     assert AttentionBackendEnum[KVEvictFlashAttentionBackend.get_name()] is AttentionBackendEnum.CUSTOM
 
@@ -73,15 +73,22 @@ def test_register_is_idempotent(registered):
     assert (CpuPlatform.get_attn_backend_cls, CpuPlatform.check_and_update_config) == before
 
 
-def test_unsupported_vllm_version_is_refused(monkeypatch):
+def test_supported_vllm_versions(monkeypatch):
     import vllm
 
-    monkeypatch.setattr(vllm, "__version__", "0.40.1")
-    monkeypatch.delenv(plugin.ALLOW_UNTESTED_ENV, raising=False)
-    with pytest.raises(RuntimeError, match="supports vLLM 0.32.x but found 0.40.1"):
-        plugin._check_vllm_version()
-    monkeypatch.setenv(plugin.ALLOW_UNTESTED_ENV, "1")
-    plugin._check_vllm_version()
+    from vllm_kvevict import vllm_compat
+
+    monkeypatch.delenv(vllm_compat.ALLOW_UNTESTED_ENV, raising=False)
+    for version in ("0.32.0", "0.32.3", "0.33.0", "0.33.1rc1"):
+        monkeypatch.setattr(vllm, "__version__", version)
+        vllm_compat.check_supported()
+        assert vllm_compat.vllm_version_is(version[:4]) and not vllm_compat.vllm_version_is("0.3")
+    for version in ("0.40.1", "0.31.2", "0.330.0"):
+        monkeypatch.setattr(vllm, "__version__", version)
+        with pytest.raises(RuntimeError, match=f"supports vLLM 0.32.x, 0.33.x but found {version}"):
+            vllm_compat.check_supported()
+    monkeypatch.setenv(vllm_compat.ALLOW_UNTESTED_ENV, "1")
+    vllm_compat.check_supported()
 
 
 # -- CUDA: FlashAttention or Triton base, and CUDA graphs (vLLM's own code, on CPU) ----------------
@@ -98,8 +105,8 @@ def test_cuda_backend_classes():
     from vllm.v1.attention.backends.registry import AttentionBackendEnum
     from vllm.v1.attention.backends.triton_attn import TritonAttentionBackend, TritonAttentionImpl
 
-    from vllm_kvevict.backends.cuda import KVEvictFlashAttentionBackend
-    from vllm_kvevict.backends.triton import KVEvictTritonAttentionBackend
+    from vllm_kvevict.backends.flash_attn import KVEvictFlashAttentionBackend
+    from vllm_kvevict.backends.triton_attn import KVEvictTritonAttentionBackend
 
     for cls, base in ((KVEvictFlashAttentionBackend, FlashAttentionBackend),
                       (KVEvictTritonAttentionBackend, TritonAttentionBackend)):
@@ -121,7 +128,7 @@ def test_cuda_base_choice(monkeypatch, dtype, env, want):
     from vllm.platforms.interface import DeviceCapability
     from vllm.utils.import_utils import resolve_obj_by_qualname
 
-    from vllm_kvevict.backends.cuda import choose_base
+    from vllm_kvevict.backends.flash_attn import choose_base
 
     monkeypatch.setenv("KVEVICT_CUDA_BASE", env)
     cap = DeviceCapability(9, 0)
@@ -134,7 +141,7 @@ def test_cuda_base_choice(monkeypatch, dtype, env, want):
 def test_cuda_base_env_is_checked(monkeypatch):
     from vllm.platforms.interface import DeviceCapability
 
-    from vllm_kvevict.backends.cuda import choose_base
+    from vllm_kvevict.backends.flash_attn import choose_base
 
     monkeypatch.setenv("KVEVICT_CUDA_BASE", "flashinfer")
     with pytest.raises(ValueError, match="KVEVICT_CUDA_BASE='flashinfer'"):
@@ -147,7 +154,7 @@ def test_cuda_graphs_resolve_to_piecewise():
     from vllm.config import CompilationConfig
     from vllm.config.compilation import CompilationMode, CUDAGraphMode
 
-    from vllm_kvevict.backends.cuda import KVEvictFlashAttentionMetadataBuilder
+    from vllm_kvevict.backends.flash_attn import KVEvictFlashAttentionMetadataBuilder
 
     support = KVEvictFlashAttentionMetadataBuilder._cudagraph_support
     c = CompilationConfig(mode=CompilationMode.VLLM_COMPILE, cudagraph_mode=CUDAGraphMode.FULL_AND_PIECEWISE)

@@ -12,12 +12,12 @@ names the field and the allowed values. Every field is documented in ``docs/conf
 from __future__ import annotations
 
 import json
-import os
 from functools import lru_cache
 from typing import Annotated, Any, Literal
 
 from pydantic import BaseModel, BeforeValidator, ConfigDict, Field, ValidationError, field_validator, model_validator
 
+from vllm_kvevict import envs
 from vllm_kvevict.policies import POLICIES, PolicyParams
 from vllm_kvevict.window import WindowConfig
 
@@ -232,7 +232,7 @@ def _merge(base: dict[str, Any], over: dict[str, Any]) -> dict[str, Any]:
 
 
 def _env_config() -> dict[str, Any]:
-    raw = os.environ.get(ENV_VAR, "").strip()
+    raw = envs.KVEVICT_CONFIG
     if not raw:
         return {}
     try:
@@ -269,7 +269,7 @@ def raw_config(additional_config: Any) -> tuple[dict[str, Any] | None, str]:
         raise KVEvictConfigError(
             f"invalid kvevict configuration (--additional-config): 'kvevict' must be a JSON object, got {json.dumps(extra)}"
         )
-    sources = [s for s, d in ((ENV_VAR, env if os.environ.get(ENV_VAR) else None), ("--additional-config", extra)) if d is not None]
+    sources = [s for s, d in ((ENV_VAR, env if envs.is_set(ENV_VAR) else None), ("--additional-config", extra)) if d is not None]
     if not sources:
         return None, "defaults"
     return _merge(env, extra or {}), " + ".join(sources)

@@ -1,22 +1,23 @@
-"""Registration of the kvevict attention backend in every vLLM process (written against vLLM 0.32.0).
+"""Registration of the kvevict attention backend in every vLLM process, and the checks the plugin
+makes of configurations and requests.
 
 vLLM calls :func:`register` (the ``vllm.general_plugins`` entry point) in the API server, the engine
-core and every worker. It must be idempotent. What it does, and why (VLLM_INTEGRATION.md 1.4):
+core and every worker; it is idempotent. Everything it installs goes through the seam
+(:mod:`vllm_kvevict.vllm_compat`):
 
-1. ``register_backend(AttentionBackendEnum.CUSTOM, <our class>)``: CUSTOM is the one enum member
-   that pickles into spawned processes; the override is re-installed in each of them.
-2. ``--attention-backend kvevict`` is an alias of CUSTOM (``--attention-backend custom`` also works).
-3. On CPU, ``CpuPlatform.get_attn_backend_cls`` ignores every backend but CPU_ATTN; it is wrapped to
-   honour CUSTOM.
-4. The platform's ``check_and_update_config`` is wrapped to validate the kvevict configuration as
-   soon as the ``VllmConfig`` exists: a bad configuration stops vLLM before any weight is loaded.
+1. the platform's backend class becomes vLLM's CUSTOM backend, also named ``kvevict``
+   (``--attention-backend kvevict``); CPU and CUDA backend selectors honour it;
+2. :func:`check_config` runs when vLLM finalises its configuration, in every process: a bad
+   configuration, or one eviction cannot run beside, stops vLLM with one line before any weight loads;
+3. the engine core's KV cache spec and manager, and its per-request hooks;
+4. the API server's request checks (:func:`validate_request`, :func:`check_fits_pool`): HTTP 400.
 """
 
 from __future__ import annotations
 
-import os
 import sys
 
+from vllm_kvevict import envs
 from vllm_kvevict._logging import logger
 from vllm_kvevict.backends import CPU_BACKEND, CUDA_BACKEND
 from vllm_kvevict.config import (
@@ -27,58 +28,33 @@ from vllm_kvevict.config import (
     request_config,
     request_overrides,
 )
+from vllm_kvevict.vllm_compat import attention as vllm_attention
+from vllm_kvevict.vllm_compat import check_supported
+from vllm_kvevict.vllm_compat import engine as vllm_engine
+from vllm_kvevict.vllm_compat import runner as vllm_runner
 
-#: vLLM versions whose internals this plugin was written and tested against.
-SUPPORTED_VLLM = ("0.32.",)
-ALLOW_UNTESTED_ENV = "KVEVICT_ALLOW_UNTESTED_VLLM"
 ALIAS = "KVEVICT"
 
 _registered = False
 
 
-def _check_vllm_version() -> None:
-    import vllm
-
-    version = getattr(vllm, "__version__", "unknown")
-    if not version.startswith(SUPPORTED_VLLM) and os.environ.get(ALLOW_UNTESTED_ENV) != "1":
-        raise RuntimeError(
-            f"vllm-kvevict supports vLLM {', '.join(v + 'x' for v in SUPPORTED_VLLM)} but found {version}; "
-            f"set {ALLOW_UNTESTED_ENV}=1 to try anyway"
-        )
-
-
-def _is_kvevict_selected(vllm_config) -> bool:
-    from vllm.v1.attention.backends.registry import AttentionBackendEnum
-
-    attn = getattr(vllm_config, "attention_config", None)
-    return attn is not None and attn.backend is AttentionBackendEnum.CUSTOM
-
-
-def _wrap_check_and_update_config(platform_cls) -> None:
-    """Validate the kvevict config when vLLM finalises its config (first thing, every process)."""
-    if platform_cls.__dict__.get("_kvevict_config_hook"):
+def check_config(vllm_config) -> None:
+    """Validate the kvevict configuration as vLLM finalises its own (first thing, every process)."""
+    data, source = raw_config(getattr(vllm_config, "additional_config", None))
+    selected = vllm_attention.custom_selected(vllm_config)
+    if data is None and not selected:
         return
-    orig = platform_cls.check_and_update_config.__func__
-
-    def check_and_update_config(cls, vllm_config) -> None:
-        data, source = raw_config(getattr(vllm_config, "additional_config", None))
-        selected = _is_kvevict_selected(vllm_config)
-        if data is not None or selected:
-            cfg = config_from_vllm(vllm_config)  # raises KVEvictConfigError: one line
-            if selected:
-                logger.debug("kvevict: configuration from %s: %s", source, cfg.summary())
-                _check_kv_cache_dtype(vllm_config, cfg)
-                _refuse_unsafe_combinations(vllm_config, cfg)
-                _disable_prefix_caching(vllm_config, cfg)
-            else:
-                logger.warning(
-                    "kvevict: a kvevict configuration was given (%s) but the attention backend is not "
-                    "kvevict; pass --attention-backend kvevict to evict", source
-                )
-        orig(cls, vllm_config)
-
-    platform_cls.check_and_update_config = classmethod(check_and_update_config)
-    platform_cls._kvevict_config_hook = True
+    cfg = config_from_vllm(vllm_config)  # raises KVEvictConfigError: one line
+    if selected:
+        logger.debug("kvevict: configuration from %s: %s", source, cfg.summary())
+        _check_kv_cache_dtype(vllm_config, cfg)
+        _refuse_unsafe_combinations(vllm_config, cfg)
+        _disable_prefix_caching(vllm_config, cfg)
+    else:
+        logger.warning(
+            "kvevict: a kvevict configuration was given (%s) but the attention backend is not "
+            "kvevict; pass --attention-backend kvevict to evict", source
+        )
 
 
 def _check_kv_cache_dtype(vllm_config, cfg) -> None:
@@ -88,11 +64,6 @@ def _check_kv_cache_dtype(vllm_config, cfg) -> None:
         raise KVEvictConfigError(
             f"invalid kvevict configuration: --kv-cache-dtype {dtype} is not supported with eviction; allowed: auto"
         )
-
-
-#: Set while vLLM builds its config from engine arguments that asked for prefix caching explicitly.
-_explicit_prefix_caching = False
-V2_RUNNER_ENV = "VLLM_USE_V2_MODEL_RUNNER"
 
 
 def _refuse(what: str, why: str) -> None:
@@ -110,45 +81,13 @@ def _refuse_unsafe_combinations(vllm_config, cfg) -> None:
     if getattr(vllm_config, "kv_transfer_config", None) is not None or getattr(cache, "kv_offloading_size", None):
         _refuse("a KV transfer or offloading connector (--kv-transfer-config, --kv-offloading-size)",
                 "compaction rewrites blocks the connector would copy")
-    if _explicit_prefix_caching and cfg.eviction_active:
+    if vllm_engine.prefix_caching_asked() and cfg.eviction_active:
         _refuse("--enable-prefix-caching", "compaction rewrites KV blocks in place; leave it unset or pass "
                 "--no-enable-prefix-caching")
-    _force_v1_runner(vllm_config)
-
-
-def _force_v1_runner(vllm_config) -> None:
-    """The per-step hook that gives the workers each request's own window is installed into the V1
-    model runner (``backends/step.py``); vLLM 0.32 picks Model Runner V2 by default on GPUs.
-    Force V1 (the environment is inherited by the engine and worker processes), or refuse when the
-    user asked for V2."""
-    if os.environ.get(V2_RUNNER_ENV, "").strip().lower() in ("1", "true"):
-        _refuse(f"{V2_RUNNER_ENV}=1", f"the plugin's per-step hook is in vLLM's V1 model runner; unset it or set "
-                f"{V2_RUNNER_ENV}=0")
-    if os.environ.get(V2_RUNNER_ENV) is None and getattr(vllm_config, "use_v2_model_runner", False):
-        os.environ[V2_RUNNER_ENV] = "0"
-        logger.info("kvevict: using vLLM's V1 model runner (%s=0): the plugin's per-step hook is installed "
-                    "into it, not into Model Runner V2", V2_RUNNER_ENV)
-
-
-def _wrap_engine_args() -> None:
-    """Tell an explicit ``--enable-prefix-caching`` from vLLM's default (vLLM 0.32.0
-    ``EngineArgs.create_engine_config``: the field is None unless the user set it)."""
-    from vllm.engine.arg_utils import EngineArgs
-
-    if EngineArgs.__dict__.get("_kvevict_args_hook"):
-        return
-    orig = EngineArgs.create_engine_config
-
-    def create_engine_config(self, *args, **kwargs):
-        global _explicit_prefix_caching
-        _explicit_prefix_caching = self.enable_prefix_caching is True
-        try:
-            return orig(self, *args, **kwargs)
-        finally:
-            _explicit_prefix_caching = False
-
-    EngineArgs.create_engine_config = create_engine_config
-    EngineArgs._kvevict_args_hook = True
+    # The per-step hook that gives the workers each request's own window is in the V1 model runner.
+    refusal = vllm_runner.require_v1_runner(vllm_config, logger)
+    if refusal is not None:
+        _refuse(*refusal)
 
 
 def _disable_prefix_caching(vllm_config, cfg) -> None:
@@ -168,7 +107,7 @@ def validate_request(vllm_config, extra_args) -> None:
     if not overrides:
         return
     key = "kvevict_" + overrides[0][0]
-    if not _is_kvevict_selected(vllm_config):
+    if not vllm_attention.custom_selected(vllm_config):
         raise RequestConfigError(f"{key}: this server was not started with --attention-backend kvevict", key)
     server = config_from_vllm(vllm_config)
     cfg = request_config(server, overrides)
@@ -212,47 +151,9 @@ def check_fits_pool(vllm_config, cfg, prompt_len: int, max_tokens: int | None, k
         )
 
 
-def _wrap_request_validation() -> None:
-    """HTTP 400 for a bad per-request override or a request that cannot fit the KV pool (vLLM
-    0.32.0 ``InputProcessor._validate_params`` and ``process_inputs``). Anything unexpected while
-    checking is logged and refused as a 400 too: a request never gets a 500 from the plugin."""
-    from vllm.exceptions import VLLMValidationError
-    from vllm.v1.engine.input_processor import InputProcessor
-
-    if InputProcessor.__dict__.get("_kvevict_validation_hook"):
-        return
-    orig_validate, orig_process = InputProcessor._validate_params, InputProcessor.process_inputs
-
-    def _checked(fn, *args):
-        try:
-            return fn(*args)
-        except RequestConfigError as err:
-            raise VLLMValidationError(str(err), parameter=err.key) from None
-        except Exception as err:  # noqa: BLE001 - a bug here must fail the request, not the server
-            logger.warning("kvevict: could not check a request's kvevict keys: %r", err, exc_info=True)
-            raise VLLMValidationError(f"kvevict: could not check the request's kvevict keys ({type(err).__name__})",
-                                      parameter="vllm_xargs") from None
-
-    def _validate_params(self, params, supported_tasks):
-        result = orig_validate(self, params, supported_tasks)
-        extra = getattr(params, "extra_args", None)
-        if extra and any(str(k).startswith("kvevict_") for k in extra):
-            _checked(validate_request, self.vllm_config, extra)
-        return result
-
-    def process_inputs(self, request_id, prompt, params, *args, **kwargs):
-        request = orig_process(self, request_id, prompt, params, *args, **kwargs)
-        sp = getattr(request, "sampling_params", None)
-        if sp is not None and _is_kvevict_selected(self.vllm_config):
-            _checked(_check_request_fits, self.vllm_config, request, sp)
-        return request
-
-    InputProcessor._validate_params = _validate_params
-    InputProcessor.process_inputs = process_inputs
-    InputProcessor._kvevict_validation_hook = True
-
-
 def _check_request_fits(vllm_config, request, sp) -> None:
+    if not vllm_attention.custom_selected(vllm_config):
+        return
     overrides = request_overrides(getattr(sp, "extra_args", None))
     cfg = request_config(config_from_vllm(vllm_config), overrides)
     tokens = request.prompt_token_ids
@@ -263,47 +164,14 @@ def _check_request_fits(vllm_config, request, sp) -> None:
     check_fits_pool(vllm_config, cfg, prompt_len, sp.max_tokens, key)
 
 
-def _wrap_cpu_selector() -> None:
-    from vllm.platforms.cpu import CpuPlatform
-    from vllm.v1.attention.backends.registry import AttentionBackendEnum
+def _choose_cuda_base(device_capability, attn_selector_config) -> str:
+    from vllm_kvevict.backends.flash_attn import choose_base
 
-    if CpuPlatform.__dict__.get("_kvevict_selector_hook"):
-        return
-    orig = CpuPlatform.get_attn_backend_cls.__func__
-
-    def get_attn_backend_cls(cls, selected_backend, attn_selector_config, num_heads=None):
-        if selected_backend is AttentionBackendEnum.CUSTOM and not attn_selector_config.use_mla:
-            return selected_backend.get_path()
-        return orig(cls, selected_backend, attn_selector_config, num_heads)
-
-    CpuPlatform.get_attn_backend_cls = classmethod(get_attn_backend_cls)
-    CpuPlatform._kvevict_selector_hook = True
-
-
-def _wrap_cuda_selector() -> None:
-    """On CUDA, CUSTOM resolves to the FlashAttention or the Triton subclass (``backends/cuda.py``
-    ``choose_base``), re-registered before vLLM validates it, so every later lookup of CUSTOM in
-    this process finds the same class. vLLM 0.32.0's ``CudaPlatform.get_attn_backend_cls``."""
-    from vllm.platforms.cuda import CudaPlatform
-    from vllm.v1.attention.backends.registry import AttentionBackendEnum, register_backend
-
-    if CudaPlatform.__dict__.get("_kvevict_selector_hook"):
-        return
-    orig = CudaPlatform.get_attn_backend_cls.__func__
-
-    def get_attn_backend_cls(cls, selected_backend, attn_selector_config, num_heads=None):
-        if selected_backend is AttentionBackendEnum.CUSTOM and not attn_selector_config.use_mla:
-            from vllm_kvevict.backends.cuda import choose_base
-
-            path, reasons = choose_base(cls.get_device_capability(), attn_selector_config)
-            if reasons:
-                logger.info("kvevict: FLASH_ATTN refused this configuration (%s); using the TRITON_ATTN base",
-                            "; ".join(reasons))
-            register_backend(AttentionBackendEnum.CUSTOM, path)
-        return orig(cls, selected_backend, attn_selector_config, num_heads)
-
-    CudaPlatform.get_attn_backend_cls = classmethod(get_attn_backend_cls)
-    CudaPlatform._kvevict_selector_hook = True
+    path, reasons = choose_base(device_capability, attn_selector_config)
+    if reasons:
+        logger.info("kvevict: FLASH_ATTN refused this configuration (%s); using the TRITON_ATTN base",
+                    "; ".join(reasons))
+    return path
 
 
 def _install_excepthook() -> None:
@@ -313,7 +181,7 @@ def _install_excepthook() -> None:
     previous = sys.excepthook
 
     def hook(exc_type, exc, tb):
-        if issubclass(exc_type, KVEvictConfigError) and not os.environ.get("KVEVICT_TRACEBACK"):
+        if issubclass(exc_type, KVEvictConfigError) and not envs.KVEVICT_TRACEBACK:
             print(f"ERROR: {exc}", file=sys.stderr, flush=True)
             return
         previous(exc_type, exc, tb)
@@ -327,25 +195,21 @@ def register() -> None:
     global _registered
     if _registered:
         return
-    _check_vllm_version()
-    from vllm.platforms import current_platform
-    from vllm.v1.attention.backends.registry import AttentionBackendEnum, register_backend
-
-    path = CPU_BACKEND if current_platform.is_cpu() else CUDA_BACKEND
-    register_backend(AttentionBackendEnum.CUSTOM, path)
-    # The CLI upper-cases the value and looks it up by name: make KVEVICT name the CUSTOM member.
-    AttentionBackendEnum._member_map_.setdefault(ALIAS, AttentionBackendEnum.CUSTOM)
-    if current_platform.is_cpu():
-        _wrap_cpu_selector()
-    elif current_platform.is_cuda():
-        _wrap_cuda_selector()
-    _wrap_check_and_update_config(type(current_platform))
-    _wrap_engine_args()
+    check_supported()
+    kind = vllm_attention.platform_kind()
+    path = CPU_BACKEND if kind == "cpu" else CUDA_BACKEND
+    vllm_attention.register_custom(path, ALIAS)
+    if kind == "cpu":
+        vllm_attention.install_cpu_selector()
+    elif kind == "cuda":
+        vllm_attention.install_cuda_selector(_choose_cuda_base)
+    vllm_engine.install_config_hook(vllm_attention.platform_class(), check_config)
+    vllm_engine.install_engine_args_hook()
     from vllm_kvevict.scheduler import install_scheduler_hooks, register_spec
 
     register_spec()
     install_scheduler_hooks()
-    _wrap_request_validation()
+    vllm_engine.install_request_checks(validate_request, _check_request_fits, logger)
     _install_excepthook()
     _registered = True
     logger.debug("kvevict: registered %s as attention backend CUSTOM (alias %s)", path, ALIAS)

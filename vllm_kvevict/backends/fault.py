@@ -9,7 +9,7 @@ request keeps the safe policy for the rest of its life, on every layer; one WARN
 policy and the error, and :data:`FALLBACKS` counts it per policy.
 
 The step writes nothing before every row is scored and selected
-(:func:`~vllm_kvevict.kernels.compact.evict_step`), so a retry starts from the untouched cache.
+(:func:`~vllm_kvevict.backends.evict.evict_step`), so a retry starts from the untouched cache.
 
 The backend's preparation of a row (its queries, query window, output projection ``W_O``) is
 guarded the same way: a request whose preparation raises (for example a policy that needs ``W_O``
@@ -22,12 +22,12 @@ fault one request among many.
 
 from __future__ import annotations
 
-import os
 from collections import Counter
 from collections.abc import Callable
 
 import torch
 
+from vllm_kvevict import envs
 from vllm_kvevict._logging import logger
 from vllm_kvevict.policies import Policy
 from vllm_kvevict.policies.streamingllm import StreamingLLM, StreamingLLMParams
@@ -70,7 +70,7 @@ def isolate(plan, work: list, step: Callable[[list], list[torch.Tensor]], err: B
     """The batched ``step(work)`` raised ``err``: run each row alone, replacing the policy of every
     row that fails again by :data:`SAFE_POLICY`. Returns the work as finally run and the kept
     positions of its compacting rows, in order (what ``step`` returns)."""
-    from vllm_kvevict.kernels.compact import RowWork
+    from vllm_kvevict.backends.evict import RowWork
 
     logger.debug("kvevict: eviction step failed for %d rows (%r); retrying row by row", len(work), err)
     done: list = []
@@ -96,7 +96,7 @@ def maybe_faulty(policy: Policy) -> Policy:
     """``policy``, or (under ``KVEVICT_TEST_FAULT``) a copy that raises: ``name`` makes its scoring
     raise (inside the eviction step), ``name@prepare`` makes the backend's preparation of its rows
     raise (where it reads the queries and W_O, before the step)."""
-    names = {n.strip() for n in os.environ.get(TEST_FAULT_ENV, "").split(",") if n.strip()}
+    names = envs.KVEVICT_TEST_FAULT
     cls = type(policy)
     if policy.name in names:
         def fail(*_args, **_kwargs):

@@ -1,4 +1,7 @@
-"""Gather, scoring, selection and compaction over vLLM's paged KV cache: torch references
-(:mod:`.reference`, also the CPU path), Triton kernels (:mod:`.triton_ops`), chosen per device by
-:mod:`.ops`; the engine's step (:mod:`.compact`) and the cache layouts (:mod:`.flash_cache`,
-:mod:`.cpu_cache`)."""
+"""Gather, scoring, selection and compaction operations over paged KV caches, with no knowledge of
+vLLM or of policies (block tables, ragged rows and plain tensors in, tensors out).
+
+:mod:`.reference` is each operation in torch: the specification the other implementations are
+tested against, and the implementation the CPU engine runs in production. :mod:`.triton_ops`
+(Triton) and :mod:`.cuda_ops` (CUDA C++, ``csrc/``) implement the same operations; :mod:`.ops`
+picks one per device (``KVEVICT_KERNELS``)."""

@@ -37,6 +37,7 @@ from types import ModuleType
 
 import torch
 
+from vllm_kvevict import envs
 from vllm_kvevict.kernels.reference import EPS
 
 logger = logging.getLogger(__name__)
@@ -64,9 +65,9 @@ _error: Exception | None = None
 
 
 def cache_dir() -> Path:
-    """Where builds are kept: ``$KVEVICT_CACHE_DIR`` or ``~/.cache/vllm-kvevict/torch_extensions``."""
-    root = os.environ.get("KVEVICT_CACHE_DIR")
-    return Path(root) if root else Path.home() / ".cache" / "vllm-kvevict" / "torch_extensions"
+    """Where builds are kept: ``$KVEVICT_CACHE_DIR/torch_extensions`` or ``~/.cache/vllm-kvevict/torch_extensions``."""
+    root = envs.KVEVICT_CACHE_DIR
+    return Path(root) / "torch_extensions" if root else Path.home() / ".cache" / "vllm-kvevict" / "torch_extensions"
 
 
 def build_dir() -> Path:

@@ -10,12 +10,12 @@ does not pick it: it has not been measured against Triton on a GPU yet.
 
 from __future__ import annotations
 
-import os
 from functools import cache
 from types import ModuleType
 
 import torch
 
+from vllm_kvevict import envs
 from vllm_kvevict.kernels import reference
 
 OPS = ("gather_paged", "keydiff_scores", "key_norms", "select_topk", "scatter_paged", "column_sums",
@@ -45,7 +45,7 @@ def _triton() -> ModuleType | None:
 
 def backend_for(t: torch.Tensor, op: str | None = None) -> ModuleType:
     """The module whose function ``op`` runs on ``t``'s device."""
-    choice = os.environ.get("KVEVICT_KERNELS", "auto")
+    choice = envs.KVEVICT_KERNELS
     if choice == "torch":
         return reference
     if choice == "cuda" and t.is_cuda and op in CUDA_OPS:

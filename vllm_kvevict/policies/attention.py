@@ -1,4 +1,4 @@
-"""Helpers for the attention-based policies (ALGORITHMS.md 0.2 and 6.2 ``probs``).
+"""Helpers for the attention-based policies (the attention probabilities SnapKV, TOVA, H2O and their users read).
 
 The engine's kernels do not return probabilities, so the policies that need them recompute the
 few rows they read (TOVA 1, SnapKV 32, H2O every query of the step) from the queries and the

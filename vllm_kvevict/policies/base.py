@@ -1,4 +1,4 @@
-"""The interface every eviction policy implements (ALGORITHMS.md section 6.2).
+"""The interface every eviction policy implements (docs/policies.md).
 
 Policies work on plain tensors of one (sequence, layer) and know nothing of vLLM: the attention
 backend (or the transformers reference, vllm_kvevict/testing/hf_reference.py) gathers a
@@ -144,7 +144,7 @@ class Policy:
     def attention(self, view: KVView) -> torch.Tensor:
         """``[H_q, n]`` float32: the softmax attention each slot receives from
         :meth:`attention_queries`, scaled and soft-capped as the model does, causal by position
-        (ALGORITHMS.md 0.2), summed over the queries; query head ``h`` reads KV head ``h // G``.
+        (SnapKV, TOVA, H2O), summed over the queries; query head ``h`` reads KV head ``h // G``.
         ``view.attn`` when the engine has computed it (one ragged
         :func:`~vllm_kvevict.kernels.ops.column_sums` for every row of the step); computed here
         otherwise (the transformers reference, tests), never as ``[H_q, m, n]``."""
@@ -176,7 +176,7 @@ class Policy:
     @property
     def batched(self) -> bool:
         """Whether the engine may score this policy's rows together
-        (:func:`vllm_kvevict.kernels.compact.evict_step`): it has :meth:`score_ragged` and uses the
+        (:func:`vllm_kvevict.backends.evict.evict_step`): it has :meth:`score_ragged` and uses the
         default selection, no state, queries or merging."""
         cls = type(self)
         return (cls.score_ragged is not Policy.score_ragged and self.default_selection
@@ -185,7 +185,7 @@ class Policy:
     def select(self, scores: torch.Tensor, keep: int, view: KVView) -> torch.Tensor:
         """Indices ``[H_kv, keep]`` of the kept slots, in ascending slot order per head.
 
-        Deterministic tie rule (ALGORITHMS.md 6.5 #21): among equal scores the newer token
+        Deterministic tie rule (docs/policies.md, "Ties"): among equal scores the newer token
         (larger position) is kept.
         """
         return topk_newer(scores, keep, view.pos)

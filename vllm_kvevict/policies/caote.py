@@ -1,5 +1,5 @@
 """CAOTE and FastCAOTE: the closed-form attention-output error of evicting each token
-(ALGORITHMS.md section 5; CAOTE paper Sec. 3, Eqs. 8, 21, 23).
+(CAOTE paper Sec. 3, Eqs. 8, 21, 23).
 
     h^norm = h / sum_i h_i                             base scores (H2O, TOVA or SnapKV), sum 1
     X      = V^T h^norm           (CAOTE, Eq. 21)      or  mean_i v_i  (FastCAOTE, Eq. 23)

@@ -1,5 +1,5 @@
-"""CriticalKV: two-stage selection that bounds the output perturbation (ALGORITHMS.md section 2;
-CriticalKV paper Alg. 1 and 2, Thm. 3.5).
+"""CriticalKV: two-stage selection that bounds the output perturbation (CriticalKV
+paper Alg. 1 and 2, Thm. 3.5).
 
     A_bar  = base score (SnapKV window attention, max-pooled, by default)
     Vp_i   = mean_{g in group} || v_i W_O^g ||_1      projected values (kvpress's GQA rule)

@@ -1,4 +1,4 @@
-"""H2O: heavy hitters by accumulated attention (ALGORITHMS.md 0.2; Zhang et al. 2023).
+"""H2O: heavy hitters by accumulated attention (Zhang et al. 2023).
 
     phi(A) = A_prev + A^T 1      every query's attention, summed per key, accumulated over steps
 

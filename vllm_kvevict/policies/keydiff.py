@@ -1,4 +1,4 @@
-"""KeyDiff: keep the keys least similar to the anchor (ALGORITHMS.md section 1; paper Eq. 8).
+"""KeyDiff: keep the keys least similar to the anchor (KeyDiff paper, Eq. 8).
 
     k_hat_i = k_i / ||k_i||
     mu      = mean_i k_hat_i                       (anchor: mean of normalised keys)

@@ -1,4 +1,4 @@
-"""K-norm: keep the keys with the lowest L2 norm (ALGORITHMS.md 0.2; Devoto et al. 2024).
+"""K-norm: keep the keys with the lowest L2 norm (Devoto et al. 2024).
 
     s_i = - ||k_i||_2
 

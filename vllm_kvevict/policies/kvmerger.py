@@ -1,5 +1,5 @@
-"""KVMerger: merge runs of similar adjacent keys into their pivot (ALGORITHMS.md section 3;
-KVMerger paper Alg. 1 and 2, Eqs. 5-8).
+"""KVMerger: merge runs of similar adjacent keys into their pivot (KVMerger
+paper Alg. 1 and 2, Eqs. 5-8).
 
     protected  = the most recent  floor(recent_ratio * n)  tokens
                + the top          floor(heavy_ratio * n)   by accumulated attention a (H2O sums)

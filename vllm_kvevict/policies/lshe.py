@@ -1,5 +1,5 @@
-"""LSH-E: evict the cached key whose SimHash is farthest from the query's (ALGORITHMS.md section 4;
-LSH-E paper Sec. 3, Alg. 1).
+"""LSH-E: evict the cached key whose SimHash is farthest from the query's (LSH-E
+paper Sec. 3, Alg. 1).
 
     h(x) = [R x >= 0] in {0,1}^c           R in R^{c x d}, N(0, 1), fixed per layer (seeded)
     e_t  = argmax_j  sum_{g in group} d_H(h(q_t^g), h(k_j))      over the unprotected cached keys

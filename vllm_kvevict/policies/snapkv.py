@@ -1,4 +1,4 @@
-"""SnapKV: observation-window attention, pooled (ALGORITHMS.md 0.2; Li et al. 2024).
+"""SnapKV: observation-window attention, pooled (Li et al. 2024).
 
     A     = softmax(Q_win K^T * scale)        Q_win = the last ``window`` queries (default 32)
     s     = pool( mean_w A )                  over the prefix; kernel 7
@@ -23,7 +23,7 @@ from vllm_kvevict.policies.base import KVView, Policy, PolicyParams
 
 #: Longest observation window. The backend keeps each request's last ``window`` queries per layer
 #: (``[H_q, window, d]``), so this bounds that buffer: 128 x 32 heads x 128 x 2 bytes = 1 MiB per
-#: layer and request for Llama-3.1-8B in bf16. The papers use 16-64 (ALGORITHMS.md).
+#: layer and request for Llama-3.1-8B in bf16. The papers use 16-64.
 MAX_QUERY_WINDOW = 128
 #: Widest pooling kernel (the papers use 5-7).
 MAX_KERNEL = 63

@@ -1,7 +1,7 @@
 """StreamingLLM ("Sink"): keep the first ``sink_tokens`` tokens and the most recent ones.
 
 Xiao et al., *Efficient Streaming Language Models with Attention Sinks*; as used by the seed papers
-(KeyDiff App. B.2): the first 4 tokens plus the most recent ``N - 4``. ALGORITHMS.md section 0.2.
+(KeyDiff App. B.2): the first 4 tokens plus the most recent ``N - 4``.
 """
 
 from __future__ import annotations

@@ -1,4 +1,4 @@
-"""TOVA: keep the tokens the latest query attends to most (ALGORITHMS.md 0.2; Oren et al. 2024).
+"""TOVA: keep the tokens the latest query attends to most (Oren et al. 2024).
 
     phi(A) = A[-1, :]       attention of the last query of the chunk/step to every key
 

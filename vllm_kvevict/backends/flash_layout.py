@@ -1,6 +1,6 @@
-"""Token-level reads and writes of the FlashAttention KV cache layout (torch reference).
+"""Token-level reads and writes of the FLASH_ATTN / TRITON_ATTN KV cache layout.
 
-vLLM 0.32.0 binds each layer's cache as ``[num_blocks, num_kv_heads, block_size, 2 * head_dim]``
+vLLM 0.32.0 and 0.33.0 bind each layer's cache as ``[num_blocks, num_kv_heads, block_size, 2 * head_dim]``
 (LBHNC); FlashAttention views it as ``K, V = cache.transpose(1, 2).split(head_dim, -1)``, i.e.
 plain ``[num_blocks, block_size, H, D]`` strided views, so a token is one index away.
 """
@@ -33,3 +33,16 @@ def write_tokens(kv_cache: torch.Tensor, slots: torch.Tensor, K: torch.Tensor, V
     b, o = slots.long() // bs, slots.long() % bs
     Kc[b, o] = K.to(Kc.dtype)
     Vc[b, o] = V.to(Vc.dtype)
+
+
+class FlashLayoutMixin:
+    """Token reads/writes of the ``[num_blocks, H, block_size, 2 D]`` cache of FLASH_ATTN and TRITON_ATTN."""
+
+    def _kvevict_gather(self, layer, kv_cache, blocks, offsets):
+        return gather_tokens(kv_cache, blocks, offsets)
+
+    def _kvevict_write(self, layer, kv_cache, slots, K, V):
+        write_tokens(kv_cache, slots, K, V)
+
+    def _kvevict_views(self, layer, kv_cache):
+        return cache_views(kv_cache)

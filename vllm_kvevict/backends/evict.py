@@ -1,5 +1,6 @@
 """One step's eviction work on the paged cache: observe, score, select per KV head, write
-right-aligned.
+right-aligned. Engine code (it drives the policies over a step); the kernels it calls know
+nothing of policies.
 
 For every row that observes (policies with per-slot state) or compacts in this step
 (``e_new > e_prev``): read the KV of logical slots ``[e_prev, L)`` through the block table (one
@@ -14,17 +15,14 @@ selection is selected in one call (:mod:`vllm_kvevict.kernels.ops`).
 
 from __future__ import annotations
 
-import os
 from collections.abc import Callable
 from dataclasses import dataclass
 
 import torch
 
+from vllm_kvevict import envs
 from vllm_kvevict.kernels import ops, reference
 from vllm_kvevict.policies.base import KVView, Policy
-
-#: ``KVEVICT_BATCHED=0`` sends every row through its policy one by one (A/B timing, debugging).
-BATCHED = os.environ.get("KVEVICT_BATCHED", "1") != "0"
 
 Gather = Callable[[torch.Tensor, torch.Tensor], tuple[torch.Tensor, torch.Tensor]]  # (blocks, offsets) -> K, V [n, H, D]
 Write = Callable[[torch.Tensor, torch.Tensor, torch.Tensor], None]  # (slots, K, V)
@@ -63,6 +61,7 @@ def evict_step(
     """
     if not work:
         return []
+    batched = envs.KVEVICT_BATCHED  # 0: every row through its policy one by one (A/B timing, debugging)
     dev = plan.block_table.device
     rows = torch.tensor([w.row for w in work], device=dev)
     starts = torch.tensor([plan.e_prev[w.row] for w in work], device=dev)
@@ -84,7 +83,7 @@ def evict_step(
     groups: dict[int, list[int]] = {}  # batched policy -> indices into work
     row_views: list[tuple[int, KVView]] = []  # the rows scored (or observed) through their policy
     for i, w in enumerate(work):
-        if w.compact and BATCHED and w.policy.batched:
+        if w.compact and batched and w.policy.batched:
             groups.setdefault(id(w.policy), []).append(i)
             continue
         sl = slice(bounds[i], bounds[i + 1])
@@ -94,7 +93,7 @@ def evict_step(
             K=K.transpose(0, 1), V=V.transpose(0, 1), pos=pos.transpose(0, 1).long(), layer=layer, G=G,
             state=state, **w.extra,
         )))
-    if BATCHED:  # every row's attention rows in one call (view.attn)
+    if batched:  # every row's attention rows in one call (view.attn)
         _attention(work, row_views, bounds, K_all, pos_all, G)
     observed: list[tuple[slice, dict]] = []  # per-slot state to write back once every row is scored
     for i, view in row_views:
@@ -106,7 +105,7 @@ def evict_step(
         if not w.compact:
             continue
         keep = plan.seq_lens[r] - plan.e_new[r]
-        if BATCHED and w.policy.default_selection:  # scored here, selected with every other row below
+        if batched and w.policy.default_selection:  # scored here, selected with every other row below
             view.keep = keep
             to_select.append((i, w.policy.score(view).transpose(0, 1)))
             continue

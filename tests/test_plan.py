@@ -1,0 +1,82 @@
+"""Step planning on the worker (backends/plan.py): each row's window from its request's own
+configuration as the runner hook publishes it; a dummy batch evicts nothing; a batch without the
+hook's context is refused, never planned with guessed configurations."""
+
+from __future__ import annotations
+
+import json
+from types import SimpleNamespace
+
+import pytest
+import torch
+
+from vllm_kvevict.backends.plan import MissingStepContext, plan_step
+from vllm_kvevict.config import parse_config
+from vllm_kvevict.vllm_compat.runner import RunnerStep
+
+BS = 32
+SERVER = parse_config({"policy": "keydiff", "budget": 64})
+
+
+def _cm(seq_lens: list[int], query_lens: list[int]):
+    """The fields of vLLM's CommonAttentionMetadata that plan_step reads."""
+    n, T = len(seq_lens), sum(query_lens)
+    qsl = torch.tensor([0, *torch.tensor(query_lens).cumsum(0).tolist()], dtype=torch.int32)
+    return SimpleNamespace(
+        num_reqs=n, num_actual_tokens=T, seq_lens=torch.tensor(seq_lens, dtype=torch.int32),
+        query_start_loc_cpu=qsl, block_table_tensor=torch.zeros(n, 16, dtype=torch.int32),
+        slot_mapping=torch.arange(T), positions=torch.arange(T),
+    )
+
+
+def _step(req_ids, prompt_lens, extra_args, dummy=False) -> RunnerStep:
+    return RunnerStep(req_ids=req_ids, prompt_lens=prompt_lens, num_tokens=prompt_lens, extra_args=extra_args,
+                      live=frozenset(req_ids), dummy=dummy)
+
+
+def test_each_row_plans_with_its_own_configuration():
+    # Two rows end a 128-token chunk at L = 256; the second request asks for budget 160.
+    cm = _cm([256, 256], [128, 128])
+    step = _step(["a", "b"], [512, 512], [None, {"kvevict_budget": 160}])
+    plan = plan_step(cm, SERVER, BS, step)
+    assert plan.L_prev == [128, 128] and plan.seq_lens == [256, 256]
+    assert plan.e_new == [BS * ((256 - 64) // BS), BS * ((256 - 160) // BS)] == [192, 96]
+    assert [c.budget for c in plan.configs] == [64, 160]
+    assert plan.req_ids == ["a", "b"] and plan.compact_rows == [0, 1]
+    # A row whose request turns eviction off keeps everything.
+    off = plan_step(cm, SERVER, BS, _step(["a", "b"], [512, 512], [{"kvevict_enabled": False}, None]))
+    assert off.e_new[0] == 0 and off.e_new[1] == 192
+
+
+def test_once_policy_uses_the_prompt_length():
+    cm = _cm([256], [128])
+    once = {"kvevict_policy": "criticalkv", "kvevict_budget": 64}
+    mid = plan_step(cm, SERVER, BS, _step(["a"], [512], [once]))
+    assert mid.e_new == [0]  # the prompt is not complete yet
+    done = plan_step(_cm([512], [256]), SERVER, BS, _step(["a"], [512], [once]))
+    assert done.e_new == [BS * ((512 - 64) // BS)]
+
+
+def test_dummy_batch_evicts_nothing():
+    cm = _cm([4096, 4096], [1024, 1024])
+    plan = plan_step(cm, SERVER, BS, _step([], [], [], dummy=True))
+    assert plan.e_prev == plan.e_new == [0, 0] and plan.compact_rows == []
+    assert not any(c.eviction_active for c in plan.configs)
+
+
+@pytest.mark.parametrize("step", [None, _step(["a"], [512], [None])])
+def test_without_the_runner_context_the_step_is_refused(step):
+    """No request ids for some rows: their windows would be guessed from the server's
+    configuration, which is wrong for any request with its own. Refused instead."""
+    with pytest.raises(MissingStepContext, match="step hook"):
+        plan_step(_cm([256, 256], [128, 128]), SERVER, BS, step)
+
+
+def test_rows_configuration_matches_the_engine_core():
+    """The worker resolves a request's window with the same function as the engine core's manager
+    (config.request_config over config.request_overrides): both sides agree on E."""
+    from vllm_kvevict.config import request_config, request_overrides
+
+    xargs = {"kvevict_policy": "snapkv", "kvevict_budget": 96, "kvevict_params": json.dumps({"window": 8})}
+    plan = plan_step(_cm([300], [44]), SERVER, BS, _step(["a"], [300], [xargs]))
+    assert plan.configs[0] == request_config(SERVER, request_overrides(xargs))

@@ -1,0 +1,104 @@
+"""Per-step planning on the worker: which window each request attends over, and which compact.
+
+Device-agnostic (every builder shares it). The runner's ``CommonAttentionMetadata`` carries
+*logical* sequence lengths and block tables; for the kernel we hand it the physical window
+``[e_prev, L)``: ``block_table[r, e_prev/bs:]`` and ``seq_lens - e_prev`` (docs/architecture.md,
+"The contract"). Positions and slot_mapping stay logical, so RoPE and the KV write are untouched.
+Each row's window comes from its request's own configuration, which the model runner's step hook
+publishes (:func:`vllm_kvevict.vllm_compat.runner.current_step`); a step without it is never planned.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+from dataclasses import dataclass
+from functools import lru_cache
+
+import torch
+
+from vllm_kvevict.config import request_config, request_overrides
+from vllm_kvevict.vllm_compat.runner import RunnerStep
+from vllm_kvevict.window import WindowConfig, step_window
+
+
+@dataclass
+class StepPlan:
+    """The window of every row in this step; shared by all layers of the KV cache group."""
+
+    L_prev: list[int]  # logical tokens computed before this step
+    e_prev: list[int]
+    e_new: list[int]
+    seq_lens: list[int]  # logical L after this step
+    block_table: torch.Tensor  # the runner's unshifted [rows, max_blocks] table
+    slot_mapping: torch.Tensor  # [num_actual_tokens] logical slots of this step's tokens
+    positions: torch.Tensor  # [num_actual_tokens]
+    req_ids: list[str] | None
+    configs: list  # per row: the request's KVEvictConfig (server config with its overrides)
+    query_start_loc: list[int]  # [rows + 1] this step's tokens of row r: [qsl[r], qsl[r + 1])
+    live: frozenset[str] | None = None  # requests alive on this worker (per-request state outlives none)
+
+    @property
+    def compact_rows(self) -> list[int]:
+        return [r for r, (a, b) in enumerate(zip(self.e_prev, self.e_new)) if b > a]
+
+
+class MissingStepContext(RuntimeError):
+    """Attention metadata was built outside the model runner's step hook."""
+
+
+def plan_step(cm, server_config, block_size: int, step: RunnerStep | None) -> StepPlan:
+    """Each row's window for this step, from its request's own configuration.
+
+    ``step``: the rows' requests as the runner hook published them. A dummy batch (profiling,
+    warm-up, graph capture) has no requests behind its rows: nothing is evicted. Without ``step``
+    the rows' configurations are unknown: refused (:class:`MissingStepContext`), never guessed.
+    """
+    n = cm.num_reqs
+    seq_lens = cm.seq_lens[:n].tolist()
+    qsl = cm.query_start_loc_cpu[: n + 1].tolist()
+    L_prev = [seq_lens[r] - (qsl[r + 1] - qsl[r]) for r in range(n)]
+    T = cm.num_actual_tokens
+    common = dict(seq_lens=seq_lens, block_table=cm.block_table_tensor[:n], slot_mapping=cm.slot_mapping[:T],
+                  positions=cm.positions[:T] if cm.positions is not None else None, query_start_loc=qsl,
+                  L_prev=L_prev)
+    if step is not None and step.dummy:
+        off = server_config.model_copy(update={"enabled": False})
+        return StepPlan(e_prev=[0] * n, e_new=[0] * n, req_ids=None, configs=[off] * n, **common)
+    if step is None or len(step.req_ids) < n:
+        raise MissingStepContext(
+            "kvevict: attention metadata built without the model runner's step hook (no request ids, prompt "
+            "lengths or per-request configuration); this model runner is not supported"
+        )
+    configs = [request_config(server_config, request_overrides(step.extra_args[r])) for r in range(n)]
+    windows = [_window(c, block_size) for c in configs]
+    steps = [step_window(L_prev[r], seq_lens[r], step.prompt_lens[r], windows[r]) for r in range(n)]
+    return StepPlan(
+        e_prev=[s.e_prev for s in steps], e_new=[s.e_new for s in steps], req_ids=step.req_ids[:n],
+        configs=configs, live=step.live, **common,
+    )
+
+
+@lru_cache(maxsize=1024)
+def _window(config, block_size: int) -> WindowConfig:
+    return config.window(block_size)
+
+
+def shift_block_table(block_table: torch.Tensor, shift_blocks: torch.Tensor) -> torch.Tensor:
+    """Row r of the result is ``block_table[r, shift_blocks[r]:]``, padded with the null block 0."""
+    rows, width = block_table.shape
+    idx = torch.arange(width, device=block_table.device)[None, :] + shift_blocks[:, None]
+    out = torch.gather(block_table, 1, idx.clamp(max=width - 1))
+    return out.masked_fill(idx >= width, 0)
+
+
+def shifted_metadata(cm, plan: StepPlan, block_size: int):
+    """``cm`` with the kernel's view of the window: shifted block table and physical lengths."""
+    if not any(plan.e_prev):
+        return cm
+    n = cm.num_reqs
+    e_prev = torch.tensor(plan.e_prev, dtype=cm.seq_lens.dtype, device=cm.seq_lens.device)
+    seq_lens = cm.seq_lens.clone()
+    seq_lens[:n] -= e_prev
+    bt = cm.block_table_tensor.clone()
+    bt[:n] = shift_block_table(cm.block_table_tensor[:n], (e_prev // block_size).to(torch.long))
+    return dataclasses.replace(cm, seq_lens=seq_lens, block_table_tensor=bt, max_seq_len=int(seq_lens[:n].max()))

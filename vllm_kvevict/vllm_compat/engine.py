@@ -1,0 +1,115 @@
+"""The API server and engine set-up: configuration finalisation, engine arguments, request checks.
+
+Written against vLLM 0.32.0 (``platforms/interface.py`` ``check_and_update_config``,
+``engine/arg_utils.py`` ``EngineArgs.create_engine_config``, ``v1/engine/input_processor.py``
+``InputProcessor._validate_params`` and ``process_inputs``, ``exceptions.py``
+``VLLMValidationError``); the same in 0.33.0 (``input_processor.py`` is byte-identical). In 0.33
+the CPU platform's default block size is set later, in the worker: ``cache_config.block_size`` is
+not final while ``check_and_update_config`` runs, so the plugin never reads it there.
+"""
+
+from __future__ import annotations
+
+import threading
+from collections.abc import Callable
+
+from vllm_kvevict.vllm_compat.patching import wrap_method
+
+_tls = threading.local()
+
+
+def install_config_hook(platform_cls: type, check: Callable[[object], None]) -> None:
+    """``check(vllm_config)`` first thing in the platform's ``check_and_update_config``, called from
+    ``VllmConfig.__post_init__`` in every process: a bad configuration stops vLLM before any weight
+    is loaded, and ``check`` may still change the configuration (e.g. prefix caching)."""
+
+    def make(orig):
+        def check_and_update_config(cls, vllm_config) -> None:
+            check(vllm_config)
+            orig(cls, vllm_config)
+
+        return check_and_update_config
+
+    wrap_method(platform_cls, "check_and_update_config", make, "kvevict: check the kvevict configuration")
+
+
+def install_engine_args_hook() -> None:
+    """Tell an explicit ``--enable-prefix-caching`` from vLLM's default: ``EngineArgs.enable_prefix_caching``
+    is None unless the user set it; :func:`prefix_caching_asked` reads it while the config is built."""
+    from vllm.engine.arg_utils import EngineArgs
+
+    def make(orig):
+        def create_engine_config(self, *args, **kwargs):
+            _tls.explicit_prefix_caching = self.enable_prefix_caching is True
+            try:
+                return orig(self, *args, **kwargs)
+            finally:
+                _tls.explicit_prefix_caching = False
+
+        return create_engine_config
+
+    wrap_method(EngineArgs, "create_engine_config", make, "kvevict: notice an explicit --enable-prefix-caching")
+
+
+def prefix_caching_asked() -> bool:
+    """Whether the configuration being built asked for prefix caching explicitly."""
+    return getattr(_tls, "explicit_prefix_caching", False)
+
+
+class RequestRefused(Exception):
+    """Raised by a request check: refused with HTTP 400 naming ``key``."""
+
+    def __init__(self, message: str, key: str | None):
+        super().__init__(message)
+        self.key = key
+
+
+def install_request_checks(
+    check_params: Callable[[object, dict], None],
+    check_request: Callable[[object, object, object], None],
+    logger,
+) -> None:
+    """Request checks in the API server, answered as vLLM answers its own: HTTP 400.
+
+    ``check_params(vllm_config, extra_args)`` after vLLM's ``_validate_params`` for requests with
+    ``kvevict_*`` keys; ``check_request(vllm_config, engine_request, sampling_params)`` after
+    ``process_inputs`` (the prompt is tokenized there). Either raises :class:`RequestRefused`, or
+    anything with a ``key`` attribute, to refuse; anything else unexpected is logged and refused too,
+    so a bug in a check costs one request, never a 500.
+    """
+    from vllm.exceptions import VLLMValidationError
+    from vllm.v1.engine.input_processor import InputProcessor
+
+    def checked(fn, *args):
+        try:
+            return fn(*args)
+        except Exception as err:  # noqa: BLE001 - a bug here must fail the request, not the server
+            key = getattr(err, "key", None)
+            if key is not None or isinstance(err, RequestRefused):
+                raise VLLMValidationError(str(err), parameter=key) from None
+            logger.warning("kvevict: could not check a request's kvevict keys: %r", err, exc_info=True)
+            raise VLLMValidationError(f"kvevict: could not check the request's kvevict keys ({type(err).__name__})",
+                                      parameter="vllm_xargs") from None
+
+    def make_validate(orig):
+        def _validate_params(self, params, supported_tasks):
+            result = orig(self, params, supported_tasks)
+            extra = getattr(params, "extra_args", None)
+            if extra and any(str(k).startswith("kvevict_") for k in extra):
+                checked(check_params, self.vllm_config, extra)
+            return result
+
+        return _validate_params
+
+    def make_process(orig):
+        def process_inputs(self, request_id, prompt, params, *args, **kwargs):
+            request = orig(self, request_id, prompt, params, *args, **kwargs)
+            sp = getattr(request, "sampling_params", None)
+            if sp is not None:
+                checked(check_request, self.vllm_config, request, sp)
+            return request
+
+        return process_inputs
+
+    wrap_method(InputProcessor, "_validate_params", make_validate, "kvevict: HTTP 400 for bad kvevict keys")
+    wrap_method(InputProcessor, "process_inputs", make_process, "kvevict: HTTP 400 for a request that cannot fit")

