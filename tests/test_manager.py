@@ -83,3 +83,43 @@ def test_bookkeeping_ends_on_both_free_paths(kv, caplog):
         assert rid not in mgr.REQUEST_OVERRIDES and m.tracked_requests == 0
         assert sum(f"request {rid} released" in r.message for r in caplog.records) == 1
     assert kv.block_pool.get_num_free_blocks() == free_before
+
+
+def test_evicted_blocks_come_back_on_both_free_paths(kv):
+    """Blocks freed by eviction go back to the pool at once; the rest come back when the request is
+    freed, on either path. vLLM 0.33's ``pop_blocks_for_free`` drops the leading null blocks that
+    eviction leaves (0.32 hands them on and the pool skips them): the pool ends whole either way."""
+    m = _single(kv)
+    pool = kv.block_pool
+    free_before = pool.get_num_free_blocks()
+    for rid, deferred in (("h", False), ("i", True)):
+        req = _request(rid, 300, {"kvevict_budget": 64})
+        assert kv.allocate_slots(req, 300) is not None
+        held = -(-300 // BS)
+        assert pool.get_num_free_blocks() == free_before - held
+        m.remove_skipped_blocks(rid, 300, 1000)  # 300 tokens processed of a 1000-token prompt
+        evicted = (300 - 64) // BS
+        assert pool.get_num_free_blocks() == free_before - held + evicted
+        if deferred:
+            blocks = kv.pop_blocks_for_free(req)
+            assert len([b for b in blocks if not b.is_null]) == held - evicted
+            pool.free_blocks(reversed(blocks))
+        else:
+            kv.free(req)
+        assert pool.get_num_free_blocks() == free_before
+
+
+def test_spec_keeps_every_field_of_vllms_spec():
+    """``KVEvictSpec.from_spec`` copies every init field of vLLM's ``FullAttentionSpec``, whatever
+    the release adds (0.33: ``is_draft``), so a spec vLLM rewrites survives the conversion."""
+    import dataclasses
+
+    base = FullAttentionSpec(block_size=BS, num_kv_heads=2, head_size=64, dtype=torch.float32)
+    fields = [f.name for f in dataclasses.fields(FullAttentionSpec) if f.init]
+    if "is_draft" in fields:  # vLLM 0.33
+        base = dataclasses.replace(base, is_draft=True)
+    spec = mgr.KVEvictSpec.from_spec(base, parse_config({"policy": "keydiff", "budget": BUDGET}), CHUNK)
+    assert all(getattr(spec, f) == getattr(base, f) for f in fields)
+    assert spec.page_size_bytes == base.page_size_bytes
+    merged = mgr.KVEvictSpec.merge([spec, spec])
+    assert isinstance(merged, mgr.KVEvictSpec) and merged.evict_config == spec.evict_config

@@ -9,9 +9,8 @@ import json
 
 import pytest
 
-from tests.conftest import CPU_BASE_ARGS
 from vllm_kvevict.bench.quality import format_table, run_quality
-from vllm_kvevict.testing.server import VLLMServer
+from vllm_kvevict.testing.server import CPU_BASE_ARGS, VLLMServer
 
 pytestmark = [pytest.mark.engine, pytest.mark.smollm2, pytest.mark.timeout(1500)]
 

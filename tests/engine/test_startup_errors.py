@@ -6,7 +6,7 @@ import json
 
 import pytest
 
-from vllm_kvevict.testing.server import VLLMServer
+from vllm_kvevict.testing.server import CPU_BASE_ARGS, VLLMServer
 
 pytestmark = [pytest.mark.engine, pytest.mark.timeout(300)]
 
@@ -72,7 +72,7 @@ def test_bad_config_fails_fast_with_one_line(case, tiny_model, server_log):
     additional, env_cfg, extra, expected = CASES[case]
     extra_env = dict(a.removeprefix("ENV:").split("=", 1) for a in extra if a.startswith("ENV:"))
     extra = [a for a in extra if not a.startswith("ENV:")]
-    args = ["--attention-backend", "kvevict", "--dtype", "float32", "--block-size", "32", "--enforce-eager", *extra]
+    args = ["--attention-backend", "kvevict", *CPU_BASE_ARGS, *extra]
     if additional is not None:
         args += ["--additional-config", json.dumps(additional)]
     env = {"KVEVICT_CONFIG": json.dumps(env_cfg)} if env_cfg is not None else {"KVEVICT_CONFIG": ""}

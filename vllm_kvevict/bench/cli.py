@@ -73,11 +73,16 @@ def _floats(s: str) -> list[float]:
     return [float(x) for x in str(s).split(",") if x]
 
 
-def _write(out_dir: Path, name: str, report: dict, plot) -> None:
+def _finish(args, name: str, module, report: dict) -> int:
+    """Every subcommand's end: the table on stdout, ``<out>/<name>.json`` and ``.png``."""
+    report["preset"] = args.preset
+    print(module.format_table(report))
+    out_dir = Path(args.out)
     out_dir.mkdir(parents=True, exist_ok=True)
     (out_dir / f"{name}.json").write_text(json.dumps(report, indent=1))
-    plot(report, str(out_dir / f"{name}.png"))
+    module.plot(report, str(out_dir / f"{name}.png"))
     print(f"wrote {out_dir / (name + '.json')} and {out_dir / (name + '.png')}", file=sys.stderr)
+    return 0
 
 
 def cmd_quality(args) -> int:
@@ -98,10 +103,7 @@ def cmd_quality(args) -> int:
             args.tasks.split(","), concurrency=args.concurrency, progress=True,
             budgets=[int(b) for b in str(args.budgets).split(",") if b],
         )
-    report["preset"] = args.preset
-    print(quality.format_table(report))
-    _write(Path(args.out), "quality", report, quality.plot)
-    return 0
+    return _finish(args, "quality", quality, report)
 
 
 def cmd_throughput(args) -> int:
@@ -112,10 +114,7 @@ def cmd_throughput(args) -> int:
         _model_path(args), args.num_requests, args.prompt_len, args.output_len, args.kv_prompts,
         _floats(args.budget_ratios), args.policy, args.max_num_batched_tokens, args.out, progress=True,
     )
-    report["preset"] = args.preset
-    print(throughput.format_table(report))
-    _write(Path(args.out), "throughput", report, throughput.plot)
-    return 0
+    return _finish(args, "throughput", throughput, report)
 
 
 def cmd_memory(args) -> int:
@@ -126,10 +125,7 @@ def cmd_memory(args) -> int:
         _model_path(args), args.prompt_len, args.output_len, args.budget, args.policy, args.chunk, args.out,
         progress=True,
     )
-    report["preset"] = args.preset
-    print(memory.format_table(report))
-    _write(Path(args.out), "memory", report, memory.plot)
-    return 0
+    return _finish(args, "memory", memory, report)
 
 
 def cmd_overhead(args) -> int:
@@ -141,10 +137,7 @@ def cmd_overhead(args) -> int:
         _model_path(args), args.policies.split(","), args.prompt_len, args.output_len, args.budget, args.chunk,
         args.out, progress=True,
     )
-    report["preset"] = args.preset
-    print(overhead.format_table(report))
-    _write(Path(args.out), "overhead", report, overhead.plot)
-    return 0
+    return _finish(args, "overhead", overhead, report)
 
 
 def build_parser() -> argparse.ArgumentParser:

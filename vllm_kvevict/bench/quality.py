@@ -25,6 +25,7 @@ from concurrent.futures import ThreadPoolExecutor
 from dataclasses import asdict
 
 from vllm_kvevict.bench.tasks import TASKS, Task, depths
+from vllm_kvevict.testing.server import cpu_args
 
 REFERENCE = "none"  # the same engine, eviction off for the request
 
@@ -197,7 +198,7 @@ def plot(result: dict, path: str) -> None:
 
 
 #: how the benchmarks start vLLM on this project's CPU machines (fp32 as the tests; eviction on)
-CPU_SERVE_ARGS = ["--dtype", "float32", "--block-size", "32", "--enforce-eager", "--kv-cache-memory-bytes", "4G"]
+CPU_SERVE_ARGS = cpu_args("4G")
 
 
 @contextlib.contextmanager

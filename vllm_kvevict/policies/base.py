@@ -93,7 +93,9 @@ class KVView:
 
     @property
     def length(self) -> int:
-        return self.L if self.L is not None else int(self.pos.max()) + 1
+        if self.L is not None:
+            return self.L
+        return int(self.pos.max()) + 1 if self.pos.numel() else 0
 
 
 class Policy:
@@ -155,15 +157,24 @@ class Policy:
         return ops.column_sums(Q.transpose(0, 1), view.K.transpose(0, 1), q_pos.to(view.K.device), view.pos.T,
                                one(Q.shape[1]), one(view.K.shape[1]), view.G, view.attn_scale, view.softcap).T
 
-    def score(self, view: KVView) -> torch.Tensor:  # pragma: no cover - abstract
-        """``[H_kv, n]`` float32 scores, higher = keep; ``+inf`` marks protected slots."""
-        raise NotImplementedError
+    def score(self, view: KVView) -> torch.Tensor:
+        """``[H_kv, n]`` float32 scores, higher = keep; ``+inf`` marks protected slots.
+
+        Policies that score from the keys and positions alone state their formula once, in
+        :meth:`score_ragged`; this derives the one-row form from it (the row is the whole view)."""
+        if type(self).score_ragged is Policy.score_ragged:  # pragma: no cover - abstract
+            raise NotImplementedError(f"{type(self).__name__} implements neither score nor score_ragged")
+        n = view.K.shape[1]
+        cu = torch.tensor([0, n], device=view.K.device)
+        L = torch.tensor([view.length])
+        return self.score_ragged(view.K.transpose(0, 1), view.pos.transpose(0, 1), cu, L, view.layer).transpose(0, 1)
 
     def score_ragged(self, K: torch.Tensor, pos: torch.Tensor, cu: torch.Tensor, L: torch.Tensor,
                      layer: int) -> torch.Tensor | None:
-        """Batched form of :meth:`score` for policies that read only the keys and positions: the
-        packed tokens of many rows (``K [N, H, d]``, ``pos [N, H]``, row ``r`` = ``[cu[r], cu[r+1])``,
-        its length ``L[r]``) scored at once, ``[N, H]``. ``None``: this policy scores row by row."""
+        """The score of a policy that reads only the keys and positions, for the packed tokens of
+        many rows at once (``K [N, H, d]``, ``pos [N, H]``, row ``r`` = ``[cu[r], cu[r+1])``, its
+        length ``L[r]``): ``[N, H]``. Such a policy writes only this (its formula, once);
+        :meth:`score` is derived from it. ``None``: the policy scores row by row (:meth:`score`)."""
         return None
 
     @property

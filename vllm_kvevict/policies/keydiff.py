@@ -15,22 +15,14 @@ from __future__ import annotations
 import torch
 
 from vllm_kvevict.kernels import ops
-from vllm_kvevict.policies.base import KVView, Policy
-
-EPS = 1e-8
+from vllm_kvevict.policies.base import Policy
 
 
 class KeyDiff(Policy):
     name = "keydiff"
     evicts_during_decode = True
 
-    def score(self, view: KVView) -> torch.Tensor:
-        K = view.K.to(torch.float32)  # [H, n, d]
-        k_norm = K.norm(dim=-1)  # [H, n]
-        k_hat = K / k_norm.clamp_min(EPS).unsqueeze(-1)
-        mu = k_hat.mean(dim=1, keepdim=True)  # [H, 1, d]
-        cos = (K * mu).sum(-1) / (mu.norm(dim=-1) * k_norm).clamp_min(EPS)
-        return -cos
-
     def score_ragged(self, K, pos, cu, L, layer):
-        return ops.keydiff_scores(K, cu)  # the same formula, fused per (row, KV head)
+        # -cos(k_i, mu), mu the mean of the row's normalised keys, per (row, KV head); in torch:
+        # kernels/reference.py keydiff_scores, fused in Triton and CUDA.
+        return ops.keydiff_scores(K, cu)

@@ -13,7 +13,7 @@ from pydantic import Field
 
 from vllm_kvevict.kernels import ops
 from vllm_kvevict.kernels.reference import row_ids
-from vllm_kvevict.policies.base import MAX_TOKENS_PARAM, KVView, Policy, PolicyParams
+from vllm_kvevict.policies.base import MAX_TOKENS_PARAM, Policy, PolicyParams
 
 
 class KNormParams(PolicyParams):
@@ -24,21 +24,12 @@ class KNormParams(PolicyParams):
         return self.sink_tokens + self.recent_tokens + 1
 
 
-def protect_sinks_recent(scores: torch.Tensor, view: KVView, sinks: int, recent: int) -> torch.Tensor:
-    protected = (view.pos < sinks) | (view.pos >= view.length - recent)
-    return scores.masked_fill(protected, float("inf"))
-
-
 class KNorm(Policy):
     name = "knorm"
     Params = KNormParams
     evicts_during_decode = True
 
-    def score(self, view: KVView) -> torch.Tensor:
-        s = -view.K.float().norm(dim=-1)
-        return protect_sinks_recent(s, view, self.params.sink_tokens, self.params.recent_tokens)
-
-    def score_ragged(self, K, pos, cu, L, layer):
-        length = L.to(pos.device)[row_ids(cu)][:, None]
+    def score_ragged(self, K: torch.Tensor, pos, cu, L, layer) -> torch.Tensor:
+        length = L.to(pos.device)[row_ids(cu)][:, None]  # each token's row length
         protected = (pos < self.params.sink_tokens) | (pos >= length - self.params.recent_tokens)
         return (-ops.key_norms(K)).masked_fill(protected, float("inf"))

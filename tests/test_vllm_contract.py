@@ -1,0 +1,113 @@
+"""What the seam (vllm_kvevict/vllm_compat/) assumes of vLLM, checked against the installed vLLM:
+every method it wraps exists with the parameters its wrapper passes on, every class it subclasses
+has the constructor the plugin calls, every attribute the runner hook reads is set where the hook
+reads it. Runs on vLLM 0.32 (make test) and 0.33 (make test-vllm033): an upgrade that breaks one of
+these assumptions fails here, by name, before any server starts."""
+
+from __future__ import annotations
+
+import inspect
+
+import pytest
+
+pytest.importorskip("vllm")
+
+from vllm_kvevict.vllm_compat import SUPPORTED, vllm_version, vllm_version_is  # noqa: E402
+
+
+def _params(fn) -> list[str]:
+    return list(inspect.signature(fn).parameters)
+
+
+def _starts_with(fn, *names: str) -> None:
+    got = _params(fn)
+    assert got[: len(names)] == list(names), f"{fn.__qualname__}{inspect.signature(fn)}: expected {names} first"
+
+
+def test_installed_vllm_is_supported():
+    assert vllm_version_is(*SUPPORTED), vllm_version()
+
+
+def test_runner_methods_the_step_hook_wraps():
+    from vllm.v1.worker.gpu_model_runner import GPUModelRunner
+
+    from vllm_kvevict.vllm_compat.patching import _lookup
+
+    def raw(name):
+        return _lookup(GPUModelRunner, name)  # the function as defined, before any wrap
+
+    _starts_with(raw("_build_attention_metadata"), "self", "num_tokens", "num_reqs")
+    _starts_with(raw("execute_model"), "self", "scheduler_output")
+    _starts_with(raw("_dummy_run"), "self")
+    _starts_with(raw("_sample"), "self")
+    _starts_with(raw("_bookkeeping_sync"), "self")
+    # The CPU generator fix reads these; the rewind it replaces must still be there.
+    src = inspect.getsource(raw("_bookkeeping_sync"))
+    assert "set_offset" in src and "discard_request_mask" in inspect.getsource(GPUModelRunner)
+
+
+def test_input_batch_fields_the_step_hook_reads():
+    from vllm.v1.worker import gpu_input_batch
+
+    src = inspect.getsource(gpu_input_batch.InputBatch)
+    for field in ("self.req_ids", "self.num_prompt_tokens", "self.num_tokens_no_spec", "self.generators"):
+        assert field in src or field.replace("self.", "def ") in src, field
+    from vllm.v1.worker.gpu_input_batch import CachedRequestState
+
+    assert "sampling_params" in CachedRequestState.__dataclass_fields__
+
+
+def test_scheduler_side_methods():
+    from vllm.v1.core.kv_cache_manager import KVCacheManager
+    from vllm.v1.core.single_type_kv_cache_manager import FullAttentionManager
+    from vllm.v1.kv_cache_spec_registry import KVCacheSpecRegistry
+
+    _starts_with(KVCacheManager.allocate_slots, "self", "request")
+    _starts_with(KVCacheManager.free, "self", "request")
+    _starts_with(KVCacheManager.pop_blocks_for_free, "self", "request")
+    _starts_with(FullAttentionManager.remove_skipped_blocks, "self", "request_id", "processed_computed_tokens",
+                 "num_prompt_tokens")
+    _starts_with(FullAttentionManager.get_num_blocks_to_allocate, "self", "request_id", "num_tokens")
+    assert "apply_admission_cap" in _params(FullAttentionManager.get_num_blocks_to_allocate)
+    _starts_with(FullAttentionManager.allocate_new_blocks, "self", "request_id", "num_tokens")
+    assert "replay_boundaries" in _params(FullAttentionManager.cache_blocks)
+    for name in ("_remove_blocks_in_range", "pop_blocks_for_free", "free"):
+        assert callable(getattr(FullAttentionManager, name)), name
+    assert "uniform_type_base_spec" in _params(KVCacheSpecRegistry.register)
+    assert callable(KVCacheSpecRegistry._ensure_registered)
+
+
+def test_attention_classes_the_plugin_subclasses():
+    from vllm.v1.attention.backends.registry import AttentionBackendEnum
+
+    from vllm_kvevict.vllm_compat import attention
+
+    assert AttentionBackendEnum.CUSTOM.name == attention.CUSTOM_NAME
+    for name in ("CPU_ATTN", "FLASH_ATTN", "TRITON_ATTN"):
+        base = getattr(attention, name)
+        _starts_with(base.builder.__init__, "self", "kv_cache_spec", "layer_names", "vllm_config", "device")
+        _starts_with(base.builder.build, "self", "common_prefix_len", "common_attn_metadata", "fast_build")
+        _starts_with(base.impl.forward, "self", "layer", "query", "key", "value", "kv_cache", "attn_metadata")
+        assert callable(base.backend.customize_spec) if hasattr(base.backend, "customize_spec") else True
+
+
+def test_selectors_and_engine_hooks():
+    from vllm.engine.arg_utils import EngineArgs
+    from vllm.platforms.cpu import CpuPlatform
+    from vllm.v1.engine.input_processor import InputProcessor
+
+    _starts_with(CpuPlatform.get_attn_backend_cls.__func__, "cls", "selected_backend", "attn_selector_config")
+    _starts_with(CpuPlatform.check_and_update_config.__func__, "cls", "vllm_config")
+    _starts_with(InputProcessor._validate_params, "self", "params", "supported_tasks")
+    _starts_with(InputProcessor.process_inputs, "self", "request_id", "prompt", "params")
+    assert "enable_prefix_caching" in EngineArgs.__dataclass_fields__
+    _starts_with(EngineArgs.create_engine_config, "self")
+
+
+def test_model_runner_v2_choice_is_a_config_property():
+    """``require_v1_runner`` reads ``VllmConfig.use_v2_model_runner`` and the V1-unsupported
+    feature list; both must exist (0.32 and 0.33)."""
+    from vllm.config import VllmConfig
+
+    assert isinstance(inspect.getattr_static(VllmConfig, "use_v2_model_runner"), property)
+    assert callable(getattr(VllmConfig, "_get_v1_model_runner_unsupported_features"))
