@@ -29,6 +29,7 @@ from vllm_kvevict.backends.projection import output_projection
 from vllm_kvevict.config import KVEvictConfig, config_from_vllm
 from vllm_kvevict.policies import get_policy
 from vllm_kvevict.vllm_compat import attention as vllm_attention
+from vllm_kvevict.vllm_compat import distributed as vllm_distributed
 from vllm_kvevict.vllm_compat import kv_cache as vllm_kv_cache
 from vllm_kvevict.vllm_compat import runner as vllm_runner
 
@@ -46,10 +47,13 @@ def _dump(records: list[dict]) -> None:
         f.writelines(json.dumps(rec) + "\n" for rec in records)
 
 
-def _dump_kept(plan, rows: list[int], layer: int, kept: list[torch.Tensor]) -> None:
+def _dump_kept(plan, rows: list[int], layer: int, kept: list[torch.Tensor], heads: list[int]) -> None:
+    """``kept[h]``: the positions KV head ``heads[h]`` of the model kept (this rank's heads)."""
+    rank = vllm_distributed.tensor_parallel()[0]
     _dump([
         {"req_id": plan.req_ids[r] if plan.req_ids else None, "layer": layer, "e_prev": plan.e_prev[r],
-         "e_new": plan.e_new[r], "L": plan.seq_lens[r], "kept": pos.transpose(0, 1).tolist()}
+         "e_new": plan.e_new[r], "L": plan.seq_lens[r], "rank": rank, "heads": heads,
+         "kept": pos.transpose(0, 1).tolist()}
         for r, pos in zip(rows, kept)
     ])
 
@@ -58,8 +62,9 @@ def _dump_starts(plan, ctx) -> None:
     """A request's first step (also after preemption, when vLLM recomputes it from scratch)."""
     if ctx is None or ctx.dummy:
         return
+    rank = vllm_distributed.tensor_parallel()[0]
     _dump([
-        {"req_id": plan.req_ids[r], "start": True, "num_tokens": ctx.num_tokens[r]}
+        {"req_id": plan.req_ids[r], "start": True, "num_tokens": ctx.num_tokens[r], "rank": rank}
         for r in range(len(plan.seq_lens)) if plan.L_prev[r] == 0
     ])
 
@@ -195,6 +200,14 @@ class KVEvictImplMixin:
             self._kvevict_slot_pos = torch.zeros(nb * bs, H, dtype=torch.int32, device=kv_cache.device)
         return self._kvevict_slot_pos
 
+    def _model_kv_heads(self) -> list[int]:
+        """The model's indices of this worker's KV heads (tensor parallelism splits them)."""
+        rank, world = vllm_distributed.tensor_parallel()
+        if world == 1:
+            return list(range(self.num_kv_heads))
+        total = _worker_vllm_config.model_config.get_total_num_kv_heads()
+        return vllm_distributed.kv_heads_of_rank(rank, world, total)
+
     def _layer_index(self, layer) -> int:
         if self._kvevict_layer_index is None:
             self._kvevict_layer_index = vllm_attention.layer_index(getattr(layer, "layer_name", ""))
@@ -294,7 +307,7 @@ class KVEvictImplMixin:
             work, kept = fault.isolate(plan, work, step, err)
         rows = [w.row for w in work if w.compact]
         if envs.KVEVICT_DUMP_DIR:
-            _dump_kept(plan, rows, layer_idx, kept)
+            _dump_kept(plan, rows, layer_idx, kept, self._model_kv_heads())
         if layer_idx == 0:
             for r in rows:
                 rid = plan.req_ids[r] if plan.req_ids else f"row {r}"

@@ -34,16 +34,51 @@ class Attempt:
 
 
 def load_attempts(dump_dir: str | Path) -> dict[str, list[Attempt]]:
-    """``{req_id: [Attempt, ...]}`` from every worker's dump file, in order."""
-    attempts: dict[str, list[Attempt]] = defaultdict(list)
+    """``{req_id: [Attempt, ...]}`` from every worker's dump file, in order.
+
+    Under tensor parallelism each rank records the KV heads it holds (``heads``: the model's
+    indices); their kept sets are put together into one list per model KV head (a head replicated
+    on several ranks must have been kept the same on each)."""
+    per_rank: dict[int, dict[str, list[Attempt]]] = defaultdict(lambda: defaultdict(list))
+    heads: dict[int, list[int]] = {}
     for path in sorted(Path(dump_dir).glob("kept-*.jsonl")):
         for line in path.read_text().splitlines():
             rec = json.loads(line)
+            rank = rec.get("rank", 0)
             if rec.get("start"):
-                attempts[rec["req_id"]].append(Attempt(num_tokens=rec["num_tokens"]))
+                per_rank[rank][rec["req_id"]].append(Attempt(num_tokens=rec["num_tokens"]))
             else:
-                attempts[rec["req_id"]][-1].events[rec["L"]][rec["layer"]] = rec["kept"]
-    return attempts
+                per_rank[rank][rec["req_id"]][-1].events[rec["L"]][rec["layer"]] = rec["kept"]
+                heads.setdefault(rank, rec.get("heads") or list(range(len(rec["kept"]))))
+    if len(per_rank) <= 1:
+        return next(iter(per_rank.values()), defaultdict(list))
+    return _merge_ranks(per_rank, heads)
+
+
+def _merge_ranks(per_rank: dict[int, dict[str, list[Attempt]]], heads: dict[int, list[int]]) -> dict[str, list[Attempt]]:
+    ranks = sorted(per_rank)
+    total = max(h for r in heads for h in heads[r]) + 1 if heads else 0
+    merged: dict[str, list[Attempt]] = defaultdict(list)
+    for req in per_rank[ranks[0]]:
+        runs = [per_rank[r].get(req, []) for r in ranks]
+        if len({len(a) for a in runs}) != 1:
+            raise ValueError(f"{req}: ranks recorded different numbers of attempts: {[len(a) for a in runs]}")
+        for atts in zip(*runs):
+            if len({a.num_tokens for a in atts}) != 1 or len({tuple(sorted(a.events)) for a in atts}) != 1:
+                raise ValueError(f"{req}: ranks disagree on an attempt's start or compaction points")
+            out = Attempt(num_tokens=atts[0].num_tokens)
+            for L, layers in atts[0].events.items():
+                for layer in layers:
+                    kept: list = [None] * total
+                    for r, att in zip(ranks, atts):
+                        for j, h in enumerate(heads.get(r, [])):
+                            got = att.events[L][layer][j]
+                            if kept[h] is not None and kept[h] != got:
+                                raise ValueError(f"{req}: replicas of KV head {h} kept different tokens")
+                            kept[h] = got
+                    out.events[L][layer] = kept
+            merged[req].append(out)
+    return merged
 
 
 def attempts_for(attempts: dict[str, list[Attempt]], request_id: str) -> list[Attempt]:

@@ -9,9 +9,9 @@ signatures, with two differences that do not reach the plugin:
 * ``SingleTypeKVCacheManager.pop_blocks_for_free`` (0.33) strips leading null blocks (those eviction
   leaves) before handing the list to the block pool; the plugin's override passes the list on.
 
-KV cache planning moved from ``v1/core/kv_cache_utils.py`` to ``v1/core/kv_cache_planning.py`` in
-0.33; the plugin reaches it only through ``KVCacheSpec.max_memory_usage_bytes(vllm_config)``, whose
-signature is the same in both.
+KV cache planning moved from ``v1/core/kv_cache_utils.py`` to a new module,
+``vllm.v1.core.kv_cache_planning``, in 0.33; the plugin reaches it only through
+``KVCacheSpec.max_memory_usage_bytes(vllm_config)``, whose signature is the same in both.
 """
 
 from __future__ import annotations
