@@ -42,6 +42,9 @@ _VARS = [
            "`1`: a configuration error prints its Python traceback instead of one line"),
     EnvVar("KVEVICT_ALLOW_UNTESTED_VLLM", "0", _flag,
            "`1`: load the plugin on a vLLM release other than 0.32.x and 0.33.x (untested)"),
+    EnvVar("KVEVICT_METRICS_DIR", "", _optional_path,
+           "where every process of a server records the plugin's metrics (one small file each); made and "
+           "set by the API server at start-up and inherited by its engine core and workers. Leave unset"),
     EnvVar("KVEVICT_DUMP_DIR", "", _optional_path,
            "debugging: every worker appends each compaction's kept positions (per request, layer and KV head) "
            "as JSON lines to `kept-<pid>.jsonl` there; the exactness tests replay them in transformers. Slow"),

@@ -17,7 +17,7 @@ from __future__ import annotations
 
 import sys
 
-from vllm_kvevict import envs
+from vllm_kvevict import envs, metrics
 from vllm_kvevict._logging import logger
 from vllm_kvevict.backends import CPU_BACKEND, CUDA_BACKEND
 from vllm_kvevict.config import (
@@ -31,6 +31,7 @@ from vllm_kvevict.config import (
 from vllm_kvevict.vllm_compat import attention as vllm_attention
 from vllm_kvevict.vllm_compat import check_supported
 from vllm_kvevict.vllm_compat import engine as vllm_engine
+from vllm_kvevict.vllm_compat import metrics as vllm_metrics
 from vllm_kvevict.vllm_compat import runner as vllm_runner
 
 ALIAS = "KVEVICT"
@@ -210,6 +211,9 @@ def register() -> None:
     register_spec()
     install_scheduler_hooks()
     vllm_engine.install_request_checks(validate_request, _check_request_fits, logger)
+    # Every process records into the metrics directory the first one (the API server) made; the
+    # API server serves them on vLLM's /metrics.
+    vllm_metrics.install_collector(metrics.Collector(metrics.setup_directory()))
     _install_excepthook()
     _registered = True
     logger.debug("kvevict: registered %s as attention backend CUSTOM (alias %s)", path, ALIAS)

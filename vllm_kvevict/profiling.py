@@ -2,7 +2,7 @@
 
 With ``KVEVICT_PROFILE_DIR`` set, every worker process appends one JSON line per model step to
 ``<dir>/steps-<pid>.jsonl``: the step's wall time (the runner's ``execute_model``, timed through
-:func:`vllm_kvevict.vllm_compat.runner.install_step_timer`), the time spent inside the attention
+:func:`vllm_kvevict.vllm_compat.runner.add_step_listener`), the time spent inside the attention
 kernels, the time spent in eviction (observe, score, select, compact: everything the plugin adds
 after attention), the number of tokens and rows, and how many rows compacted. On CUDA the device is synchronised around each timed region
 (profiling changes the timing it measures only by those synchronisations).
@@ -17,7 +17,7 @@ import time
 from contextlib import contextmanager
 
 from vllm_kvevict import envs
-from vllm_kvevict.vllm_compat.runner import install_step_timer
+from vllm_kvevict.vllm_compat.runner import add_step_listener
 
 _tls = threading.local()
 
@@ -75,7 +75,7 @@ def install_profile_hook() -> None:
             with open(path, "a") as f:
                 f.write(json.dumps({"wall_s": wall, **acc}) + "\n")
 
-    install_step_timer(begin, end)
+    add_step_listener("profile", begin, end, sync=True)
 
 
 def enabled() -> bool:

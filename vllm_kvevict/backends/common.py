@@ -16,11 +16,12 @@ Three mixins put the eviction into vLLM's own classes:
 
 from __future__ import annotations
 
+import contextlib
 import os
 
 import torch
 
-from vllm_kvevict import envs, profiling
+from vllm_kvevict import envs, metrics, profiling
 from vllm_kvevict._logging import info_once, logger
 from vllm_kvevict.backends import fault
 from vllm_kvevict.backends.evict import RowWork, evict_step
@@ -80,6 +81,11 @@ def _current_config() -> KVEvictConfig:
     return config_from_vllm(_worker_vllm_config)
 
 
+def _worker_metrics() -> metrics.Recorder | None:
+    """This worker's metrics file (its tensor-parallel rank in the labels)."""
+    return metrics.recorder("worker", vllm_distributed.tensor_parallel()[0])
+
+
 def may_evict(vllm_config) -> bool:
     """Whether any request of this server can evict: by default, or by a per-request override
     (which needs prefix caching off, see plugin.validate_request)."""
@@ -114,6 +120,9 @@ class KVEvictBuilderMixin:
         if self.kvevict_config is not None:
             vllm_runner.install_step_hook()
             profiling.install_profile_hook()  # only with KVEVICT_PROFILE_DIR
+            rec = _worker_metrics()
+            if rec is not None:  # eviction time per model step, for /metrics
+                vllm_runner.add_step_listener("metrics", lambda: None, lambda _token, _wall: rec.end_step())
 
     def build(self, common_prefix_len, common_attn_metadata, fast_build: bool = False, **kwargs):
         if self.kvevict_config is None:
@@ -173,7 +182,9 @@ class KVEvictImplMixin:
             out = super().forward(layer, query, key, value, kv_cache, attn_metadata, *args, **kwargs)
         plan = getattr(attn_metadata, "kvevict_plan", None)
         if plan is not None:
-            with profiling.timed("evict_s", query.device):
+            rec = _worker_metrics()
+            with profiling.timed("evict_s", query.device), (
+                    rec.eviction_timer(query.device) if rec is not None else contextlib.nullcontext()):
                 self._kvevict_after_attention(layer, query, kv_cache, plan)
         return out
 

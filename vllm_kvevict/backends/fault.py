@@ -27,10 +27,11 @@ from collections.abc import Callable
 
 import torch
 
-from vllm_kvevict import envs
+from vllm_kvevict import envs, metrics
 from vllm_kvevict._logging import logger
 from vllm_kvevict.policies import Policy
 from vllm_kvevict.policies.streamingllm import StreamingLLM, StreamingLLMParams
+from vllm_kvevict.vllm_compat import distributed as vllm_distributed
 
 TEST_FAULT_ENV = "KVEVICT_TEST_FAULT"
 
@@ -62,6 +63,9 @@ def fall_back(req_id: str | None, policy: Policy, err: BaseException) -> None:
     if req_id is not None:
         _fallen[req_id] = name
     FALLBACKS[name] += 1
+    rec = metrics.recorder("worker", vllm_distributed.tensor_parallel()[0])
+    if rec is not None:
+        rec.inc("fallbacks", name)
     logger.warning("kvevict: request %s: policy %s failed (%s: %s); it keeps the newest tokens from now on",
                    req_id or "?", name, type(err).__name__, str(err)[:200])
 

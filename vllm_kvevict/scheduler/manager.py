@@ -13,6 +13,7 @@ from __future__ import annotations
 from dataclasses import dataclass, fields
 from typing import Self
 
+from vllm_kvevict import metrics
 from vllm_kvevict._logging import logger
 from vllm_kvevict.config import KVEvictConfig, config_from_json, request_config, request_overrides
 from vllm_kvevict.vllm_compat import kv_cache as vllm_kv_cache
@@ -84,6 +85,13 @@ class KVEvictManager(FullAttentionManager):
         self.pool_peak_used = 0
         self._in_free = False
         self._popped: list[int] | None = None
+        #: requests that evict: request id -> (blocks held, window bound), for the gauges
+        self._windows: dict[str, tuple[int, int]] = {}
+        # One manager per process records (a model with several kvevict KV cache groups has one
+        # manager per group, all moving the same windows).
+        global _metrics_owner
+        self._metrics = metrics.recorder("core") if _metrics_owner is None else None
+        _metrics_owner = _metrics_owner or self
 
     def _held(self, request_id: str) -> int:
         # The nulled blocks are exactly a prefix of vLLM's block list (the evicted window start).
@@ -96,7 +104,23 @@ class KVEvictManager(FullAttentionManager):
         st[1] = max(st[1], self._held(request_id))
         pool = self.block_pool
         self.pool_peak_used = max(self.pool_peak_used, pool.num_gpu_blocks - 1 - pool.get_num_free_blocks())
+        self._track_window(request_id)
         return new
+
+    def _track_window(self, request_id: str, gone: bool = False) -> None:
+        """Keep the gauges of blocks held by evicting requests, and of their bounds, current."""
+        if self._metrics is None:
+            return
+        if gone:
+            self._windows.pop(request_id, None)
+        else:
+            window = self.window_for(request_id)
+            if not (window.enabled and window.trigger == "chunked"):
+                return
+            bound = admission_blocks(window, self.kv_cache_spec.evict_max_in_flight)
+            self._windows[request_id] = (self._held(request_id), bound or 0)
+        self._metrics.set("window_blocks_held", sum(h for h, _ in self._windows.values()))
+        self._metrics.set("window_blocks_bound", sum(b for _, b in self._windows.values()))
 
     def get_num_blocks_to_allocate(self, request_id: str, num_tokens: int, *args, apply_admission_cap: bool = False,
                                    **kwargs) -> int:
@@ -121,6 +145,7 @@ class KVEvictManager(FullAttentionManager):
         after an in-flight step). The request's bookkeeping ends here either way."""
         blocks = super().pop_blocks_for_free(request_id)
         st = self._stats.pop(request_id, None)
+        self._track_window(request_id, gone=True)
         if self._in_free:
             self._popped = st  # logged by free() once the blocks are back in the pool
         elif st is not None:
@@ -180,13 +205,22 @@ class KVEvictManager(FullAttentionManager):
         n_evicted = min(e // self.block_size, len(blocks))
         self._remove_blocks_in_range(request_id, 0, n_evicted)
         st = self._stats.setdefault(request_id, [0, 0])
+        freed = n_evicted - st[0]
         st[0] = max(st[0], n_evicted)
+        if freed > 0 and self._metrics is not None:  # the window moved: one compaction on the workers
+            policy = request_config(self.kv_cache_spec.config, REQUEST_OVERRIDES.get(request_id) or None).policy
+            self._metrics.inc("blocks_freed", policy, freed)
+            self._metrics.inc("tokens_evicted", policy, freed * self.block_size)
+            self._metrics.inc("compactions", policy)
+            self._track_window(request_id)
 
     def cache_blocks(self, request, num_tokens, retention_interval=None, *, replay_boundaries) -> None:
         # Compaction rewrites blocks in place: they must never enter the prefix cache. The plugin
         # turns prefix caching off when eviction is on; this guards against it being on anyway.
         return None
 
+
+_metrics_owner: KVEvictManager | None = None
 
 #: Engine-core process: request id -> its kvevict overrides (set when vLLM first allocates for it).
 REQUEST_OVERRIDES: dict[str, tuple] = {}

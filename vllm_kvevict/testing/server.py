@@ -73,7 +73,9 @@ class VLLMServer:
         self.args = list(args or [])
         self.port = port or free_port()
         self.log_path = Path(log_path)
-        inherited = {k: v for k, v in os.environ.items() if k != "TRITON_INTERPRET"}  # tests set it for themselves
+        # TRITON_INTERPRET: the tests set it for themselves; KVEVICT_METRICS_DIR: each server makes its
+        # own (a test that registered the plugin in-process has one in its environment).
+        inherited = {k: v for k, v in os.environ.items() if k not in ("TRITON_INTERPRET", "KVEVICT_METRICS_DIR")}
         self.env = {**inherited, **BASE_ENV, **(env or {})}
         self.startup_timeout = startup_timeout
         self.served_model_name = served_model_name

@@ -26,8 +26,8 @@ _PATCHES: dict[tuple[type, str], Patch] = {}
 
 def wrap_method(cls: type, name: str, make: Callable[[Callable], Callable], purpose: str) -> bool:
     """Replace ``cls.name`` by ``make(original)``, where ``original`` is the plain function the
-    attribute resolves to (a classmethod's underlying function takes ``cls`` first). Returns False
-    when it is wrapped already."""
+    attribute resolves to (a classmethod's underlying function takes ``cls`` first). ``cls`` may
+    also be a module (a module-level function). Returns False when it is wrapped already."""
     key = (cls, name)
     if key in _PATCHES:
         return False
@@ -43,7 +43,7 @@ def wrap_method(cls: type, name: str, make: Callable[[Callable], Callable], purp
 
 
 def _lookup(cls: type, name: str) -> Any:
-    for base in cls.__mro__:
+    for base in getattr(cls, "__mro__", (cls,)):  # a module has no MRO: its own namespace
         if name in base.__dict__:
             return base.__dict__[name]
     raise AttributeError(f"{cls.__qualname__} has no attribute {name!r} to wrap")

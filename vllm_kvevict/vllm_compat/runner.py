@@ -155,28 +155,44 @@ def install_cpu_generator_fix() -> None:
     wrap_method(GPUModelRunner, "_bookkeeping_sync", make_bookkeeping, "kvevict: no set_offset on CPU generators")
 
 
-def install_step_timer(begin: Callable[[], object], end: Callable[[object, float], None]) -> None:
+_step_listeners: dict[str, tuple[Callable[[], object], Callable[[object, float], None], bool]] = {}
+
+
+def add_step_listener(key: str, begin: Callable[[], object], end: Callable[[object, float], None],
+                      sync: bool = False) -> None:
     """Around every ``GPUModelRunner.execute_model``: ``token = begin()`` before, ``end(token,
-    wall_seconds)`` after (the device synchronised at both ends). Profiling only."""
+    wall_seconds)`` after. ``sync``: the device is synchronised at both ends (profiling only: it
+    changes what it measures). One listener per ``key`` (adding it again is a no-op), called in the
+    order they were added; the method is wrapped once."""
     import time
 
     from vllm.v1.worker.gpu_model_runner import GPUModelRunner
 
+    if key in _step_listeners:
+        return
+    _step_listeners[key] = (begin, end, sync)
+
     def make(orig):
         def execute_model(self, scheduler_output, *args, **kwargs):
             device = getattr(self, "device", None)
-            token = begin()
-            _sync(device)
+            listeners = list(_step_listeners.values())
+            tokens = [b() for b, _e, _s in listeners]
+            syncing = any(s for _b, _e, s in listeners)
+            if syncing:
+                _sync(device)
             t0 = time.perf_counter()
             try:
                 return orig(self, scheduler_output, *args, **kwargs)
             finally:
-                _sync(device)
-                end(token, time.perf_counter() - t0)
+                if syncing:
+                    _sync(device)
+                wall = time.perf_counter() - t0
+                for (_b, e, _s), token in zip(listeners, tokens):
+                    e(token, wall)
 
         return execute_model
 
-    wrap_method(GPUModelRunner, "execute_model", make, "kvevict: step timing (KVEVICT_PROFILE_DIR)")
+    wrap_method(GPUModelRunner, "execute_model", make, "kvevict: step boundaries (metrics, KVEVICT_PROFILE_DIR)")
 
 
 def _sync(device) -> None:

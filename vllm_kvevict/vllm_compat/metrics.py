@@ -1,0 +1,44 @@
+"""Where vLLM serves ``/metrics`` from: the registry a custom collector must be in.
+
+Written against vLLM 0.32.0 (``v1/metrics/prometheus.py`` ``get_prometheus_registry``,
+``entrypoints/serve/instrumentator/metrics.py``, which imports it by name and mounts
+``make_asgi_app(registry=get_prometheus_registry())``); the same in 0.33.0. With one API server
+(the default) that registry is prometheus_client's global ``REGISTRY``; with several
+(``--api-server-count``, ``PROMETHEUS_MULTIPROC_DIR`` set) it is a new registry made at mount time,
+so the function is wrapped to add the collector to whichever registry it returns.
+"""
+
+from __future__ import annotations
+
+import sys
+
+from vllm_kvevict.vllm_compat.patching import wrap_method
+
+_registries: set[int] = set()
+
+
+def _register(registry, collector) -> None:
+    if id(registry) not in _registries:
+        registry.register(collector)
+        _registries.add(id(registry))
+
+
+def install_collector(collector) -> None:
+    """Serve ``collector``'s families on vLLM's ``/metrics`` (idempotent)."""
+    from prometheus_client import REGISTRY
+
+    import vllm.v1.metrics.prometheus as prometheus
+
+    _register(REGISTRY, collector)
+
+    def make(orig):
+        def get_prometheus_registry(*args, **kwargs):
+            registry = orig(*args, **kwargs)
+            _register(registry, collector)
+            return registry
+
+        return get_prometheus_registry
+
+    for module in (prometheus, sys.modules.get("vllm.entrypoints.serve.instrumentator.metrics")):
+        if module is not None:
+            wrap_method(module, "get_prometheus_registry", make, "kvevict: serve the plugin's metrics")
