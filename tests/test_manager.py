@@ -123,3 +123,42 @@ def test_spec_keeps_every_field_of_vllms_spec():
     assert spec.page_size_bytes == base.page_size_bytes
     merged = mgr.KVEvictSpec.merge([spec, spec])
     assert isinstance(merged, mgr.KVEvictSpec) and merged.evict_config == spec.evict_config
+
+
+def test_metrics_follow_the_windows(tmp_path, monkeypatch):
+    """On vLLM's real KVCacheManager: the engine core's counters move with each window move, the
+    gauges follow the blocks held by requests with a bounded window, and drop to 0 when freed."""
+    from vllm_kvevict import metrics
+
+    monkeypatch.setenv(metrics.METRICS_DIR_ENV, str(tmp_path))
+    monkeypatch.setattr(metrics, "_recorder", None)
+    monkeypatch.setattr(mgr, "_metrics_owner", None)
+    base = FullAttentionSpec(block_size=BS, num_kv_heads=2, head_size=64, dtype=torch.float32)
+    spec = mgr.KVEvictSpec.from_spec(base, parse_config({"policy": "keydiff", "budget": BUDGET}), CHUNK)
+    config = KVCacheConfig(num_blocks=NUM_BLOCKS, kv_cache_tensors=[],
+                           kv_cache_groups=[KVCacheGroupSpec(["layer.0"], spec)])
+    kv = KVCacheManager(config, max_model_len=MAX_LEN, scheduler_block_size=BS, hash_block_size=BS,
+                        max_in_flight_tokens=CHUNK, enable_caching=False)
+    m = _single(kv)
+    rec = m._metrics
+    assert rec is not None
+
+    def val(kind, name, policy=None):
+        if kind == "gauge":
+            return rec.values[metrics.LAYOUT.gauges[name]]
+        return rec.values[metrics.LAYOUT.counters[name] + metrics.POLICY_LABELS.index(policy)]
+
+    a, b = _request("ga", 300, {"kvevict_policy": "knorm"}), _request("gb", 300, {"kvevict_enabled": False})
+    assert kv.allocate_slots(a, 300) is not None and kv.allocate_slots(b, 300) is not None
+    bound = window_bound_blocks(WindowConfig(BUDGET, BS), CHUNK)
+    assert (val("gauge", "window_blocks_held"), val("gauge", "window_blocks_bound")) == (10, bound)  # b: unbounded
+    m.remove_skipped_blocks("ga", 300, 1000)
+    evicted = (300 - BUDGET) // BS
+    assert val("counter", "blocks_freed", "knorm") == evicted and val("counter", "compactions", "knorm") == 1
+    assert val("counter", "tokens_evicted", "knorm") == evicted * BS
+    assert val("gauge", "window_blocks_held") == 10 - evicted
+    m.remove_skipped_blocks("ga", 300, 1000)  # the window did not move: nothing counted
+    assert val("counter", "compactions", "knorm") == 1
+    kv.free(a)
+    kv.free(b)
+    assert (val("gauge", "window_blocks_held"), val("gauge", "window_blocks_bound")) == (0, 0)

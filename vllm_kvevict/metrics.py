@@ -18,11 +18,13 @@ gauges are dropped.
 | ``kvevict:compactions_total`` | counter | policy | engine core, when a window moves |
 | ``kvevict:fallbacks_total`` | counter | policy, rank | workers, when a request's policy fails |
 | ``kvevict:eviction_seconds`` | histogram | rank | workers, per model step (every layer and request) |
-| ``kvevict:window_blocks_held`` | gauge | | engine core: blocks held by requests that evict |
+| ``kvevict:window_blocks_held`` | gauge | | engine core: blocks held by requests with a bounded window |
 | ``kvevict:window_blocks_bound`` | gauge | | engine core: the sum of those requests' window bounds |
 
 ``tokens_evicted`` counts token slots per sequence (every layer and KV head evicts the same
-number); ``policy`` is the request's own policy (its override, else the server's).
+number); ``policy`` is the request's own policy (its override, else the server's). A window is
+bounded when the request evicts in ``chunked`` mode with a policy that also evicts while decoding:
+its bound is ``ceil((budget + block_size - 1 + max_num_batched_tokens) / block_size)`` blocks.
 """
 
 from __future__ import annotations
@@ -54,8 +56,8 @@ COUNTERS = {  # name -> help; one slot per policy
     "fallbacks": "Requests whose policy failed and that fell back to keeping the newest tokens (per rank)",
 }
 GAUGES = {
-    "window_blocks_held": "KV blocks held by the requests that evict",
-    "window_blocks_bound": "Sum of the window bounds (most blocks each may hold) of the requests that evict",
+    "window_blocks_held": "KV blocks held by the requests whose window is bounded (chunked eviction, also while decoding)",
+    "window_blocks_bound": "Sum of the window bounds (most blocks each may hold) of those requests",
 }
 HISTOGRAM = ("eviction_seconds", "Time spent evicting (scoring, selecting, compacting) per model step, all layers")
 

@@ -108,17 +108,15 @@ class KVEvictManager(FullAttentionManager):
         return new
 
     def _track_window(self, request_id: str, gone: bool = False) -> None:
-        """Keep the gauges of blocks held by evicting requests, and of their bounds, current."""
+        """Keep the gauges of blocks held by requests with a bounded window, and of their bounds, current."""
         if self._metrics is None:
             return
-        if gone:
-            self._windows.pop(request_id, None)
-        else:
-            window = self.window_for(request_id)
-            if not (window.enabled and window.trigger == "chunked"):
+        bound = None if gone else admission_blocks(self.window_for(request_id), self.kv_cache_spec.evict_max_in_flight)
+        if bound is None:  # gone, or its window is not bounded (eviction off, once, no decode-time eviction)
+            if self._windows.pop(request_id, None) is None:
                 return
-            bound = admission_blocks(window, self.kv_cache_spec.evict_max_in_flight)
-            self._windows[request_id] = (self._held(request_id), bound or 0)
+        else:
+            self._windows[request_id] = (self._held(request_id), bound)
         self._metrics.set("window_blocks_held", sum(h for h, _ in self._windows.values()))
         self._metrics.set("window_blocks_bound", sum(b for _, b in self._windows.values()))
 
