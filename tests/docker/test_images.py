@@ -338,11 +338,29 @@ def test_cpu_image_structured_output_without_triton(server):
 
 
 def test_cpu_image_metrics(server):
+    """The plugin's metrics are on the image's /metrics, beside vLLM's, and count what the engine
+    did: blocks freed per policy equal the sum of the release lines (after one more evicting
+    request, so the test stands alone)."""
+    status, body = server.post("/v1/completions", {
+        "model": "smollm2", "prompt": _long_text(), "max_tokens": 4, "temperature": 0,
+        "vllm_xargs": {"kvevict_policy": "knorm", "kvevict_budget": 128}})
+    assert status == 200, body
+    found = server.wait_log(RELEASED, lambda f: any(m[3] == "knorm" and int(m[2]) > 0 for m in f))
+    freed: dict[str, int] = {}
+    for m in found:
+        freed[m[3]] = freed.get(m[3], 0) + int(m[2])
     status, text = server.get("/metrics")
     assert status == 200 and "vllm:num_requests_running" in text
     kvevict_lines = scrape_kvevict_metrics(text)
     print(f"kvevict metrics on /metrics ({len(kvevict_lines)} lines):", *kvevict_lines, sep="\n  ")
     MEASURED["kvevict lines on /metrics"] = str(len(kvevict_lines))
+    counted = {m.group(1): float(m.group(2))
+               for m in re.finditer(r'^kvevict:blocks_freed_total\{policy="(\w+)"\} (\S+)$', text, re.M)}
+    assert counted.get("knorm", 0) > 0
+    assert {p: v for p, v in counted.items() if v} == {p: float(v) for p, v in freed.items() if v and p != "none"}
+    for name in ("kvevict:tokens_evicted_total", "kvevict:compactions_total", "kvevict:eviction_seconds_count",
+                 "kvevict:window_blocks_held"):
+        assert name in text, name
 
 
 def test_cpu_image_refuses_a_bad_override(server):
