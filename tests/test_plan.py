@@ -80,3 +80,32 @@ def test_rows_configuration_matches_the_engine_core():
     xargs = {"kvevict_policy": "snapkv", "kvevict_budget": 96, "kvevict_params": json.dumps({"window": 8})}
     plan = plan_step(_cm([300], [44]), SERVER, BS, _step(["a"], [300], [xargs]))
     assert plan.configs[0] == request_config(SERVER, request_overrides(xargs))
+
+
+@pytest.fixture(autouse=True)
+def _no_shared_prefixes_between_tests():
+    from vllm_kvevict.backends import plan
+
+    plan._shared.clear()
+    yield
+    plan._shared.clear()
+
+
+def test_a_prefix_cache_hit_is_held_until_the_window_moves_past_it():
+    """A request that starts on 160 cached tokens (its first step begins at L_prev = 160) holds
+    them read-only: E stays 0 until the budget-64 window would evict at least 160 tokens, then
+    jumps past them; the engine core computes the same E (window.evicted_tokens with ``shared``)."""
+    from vllm_kvevict.window import evicted_tokens
+
+    start = RunnerStep(**{**_step(["a"], [1000], [None]).__dict__, "starts": frozenset({"a"})})
+    first = plan_step(_cm([192], [32]), SERVER, BS, start)  # starts at 160, computes 32
+    assert (first.e_prev, first.e_new) == ([0], [0])  # E_std(192) = 128 < 160: held
+    mid = plan_step(_cm([224], [32]), SERVER, BS, _step(["a"], [1000], [None]))
+    assert mid.e_new == [160]  # E_std(224) = 160 >= 160: the window moves past the shared prefix
+    later = plan_step(_cm([288], [64]), SERVER, BS, _step(["a"], [1000], [None]))
+    assert (later.e_prev, later.e_new) == ([160], [224])
+    window = SERVER.window(BS)
+    assert [evicted_tokens(L, 1000, window, 160) for L in (192, 224, 288)] == [0, 160, 224]
+    # the same request restarting without a hit (after preemption) evicts as usual again
+    restart = RunnerStep(**{**_step(["a"], [1000], [None]).__dict__, "starts": frozenset({"a"})})
+    assert plan_step(_cm([256], [256]), SERVER, BS, restart).e_new == [192]

@@ -207,7 +207,7 @@ def test_register_patches_through_the_seam():
     plugin.register()
     recorded = {(p.cls.__name__, p.name) for p in patching.patches()}
     assert {("CpuPlatform", "get_attn_backend_cls"), ("CpuPlatform", "check_and_update_config"),
-            ("EngineArgs", "create_engine_config"), ("KVCacheManager", "allocate_slots"),
+            ("KVCacheManager", "get_computed_blocks"), ("KVCacheManager", "allocate_slots"),
             ("KVCacheManager", "free"), ("KVCacheManager", "pop_blocks_for_free"),
             ("InputProcessor", "_validate_params"), ("InputProcessor", "process_inputs")} <= recorded
     for p in patching.patches():

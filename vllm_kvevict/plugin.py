@@ -50,7 +50,6 @@ def check_config(vllm_config) -> None:
         logger.debug("kvevict: configuration from %s: %s", source, cfg.summary())
         _check_kv_cache_dtype(vllm_config, cfg)
         _refuse_unsafe_combinations(vllm_config, cfg)
-        _disable_prefix_caching(vllm_config, cfg)
     else:
         logger.warning(
             "kvevict: a kvevict configuration was given (%s) but the attention backend is not "
@@ -61,7 +60,7 @@ def check_config(vllm_config) -> None:
 def _check_kv_cache_dtype(vllm_config, cfg) -> None:
     cache = getattr(vllm_config, "cache_config", None)
     dtype = getattr(cache, "cache_dtype", "auto")
-    if cfg.eviction_active and dtype not in ("auto", None):
+    if dtype not in ("auto", None):  # any request may evict (a per-request override), whatever the server's
         raise KVEvictConfigError(
             f"invalid kvevict configuration: --kv-cache-dtype {dtype} is not supported with eviction; allowed: auto"
         )
@@ -73,33 +72,17 @@ def _refuse(what: str, why: str) -> None:
 
 def _refuse_unsafe_combinations(vllm_config, cfg) -> None:
     """Stop at start-up, with one line, on what eviction cannot run beside (any request of the
-    server may evict: by default, or through an override when prefix caching is off)."""
-    if not (cfg.eviction_active or not vllm_config.cache_config.enable_prefix_caching):
-        return
+    server may evict: by default, or through a per-request override)."""
     if getattr(vllm_config, "speculative_config", None) is not None:
         _refuse("speculative decoding (--speculative-config)", "draft and verified tokens would need their own windows")
     cache = vllm_config.cache_config
     if getattr(vllm_config, "kv_transfer_config", None) is not None or getattr(cache, "kv_offloading_size", None):
         _refuse("a KV transfer or offloading connector (--kv-transfer-config, --kv-offloading-size)",
                 "compaction rewrites blocks the connector would copy")
-    if vllm_engine.prefix_caching_asked() and cfg.eviction_active:
-        _refuse("--enable-prefix-caching", "compaction rewrites KV blocks in place; leave it unset or pass "
-                "--no-enable-prefix-caching")
     # The per-step hook that gives the workers each request's own window is in the V1 model runner.
     refusal = vllm_runner.require_v1_runner(vllm_config, logger)
     if refusal is not None:
         _refuse(*refusal)
-
-
-def _disable_prefix_caching(vllm_config, cfg) -> None:
-    """Compaction rewrites blocks in place, so evicting requests must not share or hash blocks."""
-    cache = getattr(vllm_config, "cache_config", None)
-    if cfg.eviction_active and cache is not None and cache.enable_prefix_caching:
-        cache.enable_prefix_caching = False
-        logger.warning(
-            "kvevict: prefix caching is turned off: compaction rewrites KV blocks in place, so they "
-            "cannot be shared between requests or reused from the prefix cache"
-        )
 
 
 def validate_request(vllm_config, extra_args) -> None:
@@ -117,11 +100,6 @@ def validate_request(vllm_config, extra_args) -> None:
         raise RequestConfigError(
             f"kvevict_budget: {dict(overrides)['budget']} is above this server's max_model_len "
             f"(allowed: an integer in [{cfg.policy_params.min_budget()}, {max_len}])", "kvevict_budget",
-        )
-    if cfg.eviction_active and not server.eviction_active and vllm_config.cache_config.enable_prefix_caching:
-        raise RequestConfigError(
-            f"{key}: eviction is off on this server and prefix caching is on, so a request cannot turn it on; "
-            "start the server with --no-enable-prefix-caching (or with eviction enabled)", key,
         )
 
 
@@ -205,7 +183,6 @@ def register() -> None:
     elif kind == "cuda":
         vllm_attention.install_cuda_selector(_choose_cuda_base)
     vllm_engine.install_config_hook(vllm_attention.platform_class(), check_config)
-    vllm_engine.install_engine_args_hook()
     from vllm_kvevict.scheduler import install_scheduler_hooks, register_spec
 
     register_spec()

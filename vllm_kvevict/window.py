@@ -21,7 +21,16 @@ Trigger modes:
     Nothing is evicted until the prompt is complete; then ``E = E_chunked(prompt_len)``, fixed
     during decoding (CriticalKV and KVMerger as published).
 
-``E`` is a multiple of ``block_size`` and non-decreasing in ``L`` for a fixed configuration.
+Shared prefix (prefix caching):
+    A request that starts (or restarts after preemption) on ``shared`` tokens found in vLLM's
+    prefix cache holds their blocks read-only: other requests and the cache hold them too. Its
+    window may only be written at or above ``shared``, so ``E`` stays 0 until the trigger's ``E``
+    reaches ``shared`` (``E = E_trigger(L) if E_trigger(L) >= shared else 0``): the first
+    compaction then frees every shared block at once and writes only into the request's own
+    blocks. Until then the request holds its shared prefix on top of its window.
+
+``E`` is a multiple of ``block_size`` and non-decreasing in ``L`` for a fixed configuration and
+shared prefix.
 """
 
 from __future__ import annotations
@@ -54,13 +63,16 @@ def _floor_evict(n: int, cfg: WindowConfig) -> int:
     return cfg.block_size * (max(0, n - cfg.budget) // cfg.block_size)
 
 
-def evicted_tokens(L: int, prompt_len: int, cfg: WindowConfig) -> int:
-    """Number of leading logical tokens (a multiple of ``block_size``) evicted at ``L`` computed tokens."""
+def evicted_tokens(L: int, prompt_len: int, cfg: WindowConfig, shared: int = 0) -> int:
+    """Number of leading logical tokens (a multiple of ``block_size``) evicted at ``L`` computed
+    tokens, for a request whose first ``shared`` tokens are in shared (prefix-cached) blocks."""
     if not cfg.enabled:
         return 0
     if cfg.trigger == "once":
-        return _floor_evict(prompt_len, cfg) if L >= prompt_len else 0
-    return _floor_evict(L if cfg.decode else min(L, prompt_len), cfg)
+        e = _floor_evict(prompt_len, cfg) if L >= prompt_len else 0
+    else:
+        e = _floor_evict(L if cfg.decode else min(L, prompt_len), cfg)
+    return e if e >= shared else 0
 
 
 def window_bound_blocks(cfg: WindowConfig, max_chunk: int) -> int:
@@ -68,12 +80,13 @@ def window_bound_blocks(cfg: WindowConfig, max_chunk: int) -> int:
     return -(-(cfg.budget + cfg.block_size - 1 + max_chunk) // cfg.block_size)
 
 
-def admission_blocks(cfg: WindowConfig, max_chunk: int) -> int | None:
+def admission_blocks(cfg: WindowConfig, max_chunk: int, shared: int = 0) -> int | None:
     """The blocks vLLM's admission gate reserves for a request with this window: its bound in
-    ``chunked`` mode with decode-time eviction; ``None`` (the whole sequence) otherwise."""
+    ``chunked`` mode with decode-time eviction, plus its shared prefix's blocks (held until the
+    window moves past them); ``None`` (the whole sequence) otherwise."""
     if not cfg.enabled or cfg.trigger != "chunked" or not cfg.decode:
         return None
-    return window_bound_blocks(cfg, max_chunk)
+    return window_bound_blocks(cfg, max_chunk) + shared // cfg.block_size
 
 
 def peak_blocks(prompt_len: int, total_len: int, cfg: WindowConfig, max_chunk: int) -> int:
@@ -107,5 +120,5 @@ class StepWindow:
         return self.L - self.e_new
 
 
-def step_window(L_prev: int, L: int, prompt_len: int, cfg: WindowConfig) -> StepWindow:
-    return StepWindow(evicted_tokens(L_prev, prompt_len, cfg), evicted_tokens(L, prompt_len, cfg), L)
+def step_window(L_prev: int, L: int, prompt_len: int, cfg: WindowConfig, shared: int = 0) -> StepWindow:
+    return StepWindow(evicted_tokens(L_prev, prompt_len, cfg, shared), evicted_tokens(L, prompt_len, cfg, shared), L)

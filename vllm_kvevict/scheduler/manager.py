@@ -6,6 +6,15 @@ where the registry maps it to :class:`KVEvictManager`. The manager is a ``FullAt
 whose ``remove_skipped_blocks`` (called from ``KVCacheManager.allocate_slots`` with the number of
 *processed* tokens every time the request is scheduled) nulls and frees logical blocks
 ``[0, E / block_size)`` with ``E = evicted_tokens(...)``, exactly as sliding-window attention does.
+
+Prefix caching (docs/architecture.md, "Prefix caching"): a block enters vLLM's prefix cache only
+when its KV is what its hash says and will never be rewritten. For a request whose window may
+evict, that is every block it computed before its first compaction and that the first compaction
+frees (``[shared, E1)``: hashed as the window moves past them, so they go back to the pool as
+free-but-cached blocks), and, if it never compacts, every full block (hashed when it is freed).
+Blocks its compactions write, and blocks computed after it first evicted (their KV depends on
+what was evicted), are never hashed. A prefix-cache hit is held read-only: ``E`` waits until it
+can move past it (``window.evicted_tokens(..., shared)``).
 """
 
 from __future__ import annotations
@@ -16,6 +25,7 @@ from typing import Self
 from vllm_kvevict import metrics
 from vllm_kvevict._logging import logger
 from vllm_kvevict.config import KVEvictConfig, config_from_json, request_config, request_overrides
+from vllm_kvevict.policies import get_policy
 from vllm_kvevict.vllm_compat import kv_cache as vllm_kv_cache
 from vllm_kvevict.vllm_compat.kv_cache import FullAttentionManager, FullAttentionSpec
 from vllm_kvevict.window import WindowConfig, admission_blocks, evicted_tokens, window_bound_blocks
@@ -122,15 +132,16 @@ class KVEvictManager(FullAttentionManager):
 
     def get_num_blocks_to_allocate(self, request_id: str, num_tokens: int, *args, apply_admission_cap: bool = False,
                                    **kwargs) -> int:
-        """vLLM's count, with the admission cap of the request's *own* window: its bound when it
-        evicts in ``chunked`` mode, none (the whole sequence must fit) when a per-request override
-        turns eviction off, chooses a ``once`` policy or a larger budget. (The API refuses a
-        request whose peak exceeds the whole pool, so every admitted request can finish alone.)"""
+        """vLLM's count, with the admission cap of the request's *own* window: its bound (plus its
+        shared prefix, held until the window moves past it) when it evicts in ``chunked`` mode,
+        none (the whole sequence must fit) when a per-request override turns eviction off, chooses
+        a ``once`` policy or a larger budget. (The API refuses a request whose peak exceeds the
+        whole pool, and hits are cut to what fits, so every admitted request can finish alone.)"""
         if not apply_admission_cap:
             return super().get_num_blocks_to_allocate(request_id, num_tokens, *args, **kwargs)
         server_cap = self.max_admission_blocks_per_request
         self.max_admission_blocks_per_request = admission_blocks(
-            self.window_for(request_id), self.kv_cache_spec.evict_max_in_flight)
+            self.window_for(request_id), self.kv_cache_spec.evict_max_in_flight, SHARED.get(request_id, 0))
         try:
             return super().get_num_blocks_to_allocate(request_id, num_tokens, *args, apply_admission_cap=True,
                                                       **kwargs)
@@ -141,6 +152,7 @@ class KVEvictManager(FullAttentionManager):
         """vLLM's last call for a request on both of its free paths: ``free`` (blocks go back to
         the pool now) and the deferred one (``Scheduler._free_request_blocks`` hands them back
         after an in-flight step). The request's bookkeeping ends here either way."""
+        self._cache_if_never_compacted(request_id)
         blocks = super().pop_blocks_for_free(request_id)
         st = self._stats.pop(request_id, None)
         self._track_window(request_id, gone=True)
@@ -193,16 +205,20 @@ class KVEvictManager(FullAttentionManager):
             if window.trigger != "chunked" or not window.decode:
                 return  # E depends on the prompt length; without it, free nothing (never too much)
             num_prompt_tokens = processed_computed_tokens
-        e = evicted_tokens(processed_computed_tokens, num_prompt_tokens, window)
+        e = evicted_tokens(processed_computed_tokens, num_prompt_tokens, window, SHARED.get(request_id, 0))
         if e <= 0:
             return
         blocks = self.req_to_blocks.get(request_id)
         if blocks is None:
             return
-        # Backward scan that stops at the first null block: frees exactly [E_prev/bs, E/bs).
         n_evicted = min(e // self.block_size, len(blocks))
-        self._remove_blocks_in_range(request_id, 0, n_evicted)
         st = self._stats.setdefault(request_id, [0, 0])
+        if st[0] == 0 and n_evicted > 0:
+            # The first compaction: the blocks it frees were computed before anything was evicted
+            # and were never rewritten: hash them now, so they go back as free-but-cached blocks.
+            self._cache_pure(request_id, n_evicted * self.block_size)
+        # Backward scan that stops at the first null block: frees exactly [E_prev/bs, E/bs).
+        self._remove_blocks_in_range(request_id, 0, n_evicted)
         freed = n_evicted - st[0]
         st[0] = max(st[0], n_evicted)
         if freed > 0 and self._metrics is not None:  # the window moved: one compaction on the workers
@@ -213,26 +229,85 @@ class KVEvictManager(FullAttentionManager):
             self._track_window(request_id)
 
     def cache_blocks(self, request, num_tokens, retention_interval=None, *, replay_boundaries) -> None:
-        # Compaction rewrites blocks in place: they must never enter the prefix cache. The plugin
-        # turns prefix caching off when eviction is on; this guards against it being on anyway.
-        return None
+        """vLLM hashes the blocks a step fills as it schedules the step. A request whose window
+        may evict hashes nothing here (a block it computes now may be rewritten by its compaction
+        or computed after an eviction); its pure blocks are hashed when they leave the window or
+        when it is freed (:meth:`_cache_pure`). Any other request: vLLM's own caching."""
+        if self.window_for(request.request_id).enabled:
+            return
+        super().cache_blocks(request, num_tokens, retention_interval, replay_boundaries=replay_boundaries)
+
+    def _cache_pure(self, request_id: str, num_tokens: int) -> None:
+        """Hash the request's blocks up to ``num_tokens`` (a multiple of the block size), whose KV
+        is what vLLM would compute for their tokens without eviction."""
+        request = REQUESTS.get(request_id)
+        if not self.enable_caching or request is None or num_tokens <= 0:
+            return
+        super().cache_blocks(request, num_tokens, replay_boundaries=())
+
+    def _cache_if_never_compacted(self, request_id: str) -> None:
+        """A request freed before its first compaction computed every block without eviction."""
+        st = self._stats.get(request_id)
+        request = REQUESTS.get(request_id)
+        if request is not None and (st is None or st[0] == 0) and self.window_for(request_id).enabled:
+            computed = min(request.num_computed_tokens, len(self.req_to_blocks.get(request_id, ())) * self.block_size)
+            self._cache_pure(request_id, computed // self.block_size * self.block_size)
+
+    def usable_hit(self, request, num_tokens: int) -> int:
+        """How many of ``num_tokens`` prefix-cache hit tokens the request may use: all of them
+        when its window never evicts; none when its policy keeps per-slot state (the state of a
+        shared block is another request's); otherwise at most what its own eviction moves past by
+        the end of its prompt (so it still evicts: ``E`` jumps past the hit then at the latest),
+        and, with a bounded window, what keeps its peak (bound plus the hit) inside the pool, so it
+        can always finish alone."""
+        if num_tokens <= 0:
+            return 0
+        cfg = request_config(self.kv_cache_spec.config, request_overrides(vllm_kv_cache.request_extra_args(request)))
+        window = cfg.window(self.block_size)
+        if not window.enabled:
+            return num_tokens
+        if get_policy(cfg.policy, cfg.policy_params).slot_state:
+            return 0
+        prompt = request.num_prompt_tokens
+        allowed = min(num_tokens, evicted_tokens(prompt, prompt, window))
+        bound = admission_blocks(window, self.kv_cache_spec.evict_max_in_flight)
+        if bound is not None:
+            allowed = min(allowed, (self.block_pool.num_gpu_blocks - 1 - bound) * self.block_size)
+        return max(0, allowed)
 
 
 _metrics_owner: KVEvictManager | None = None
 
 #: Engine-core process: request id -> its kvevict overrides (set when vLLM first allocates for it).
 REQUEST_OVERRIDES: dict[str, tuple] = {}
+#: request id -> the request (vLLM's), while it holds blocks: its block hashes, for the prefix cache
+REQUESTS: dict[str, object] = {}
+#: request id -> the prefix-cache hit it started its current attempt on (tokens, read-only)
+SHARED: dict[str, int] = {}
 
 
 def install_scheduler_hooks() -> None:
     """Record each request's kvevict overrides for the manager when vLLM first allocates for it,
-    and forget them on both of vLLM's free paths. Idempotent."""
+    the prefix-cache hit it may use, and forget both on vLLM's free paths. Idempotent."""
 
-    def on_allocate(request_id: str, extra_args) -> None:
-        if request_id not in REQUEST_OVERRIDES:
-            REQUEST_OVERRIDES[request_id] = request_overrides(extra_args) or ()
+    def on_allocate(request) -> None:
+        rid = request.request_id
+        if rid not in REQUEST_OVERRIDES:
+            REQUEST_OVERRIDES[rid] = request_overrides(vllm_kv_cache.request_extra_args(request)) or ()
+        REQUESTS[rid] = request
 
-    vllm_kv_cache.install_request_hooks(on_allocate, lambda request_id: REQUEST_OVERRIDES.pop(request_id, None))
+    def on_end(request_id: str) -> None:
+        REQUEST_OVERRIDES.pop(request_id, None)
+        REQUESTS.pop(request_id, None)
+        SHARED.pop(request_id, None)
+
+    def on_prefix_hit(request, num_tokens: int, managers: list) -> int:
+        ours = [m for m in managers if isinstance(m, KVEvictManager)]
+        allowed = min([m.usable_hit(request, num_tokens) for m in ours], default=num_tokens)
+        SHARED[request.request_id] = allowed
+        return allowed
+
+    vllm_kv_cache.install_request_hooks(on_allocate, on_end, on_prefix_hit)
 
 
 def register_spec() -> None:

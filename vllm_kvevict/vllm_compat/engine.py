@@ -1,7 +1,7 @@
-"""The API server and engine set-up: configuration finalisation, engine arguments, request checks.
+"""The API server and engine set-up: configuration finalisation, request checks.
 
 Written against vLLM 0.32.0 (``platforms/interface.py`` ``check_and_update_config``,
-``engine/arg_utils.py`` ``EngineArgs.create_engine_config``, ``v1/engine/input_processor.py``
+``v1/engine/input_processor.py``
 ``InputProcessor._validate_params`` and ``process_inputs``, ``exceptions.py``
 ``VLLMValidationError``); the same in 0.33.0 (``input_processor.py`` is byte-identical). In 0.33
 the CPU platform's default block size is set later, in the worker: ``cache_config.block_size`` is
@@ -10,12 +10,10 @@ not final while ``check_and_update_config`` runs, so the plugin never reads it t
 
 from __future__ import annotations
 
-import threading
 from collections.abc import Callable
 
 from vllm_kvevict.vllm_compat.patching import wrap_method
 
-_tls = threading.local()
 
 
 def install_config_hook(platform_cls: type, check: Callable[[object], None]) -> None:
@@ -31,29 +29,6 @@ def install_config_hook(platform_cls: type, check: Callable[[object], None]) -> 
         return check_and_update_config
 
     wrap_method(platform_cls, "check_and_update_config", make, "kvevict: check the kvevict configuration")
-
-
-def install_engine_args_hook() -> None:
-    """Tell an explicit ``--enable-prefix-caching`` from vLLM's default: ``EngineArgs.enable_prefix_caching``
-    is None unless the user set it; :func:`prefix_caching_asked` reads it while the config is built."""
-    from vllm.engine.arg_utils import EngineArgs
-
-    def make(orig):
-        def create_engine_config(self, *args, **kwargs):
-            _tls.explicit_prefix_caching = self.enable_prefix_caching is True
-            try:
-                return orig(self, *args, **kwargs)
-            finally:
-                _tls.explicit_prefix_caching = False
-
-        return create_engine_config
-
-    wrap_method(EngineArgs, "create_engine_config", make, "kvevict: notice an explicit --enable-prefix-caching")
-
-
-def prefix_caching_asked() -> bool:
-    """Whether the configuration being built asked for prefix caching explicitly."""
-    return getattr(_tls, "explicit_prefix_caching", False)
 
 
 class RequestRefused(Exception):

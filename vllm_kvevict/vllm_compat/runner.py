@@ -35,6 +35,9 @@ class RunnerStep:
     extra_args: list[dict | None]  # per row: the request's sampling parameters' extra_args (vllm_xargs)
     live: frozenset[str]  # every request the runner holds (scheduled in this step or not)
     dummy: bool = False  # a profiling, warm-up or CUDA-graph capture batch: no request behind its rows
+    #: requests that start an attempt in this step: new, or resumed after preemption (their
+    #: computed tokens at this step's start are a prefix-cache hit, or 0)
+    starts: frozenset[str] = frozenset()
 
 
 _tls = threading.local()
@@ -56,7 +59,9 @@ def install_step_hook() -> None:
 
     vLLM's ``CommonAttentionMetadata`` carries neither request ids nor prompt lengths; the V1 runner
     has them in ``input_batch``. ``GPUModelRunner._build_attention_metadata(self, num_tokens,
-    num_reqs, ...)`` calls every builder; ``_dummy_run`` marks its batches as dummy. Idempotent.
+    num_reqs, ...)`` calls every builder; ``_dummy_run`` marks its batches as dummy;
+    ``_update_states(self, scheduler_output)`` names the requests that start an attempt
+    (``scheduled_new_reqs``, ``scheduled_cached_reqs.resumed_req_ids``). Idempotent.
     """
     from vllm.v1.worker.gpu_model_runner import GPUModelRunner
 
@@ -74,7 +79,7 @@ def install_step_hook() -> None:
                     req_ids=req_ids, prompt_lens=batch.num_prompt_tokens[:num_reqs].tolist(),
                     num_tokens=batch.num_tokens_no_spec[:num_reqs].tolist(),
                     extra_args=[_extra_args(self.requests.get(rid)) for rid in req_ids],
-                    live=frozenset(self.requests),
+                    live=frozenset(self.requests), starts=getattr(_tls, "starts", frozenset()),
                 )
             _tls.step = step
             try:
@@ -94,7 +99,16 @@ def install_step_hook() -> None:
 
         return _dummy_run
 
+    def make_update(orig):
+        def _update_states(self, scheduler_output, *args, **kwargs):
+            new = {r.req_id for r in scheduler_output.scheduled_new_reqs}
+            _tls.starts = frozenset(new | set(scheduler_output.scheduled_cached_reqs.resumed_req_ids))
+            return orig(self, scheduler_output, *args, **kwargs)
+
+        return _update_states
+
     wrap_method(GPUModelRunner, "_build_attention_metadata", make_build, "kvevict: each step's requests")
+    wrap_method(GPUModelRunner, "_update_states", make_update, "kvevict: requests that start an attempt")
     wrap_method(GPUModelRunner, "_dummy_run", make_dummy, "kvevict: mark dummy batches")
 
 

