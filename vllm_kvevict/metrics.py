@@ -17,6 +17,8 @@ gauges are dropped.
 | ``kvevict:blocks_freed_total`` | counter | policy | engine core, when a window moves |
 | ``kvevict:compactions_total`` | counter | policy | engine core, when a window moves |
 | ``kvevict:fallbacks_total`` | counter | policy, rank | workers, when a request's policy fails |
+| ``kvevict:prefix_hits_total`` | counter | policy | engine core, when an evicting request starts on a hit |
+| ``kvevict:prefix_hit_tokens_total`` | counter | policy | engine core, the tokens of those hits |
 | ``kvevict:eviction_seconds`` | histogram | rank | workers, per model step (every layer and request) |
 | ``kvevict:window_blocks_held`` | gauge | | engine core: blocks held by requests with a bounded window |
 | ``kvevict:window_blocks_bound`` | gauge | | engine core: the sum of those requests' window bounds |
@@ -54,6 +56,8 @@ COUNTERS = {  # name -> help; one slot per policy
     "blocks_freed": "KV blocks freed by eviction and returned to vLLM's pool",
     "compactions": "Window moves: compactions of one request's KV (all layers)",
     "fallbacks": "Requests whose policy failed and that fell back to keeping the newest tokens (per rank)",
+    "prefix_hits": "Requests that evict and started (or restarted) on a prefix-cache hit",
+    "prefix_hit_tokens": "Prompt tokens those requests took from the prefix cache instead of computing them",
 }
 GAUGES = {
     "window_blocks_held": "KV blocks held by the requests whose window is bounded (chunked eviction, also while decoding)",

@@ -102,10 +102,14 @@ def test_hits_are_reused_by_evicting_requests(server, hf_model, vocab):
     them in one jump, and equals the replay of what it kept."""
     _reset_cache(server)
     a = complete(server, _prompt(vocab, 900, 4, 50, 5), 16)
-    hits_before = server.metrics().get("vllm:prefix_cache_hits_total", 0.0)
+    before = server.metrics()
     c = complete(server, _prompt(vocab, 900, 4, 80, 6), 16)
     assert c["cached_tokens"] == E1
-    assert server.metrics().get("vllm:prefix_cache_hits_total", 0.0) - hits_before >= E1
+    after = server.metrics()
+    assert after.get("vllm:prefix_cache_hits_total", 0.0) - before.get("vllm:prefix_cache_hits_total", 0.0) >= E1
+    # the plugin's own counters: one evicting request started on a hit of E1 tokens
+    assert after["kvevict:prefix_hits_total"] - before.get("kvevict:prefix_hits_total", 0.0) == 1
+    assert after["kvevict:prefix_hit_tokens_total"] - before.get("kvevict:prefix_hit_tokens_total", 0.0) == E1
     attempts = load_attempts(server.dump_dir)
     (att,) = check_against_reference(hf_model, c, attempts, config=parse_config(SERVER_CFG["kvevict"]))
     first = min(att.events)

@@ -4,6 +4,7 @@
     kvevict-bench throughput --preset smoke         # stock vLLM vs kvevict at equal KV memory
     kvevict-bench memory --preset smoke             # KV blocks over time for one long request
     kvevict-bench overhead --preset smoke           # time in eviction per step, per policy
+    kvevict-bench prefix --preset smoke             # prefix caching: shared prefixes, multi-turn chat
 
 Each subcommand prints a table and writes ``<out>/<name>.json`` and ``<out>/<name>.png``. A preset
 (``smoke``: a few minutes on a 2-core CPU; ``full``: the numbers in docs/benchmarks.md; for
@@ -47,6 +48,15 @@ PRESETS = {
         "smoke": {"policies": "keydiff,snapkv", "prompt_len": 1024, "output_len": 8, "budget": 256, "chunk": 256},
         "full": {"policies": "keydiff,streamingllm,snapkv,tova,h2o,knorm,random,criticalkv,kvmerger,lshe,caote,"
                              "fastcaote", "prompt_len": 2048, "output_len": 64, "budget": 512, "chunk": 256},
+    },
+    "prefix": {
+        "smoke": {"policy": "keydiff", "budget": 256, "chunk": 1024, "kv_blocks": 160, "max_model_len": 2048,
+                  "prefix_len": 800, "suffix_len": 32, "num_prompts": 4, "shared_output_len": 8, "concurrency": 2,
+                  "conversations": 2, "turns": 3, "user_len": 160, "turn_output_len": 16},
+        # a 3000-token document or system prompt; chats whose history grows to several budgets
+        "full": {"policy": "keydiff", "budget": 512, "chunk": 2048, "kv_blocks": 480, "max_model_len": 8192,
+                 "prefix_len": 3000, "suffix_len": 100, "num_prompts": 24, "shared_output_len": 32,
+                 "concurrency": 4, "conversations": 4, "turns": 6, "user_len": 400, "turn_output_len": 48},
     },
     "memory": {
         "smoke": {"prompt_len": 1024, "output_len": 64, "budget": 256, "policy": "keydiff", "chunk": 256},
@@ -140,6 +150,18 @@ def cmd_overhead(args) -> int:
     return _finish(args, "overhead", overhead, report)
 
 
+def cmd_prefix(args) -> int:
+    from vllm_kvevict.bench import prefix
+
+    _fill(args, "prefix")
+    report = prefix.run_prefix(
+        _model_path(args), args.policy, args.budget, args.chunk, args.kv_blocks, args.max_model_len,
+        args.prefix_len, args.suffix_len, args.num_prompts, args.shared_output_len, args.concurrency,
+        args.conversations, args.turns, args.user_len, args.turn_output_len, args.out, progress=True,
+    )
+    return _finish(args, "prefix", prefix, report)
+
+
 def build_parser() -> argparse.ArgumentParser:
     ap = argparse.ArgumentParser(prog="kvevict-bench", description=__doc__.split("\n\n")[0],
                                  formatter_class=argparse.RawDescriptionHelpFormatter)
@@ -184,6 +206,15 @@ def build_parser() -> argparse.ArgumentParser:
     for name, typ in (("policies", str), ("prompt-len", int), ("output-len", int), ("budget", int), ("chunk", int)):
         o.add_argument(f"--{name}", type=typ, default=None)
     o.set_defaults(func=cmd_overhead)
+
+    x = sub.add_parser("prefix", help="prefix caching with eviction: shared prefixes and multi-turn chat vs stock")
+    common(x, "prefix")
+    for name, typ in (("policy", str), ("budget", int), ("chunk", int), ("kv-blocks", int), ("max-model-len", int),
+                      ("prefix-len", int), ("suffix-len", int), ("num-prompts", int), ("shared-output-len", int),
+                      ("concurrency", int), ("conversations", int), ("turns", int), ("user-len", int),
+                      ("turn-output-len", int)):
+        x.add_argument(f"--{name}", type=typ, default=None)
+    x.set_defaults(func=cmd_prefix)
     return ap
 
 

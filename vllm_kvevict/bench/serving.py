@@ -42,12 +42,13 @@ class ServerSpec:
     name: str
     policy: str | None = None
     budget: int | None = None
+    extra: tuple[str, ...] = ()  # more vllm serve arguments (e.g. --no-enable-prefix-caching)
 
     def args(self, common: list[str]) -> list[str]:
         if self.policy is None:
-            return list(common)
+            return [*common, *self.extra]
         cfg = {"kvevict": {"policy": self.policy, "budget": self.budget}}
-        return ["--attention-backend", "kvevict", *common, "--additional-config", json.dumps(cfg)]
+        return ["--attention-backend", "kvevict", *common, *self.extra, "--additional-config", json.dumps(cfg)]
 
 
 def common_args(kv_blocks: int, max_model_len: int, max_num_seqs: int, max_num_batched_tokens: int) -> list[str]:

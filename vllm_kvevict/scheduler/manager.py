@@ -110,12 +110,21 @@ class KVEvictManager(FullAttentionManager):
 
     def allocate_new_blocks(self, request_id: str, num_tokens: int, num_tokens_main_model: int):
         new = super().allocate_new_blocks(request_id, num_tokens, num_tokens_main_model)
+        if request_id not in self._stats:  # the first allocation of an attempt
+            self._count_hit(request_id)
         st = self._stats.setdefault(request_id, [0, 0])
         st[1] = max(st[1], self._held(request_id))
         pool = self.block_pool
         self.pool_peak_used = max(self.pool_peak_used, pool.num_gpu_blocks - 1 - pool.get_num_free_blocks())
         self._track_window(request_id)
         return new
+
+    def _count_hit(self, request_id: str) -> None:
+        shared = SHARED.get(request_id, 0)
+        if self._metrics is not None and shared > 0 and self.window_for(request_id).enabled:
+            policy = request_config(self.kv_cache_spec.config, REQUEST_OVERRIDES.get(request_id) or None).policy
+            self._metrics.inc("prefix_hits", policy)
+            self._metrics.inc("prefix_hit_tokens", policy, shared)
 
     def _track_window(self, request_id: str, gone: bool = False) -> None:
         """Keep the gauges of blocks held by requests with a bounded window, and of their bounds, current."""
@@ -256,10 +265,11 @@ class KVEvictManager(FullAttentionManager):
     def usable_hit(self, request, num_tokens: int) -> int:
         """How many of ``num_tokens`` prefix-cache hit tokens the request may use: all of them
         when its window never evicts; none when its policy keeps per-slot state (the state of a
-        shared block is another request's); otherwise at most what its own eviction moves past by
-        the end of its prompt (so it still evicts: ``E`` jumps past the hit then at the latest),
-        and, with a bounded window, what keeps its peak (bound plus the hit) inside the pool, so it
-        can always finish alone."""
+        shared block is another request's); with a bounded window (``chunked``, evicting while
+        decoding), as many as keep its peak (bound plus the hit) inside the pool, so it can always
+        finish alone; otherwise (``once``, or no eviction while decoding: ``E`` is fixed once the
+        prompt is done) at most what its eviction moves past by the end of its prompt, so that it
+        still evicts."""
         if num_tokens <= 0:
             return 0
         cfg = request_config(self.kv_cache_spec.config, request_overrides(vllm_kv_cache.request_extra_args(request)))
@@ -268,12 +278,11 @@ class KVEvictManager(FullAttentionManager):
             return num_tokens
         if get_policy(cfg.policy, cfg.policy_params).slot_state:
             return 0
-        prompt = request.num_prompt_tokens
-        allowed = min(num_tokens, evicted_tokens(prompt, prompt, window))
         bound = admission_blocks(window, self.kv_cache_spec.evict_max_in_flight)
         if bound is not None:
-            allowed = min(allowed, (self.block_pool.num_gpu_blocks - 1 - bound) * self.block_size)
-        return max(0, allowed)
+            return max(0, min(num_tokens, (self.block_pool.num_gpu_blocks - 1 - bound) * self.block_size))
+        prompt = request.num_prompt_tokens
+        return min(num_tokens, evicted_tokens(prompt, prompt, window))
 
 
 _metrics_owner: KVEvictManager | None = None
