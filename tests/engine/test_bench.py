@@ -82,3 +82,22 @@ def test_overhead_smoke(smollm2_model, tmp_path):
         assert p["steps"] >= 4 and p["compacting_steps"] >= 2  # 1024 tokens in 256-token chunks, budget 256
         assert 0 < p["evict_ms"] < p["step_ms"] and 0 < p["evict_fraction"] < 1
         assert 0 < p["attn_ms"] < p["step_ms"]
+
+
+def test_prefix_smoke(smollm2_model, tmp_path):
+    """Shared prefixes (vLLM's own bench serve, prefix_repetition) and multi-turn chat on stock vLLM
+    and kvevict with and without prefix caching: kvevict reuses the prefix its first compaction
+    left pure, the cache-off server reuses nothing."""
+    r = _bench(tmp_path, "prefix")
+    res = r["results"]
+    assert set(res) == {"stock", "kvevict", "kvevict-nocache"}
+    for name, v in res.items():
+        s, m = v["shared_prefix"], v["multi_turn"]
+        assert s["completed"] == r["num_prompts"] and s["median_ttft_s"] > 0 and s["output_tok_per_s"] > 0
+        assert len(m["per_turn"]) == r["turns"] and m["output_tokens"] == r["conversations"] * r["turns"] * r[
+            "turn_output_len"]
+    assert res["kvevict-nocache"]["shared_prefix"]["prefix_hit_rate"] == 0
+    assert res["stock"]["shared_prefix"]["prefix_hit_rate"] > 0
+    assert res["kvevict"]["shared_prefix"]["prefix_hit_rate"] > 0
+    assert res["kvevict"]["multi_turn"]["prefix_hit_rate"] > 0
+    assert set(r["kvevict_over_stock"]) == {"kvevict", "kvevict-nocache"}
