@@ -84,3 +84,14 @@ def test_quality_report_budget_keys_table_and_plot(tmp_path):
     assert "by prompt length" in table
     quality.plot(r, str(tmp_path / "q.png"))
     assert (tmp_path / "q.png").stat().st_size > 10_000
+
+
+def test_config_specs_become_request_keys():
+    import json
+
+    from vllm_kvevict.bench.quality import spec_xargs
+
+    assert spec_xargs("keydiff", 100) == {"kvevict_policy": "keydiff", "kvevict_budget": 100}
+    x = spec_xargs("caote:base=tova,recall=true,trigger=once", 64)
+    assert x["kvevict_recall"] is True and x["kvevict_trigger"] == "once"
+    assert json.loads(x["kvevict_params"]) == {"base": "tova"}

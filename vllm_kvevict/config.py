@@ -52,6 +52,31 @@ MAX_PARAMS_DEPTH = 4
 QUOTE_CHARS = 40
 
 
+#: Most queries the recall score reads per request and layer (kept outside vLLM's pool).
+MAX_RECALL_WINDOW = 128
+
+
+class RecallConfig(BaseModel):
+    """The recall tier: tokens a compaction evicts are kept outside vLLM's pool, and when the prompt
+    completes the window is re-selected from kept and evicted tokens together, with the prompt's
+    last queries (docs/eviction.md, "Recall")."""
+
+    model_config = ConfigDict(extra="forbid", frozen=True, strict=True, allow_inf_nan=False)
+
+    enabled: bool = Field(False, description="keep evicted tokens and recall the best of them at the prompt's end")
+    cap: int = Field(4096, ge=0, le=MAX_BUDGET,
+                     description="evicted tokens kept per request, layer and KV head (the lowest-scored go first)")
+    window: int = Field(32, ge=1, le=MAX_RECALL_WINDOW, description="the prompt's last queries that score the recall")
+    kernel: int = Field(7, ge=1, le=63, description="odd width of the max-pooling over neighbouring positions")
+
+    @field_validator("kernel")
+    @classmethod
+    def _odd(cls, v: int) -> int:
+        if v % 2 == 0:
+            raise ValueError("kernel must be odd")
+        return v
+
+
 class _Base(BaseModel):
     # Strict: an integer is a JSON integer (not a bool, float or string), a bool a JSON bool; floats
     # are finite. Every bound is in the field, so a refusal can name the allowed range.
@@ -65,6 +90,7 @@ class _Base(BaseModel):
         description="chunked: compact after every step; once: only when the prompt completes; "
         "unset: the policy's own (once for criticalkv and kvmerger, chunked otherwise)",
     )
+    recall: RecallConfig = Field(default_factory=RecallConfig, description="the recall tier (off by default)")
 
     @field_validator("policy")
     @classmethod
@@ -298,6 +324,7 @@ def config_from_json(data_json: str) -> KVEvictConfig:
 REQUEST_KEYS = {
     "kvevict_policy": "policy", "kvevict_budget": "budget", "kvevict_enabled": "enabled",
     "kvevict_params": "params",  # an object: parameters of the request's policy (its config sub-object)
+    "kvevict_trigger": "trigger", "kvevict_recall": "recall",  # recall: on or off (its parameters: the server's)
 }
 _FIELD_TO_KEY = {v: k for k, v in REQUEST_KEYS.items()}
 
@@ -355,6 +382,8 @@ class _Overrides(BaseModel):
     policy: str | None = Field(None, max_length=64)
     budget: int | None = Field(None, ge=1, le=MAX_BUDGET)
     enabled: Annotated[bool | None, BeforeValidator(_zero_one)] = None
+    trigger: Literal["chunked", "once"] | None = None
+    recall: Annotated[bool | None, BeforeValidator(_zero_one)] = None
     # vLLM's ``vllm_xargs`` carries strings, numbers and lists: the parameters come as a JSON object
     # in a string (a dict passes too, from the Python API's ``extra_args``).
     params: dict[str, Any] | None = None
@@ -386,6 +415,8 @@ _REQUEST_RANGES = {
     "kvevict_budget": f"an integer in [1, {MAX_BUDGET}]",
     "kvevict_enabled": "true or false",
     "kvevict_params": f"a JSON object (in a string) of the policy's parameters, at most {MAX_PARAMS_CHARS} characters",
+    "kvevict_trigger": "chunked or once",
+    "kvevict_recall": "true or false",
 }
 
 
@@ -412,7 +443,10 @@ def request_config(server: KVEvictConfig, overrides: tuple[tuple[str, Any], ...]
 def _request_config(server: KVEvictConfig, overrides: tuple[tuple[str, Any], ...]) -> KVEvictConfig:
     over = dict(overrides)
     params = over.pop("params", None)
+    recall = over.pop("recall", None)
     data = {**server.model_dump(), **over}
+    if recall is not None:
+        data["recall"] = {**data["recall"], "enabled": recall}
     if params is not None:
         name = data["policy"]
         if POLICIES[name].Params is PolicyParams:

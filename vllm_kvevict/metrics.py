@@ -22,6 +22,8 @@ gauges are dropped.
 | ``kvevict:eviction_seconds`` | histogram | rank | workers, per model step (every layer and request) |
 | ``kvevict:window_blocks_held`` | gauge | | engine core: blocks held by requests with a bounded window |
 | ``kvevict:window_blocks_bound`` | gauge | | engine core: the sum of those requests' window bounds |
+| ``kvevict:recalled_tokens_total`` | counter | policy | workers: evicted token slots recall brought back |
+| ``kvevict:recall_tier_tokens`` | gauge | | workers: token slots held in recall tiers |
 
 ``tokens_evicted`` counts token slots per sequence (every layer and KV head evicts the same
 number); ``policy`` is the request's own policy (its override, else the server's). A window is
@@ -58,10 +60,12 @@ COUNTERS = {  # name -> help; one slot per policy
     "fallbacks": "Requests whose policy failed and that fell back to keeping the newest tokens (per rank)",
     "prefix_hits": "Requests that evict and started (or restarted) on a prefix-cache hit",
     "prefix_hit_tokens": "Prompt tokens those requests took from the prefix cache instead of computing them",
+    "recalled_tokens": "Evicted token slots the recall tier brought back into windows (summed over layers and KV heads)",
 }
 GAUGES = {
     "window_blocks_held": "KV blocks held by the requests whose window is bounded (chunked eviction, also while decoding)",
     "window_blocks_bound": "Sum of the window bounds (most blocks each may hold) of those requests",
+    "recall_tier_tokens": "Evicted token slots held in recall tiers (all layers and KV heads; outside vLLM's pool)",
 }
 HISTOGRAM = ("eviction_seconds", "Time spent evicting (scoring, selecting, compacting) per model step, all layers")
 

@@ -27,6 +27,7 @@ from vllm_kvevict.backends import fault
 from vllm_kvevict.backends.evict import RowWork, evict_step
 from vllm_kvevict.backends.plan import plan_step, shifted_metadata
 from vllm_kvevict.backends.projection import output_projection
+from vllm_kvevict.backends.recall import RecallTier, TierEntry, logical_slots, recall_scores, select_recalled
 from vllm_kvevict.config import KVEvictConfig, config_from_vllm
 from vllm_kvevict.policies import get_policy
 from vllm_kvevict.vllm_compat import attention as vllm_attention
@@ -81,6 +82,19 @@ def _current_config() -> KVEvictConfig:
     global _worker_vllm_config
     _worker_vllm_config = vllm_attention.current_vllm_config()
     return config_from_vllm(_worker_vllm_config)
+
+
+#: layer -> token slots in its recall tier (this worker), for the gauge
+_tier_tokens: dict[int, int] = {}
+
+
+def _record_tier(layer: int, tokens: int) -> None:
+    if _tier_tokens.get(layer, 0) == tokens:
+        return
+    _tier_tokens[layer] = tokens
+    rec = _worker_metrics()
+    if rec is not None:
+        rec.set("recall_tier_tokens", sum(_tier_tokens.values()))
 
 
 def _worker_metrics() -> metrics.Recorder | None:
@@ -155,6 +169,8 @@ class KVEvictImplMixin:
         self._kvevict_qwin: dict[str, torch.Tensor] = {}  # req_id -> its latest queries [H_q, w, d]
         self._kvevict_w_o: torch.Tensor | None = None
         self._kvevict_layer_index: int | None = None
+        self._kvevict_tier = RecallTier()  # recall: evicted tokens per request (backends/recall.py)
+        self._kvevict_recall_q: dict[str, torch.Tensor] = {}  # recall: req_id -> its last queries
         info_once(
             f"kvevict: attention backend {type(self).__name__} (base {base_name}) in pid {os.getpid()}; "
             f"{self.kvevict_config.summary()}"
@@ -270,6 +286,75 @@ class KVEvictImplMixin:
             extra["W_O"] = self._w_o(layer)
         return RowWork(r, policy, compacts, extra)
 
+    def _recall_rows(self, plan, policies, query) -> set[int]:
+        """Rows whose request keeps a recall tier in this step (recall on, its prompt not complete
+        before this step, a policy that drops rather than merges), with their query buffers
+        updated; tiers of requests that ended or restarted are dropped."""
+        if plan.live is not None:
+            self._kvevict_tier.forget(plan.live)
+            for rid in [k for k in self._kvevict_recall_q if k not in plan.live]:
+                del self._kvevict_recall_q[rid]
+        rows: set[int] = set()
+        if plan.req_ids is None or plan.prompt_lens is None:
+            return rows
+        qsl = plan.query_start_loc
+        for r, (cfg, policy) in enumerate(zip(plan.configs, policies)):
+            rid = plan.req_ids[r]
+            if rid in plan.starts:
+                self._kvevict_tier.drop(rid)
+                self._kvevict_recall_q.pop(rid, None)
+            if (policy is None or not cfg.recall.enabled or not policy.default_selection
+                    or plan.L_prev[r] >= plan.prompt_lens[r]):
+                continue
+            rows.add(r)
+            Q = query[qsl[r]:qsl[r + 1]].transpose(0, 1)  # [H_q, m, d]
+            old = self._kvevict_recall_q.get(rid)
+            buf = Q if old is None else torch.cat([old, Q], dim=1)
+            self._kvevict_recall_q[rid] = buf[:, -cfg.recall.window:].clone()
+        return rows
+
+    def _recall(self, layer, kv_cache, plan, r: int, G: int) -> torch.Tensor | None:
+        """At the end of row ``r``'s prompt: re-select its window from what it kept and its tier,
+        by the attention of the prompt's last queries; write the winners into ``[E, L)``. Returns
+        the kept positions ``[keep, H]`` (None when there is nothing to recall). A failure leaves
+        the window as the policy chose it (logged once, like a policy's)."""
+        rid, cfg = plan.req_ids[r], plan.configs[r]
+        tier = self._kvevict_tier.take(rid)
+        Qw = self._kvevict_recall_q.pop(rid, None)
+        if tier is None or Qw is None:
+            return None
+        try:
+            L, e = plan.seq_lens[r], plan.e_new[r]
+            bs = kv_cache.shape[2]
+            slots = logical_slots(plan.block_table, r, e, L - e, bs)
+            K_w, V_w = self._kvevict_gather(layer, kv_cache, slots // bs, slots % bs)
+            h = torch.arange(K_w.shape[1], device=K_w.device)[None, :]
+            pos_w = self._kvevict_slot_pos[slots].long()
+            K = torch.cat([K_w, tier.K.to(K_w.dtype)])
+            V = torch.cat([V_w, tier.V.to(V_w.dtype)])
+            pos = torch.cat([pos_w, tier.pos])
+            q_pos = torch.arange(L - Qw.shape[1], L, device=K.device)
+            scores = recall_scores(Qw.float(), q_pos, K.float(), pos, G, self.scale,
+                                   getattr(self, "logits_soft_cap", None) or None, cfg.recall.kernel)
+            idx = select_recalled(scores, pos, L - e, L - Qw.shape[1])  # [keep, H]
+            state = {}
+            for k, t in self._kvevict_slot_state.items():
+                old = tier.state.get(k, torch.zeros(tier.tokens, t.shape[1], dtype=t.dtype, device=t.device))
+                state[k] = torch.cat([t[slots], old.to(t.dtype)])[idx, h]
+            K_sel, V_sel, pos_sel = K[idx, h], V[idx, h], pos[idx, h]
+        except Exception as err:  # noqa: BLE001 - recall must never kill the engine either
+            logger.warning("kvevict: request %s: recall failed (%s: %s); it keeps what its policy kept",
+                           rid, type(err).__name__, str(err)[:200])
+            return None
+        self._kvevict_write(layer, kv_cache, slots, K_sel, V_sel)
+        rec = _worker_metrics()
+        if rec is not None:
+            rec.inc("recalled_tokens", cfg.policy, float((idx >= K_w.shape[0]).sum()))
+        self._kvevict_slot_pos[slots] = pos_sel.to(torch.int32)
+        for k, v in state.items():
+            self._kvevict_slot_state[k][slots] = v
+        return pos_sel
+
     def _kvevict_after_attention(self, layer, query, kv_cache, plan) -> None:
         slot_pos = self._slot_pos(kv_cache)
         slots = plan.slot_mapping
@@ -287,6 +372,7 @@ class KVEvictImplMixin:
                 del self._kvevict_qwin[rid]  # finished or aborted
         if plan.live is not None:
             fault.forget_finished(plan.live)
+        recall_rows = self._recall_rows(plan, policies, query)
         work = []
         for r, policy in enumerate(policies):
             if policy is None:
@@ -297,12 +383,16 @@ class KVEvictImplMixin:
                 fault.fall_back(plan.req_ids[r] if plan.req_ids else None, policy, err)
                 item = self._row_work(plan, r, fault.SAFE_POLICY, r in compact, query, layer)
             if item is not None:
+                if r in recall_rows:
+                    item.extra["keep_evicted"] = True
                 work.append(item)
-        if not work:
+        if not work and not recall_rows:
             return
         bs, G = kv_cache.shape[2], self.num_heads // self.num_kv_heads
         layer_idx = self._layer_index(layer)
         views = self._kvevict_views(layer, kv_cache)
+
+        evicted: dict = {}
 
         def step(items: list[RowWork]) -> list[torch.Tensor]:
             return evict_step(
@@ -310,15 +400,28 @@ class KVEvictImplMixin:
                 gather=lambda b, o: self._kvevict_gather(layer, kv_cache, b, o),
                 write=lambda s, K, V: self._kvevict_write(layer, kv_cache, s, K, V),
                 slot_pos=slot_pos, slot_state=self._kvevict_slot_state, layer=layer_idx, G=G, views=views,
+                evicted=evicted if recall_rows else None,
             )
 
-        try:
-            kept = step(work)
-        except Exception as err:  # noqa: BLE001 - one request's policy must never kill the engine
-            work, kept = fault.isolate(plan, work, step, err)
+        kept: list[torch.Tensor] = []
+        if work:
+            try:
+                kept = step(work)
+            except Exception as err:  # noqa: BLE001 - one request's policy must never kill the engine
+                work, kept = fault.isolate(plan, work, step, err)
         rows = [w.row for w in work if w.compact]
-        if envs.KVEVICT_DUMP_DIR:
-            _dump_kept(plan, rows, layer_idx, kept, self._model_kv_heads())
+        kept_by_row = dict(zip(rows, kept))
+        for r, (K, V, pos, score, state) in evicted.items():
+            self._kvevict_tier.add(plan.req_ids[r], TierEntry(K, V, pos, score, state), plan.configs[r].recall.cap)
+        for r in sorted(recall_rows):
+            if plan.completes_prompt(r):
+                got = self._recall(layer, kv_cache, plan, r, G)
+                if got is not None:
+                    kept_by_row[r] = got
+        _record_tier(layer_idx, self._kvevict_tier.tokens)
+        rows = sorted(kept_by_row)
+        if envs.KVEVICT_DUMP_DIR and rows:
+            _dump_kept(plan, rows, layer_idx, [kept_by_row[r] for r in rows], self._model_kv_heads())
         if layer_idx == 0:
             for r in rows:
                 rid = plan.req_ids[r] if plan.req_ids else f"row {r}"

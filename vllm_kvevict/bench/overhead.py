@@ -5,7 +5,8 @@ step, for every policy, on one kvevict server.
 
 One server (``KVEVICT_PROFILE_DIR`` set: ``vllm_kvevict/profiling.py`` times every model step,
 the attention kernels and the eviction path in the worker). One request at a time, each with its
-own policy (``kvevict_policy``) and the same random prompt, plus one with eviction off; steps are
+own policy (``kvevict_policy``; or a spec as the quality benchmark takes them, e.g.
+``keydiff:recall=true``) and the same random prompt, plus one with eviction off; steps are
 attributed to the request that was running. Reported per policy, for prefill chunks (steps of
 more than one token) and decoding steps separately: the median step time, the median eviction
 time, and eviction / step.
@@ -20,6 +21,7 @@ import statistics
 import tempfile
 from pathlib import Path
 
+from vllm_kvevict.bench.quality import spec_xargs
 from vllm_kvevict.bench.serving import CPU_ARGS, random_prompts
 
 REFERENCE = "none"
@@ -72,7 +74,10 @@ def run_overhead(model: str, policies: list[str], prompt_len: int, output_len: i
         client.completions.create(model=srv.served_model_name, prompt=prompt[:64], max_tokens=2)  # warm-up
         _read_new(profile_dir, seen)
         for name in names:
-            xargs = {"kvevict_enabled": False} if name == REFERENCE else {"kvevict_policy": name}
+            if name == REFERENCE:
+                xargs = {"kvevict_enabled": False}
+            else:  # a policy, or a spec with request keys or parameters (keydiff:recall=true)
+                xargs = spec_xargs(name, budget)
             client.completions.create(model=srv.served_model_name, prompt=prompt, max_tokens=output_len,
                                       temperature=0, extra_body={"ignore_eos": True, "vllm_xargs": xargs})
             steps = _read_new(profile_dir, seen)

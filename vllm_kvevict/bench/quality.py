@@ -30,8 +30,13 @@ from vllm_kvevict.testing.server import cpu_args
 REFERENCE = "none"  # the same engine, eviction off for the request
 
 
+#: spec keys that are request keys of their own, not the policy's parameters
+REQUEST_SPEC_KEYS = {"recall": "kvevict_recall", "trigger": "kvevict_trigger"}
+
+
 def parse_spec(spec: str) -> tuple[str, dict]:
-    """``policy[:k=v,...]`` -> (policy, params); values parsed as JSON where they parse."""
+    """``policy[:k=v,...]`` -> (policy, params); values parsed as JSON where they parse. ``recall``
+    and ``trigger`` (``keydiff:recall=true``) are kept in the params under their request keys."""
     policy, _, rest = spec.partition(":")
     params = {}
     for item in filter(None, rest.split(",")):
@@ -41,6 +46,18 @@ def parse_spec(spec: str) -> tuple[str, dict]:
         except json.JSONDecodeError:
             params[k] = v
     return policy, params
+
+
+def spec_xargs(spec: str, budget: int) -> dict:
+    """The request's ``vllm_xargs`` for a config spec and budget."""
+    policy, params = parse_spec(spec)
+    xargs = {"kvevict_policy": policy, "kvevict_budget": budget}
+    for k, key in REQUEST_SPEC_KEYS.items():
+        if k in params:
+            xargs[key] = params.pop(k)
+    if params:
+        xargs["kvevict_params"] = json.dumps(params)
+    return xargs
 
 
 def _prompt_tokens(tokenizer, task: Task) -> int:
@@ -78,12 +95,8 @@ def run_quality(
         n = _prompt_tokens(tokenizer, task)
         jobs.append((task, ln, REFERENCE, "-", {"kvevict_enabled": False}, n))
         for spec in configs:
-            policy, params = parse_spec(spec)
             for key in keys:
-                xargs = {"kvevict_policy": policy, "kvevict_budget": _budget(key, n)}
-                if params:
-                    xargs["kvevict_params"] = json.dumps(params)
-                jobs.append((task, ln, spec, key, xargs, n))
+                jobs.append((task, ln, spec, key, spec_xargs(spec, _budget(key, n)), n))
 
     def run(job):
         task, ln, name, key, xargs, n = job

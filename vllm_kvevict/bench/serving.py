@@ -43,11 +43,14 @@ class ServerSpec:
     policy: str | None = None
     budget: int | None = None
     extra: tuple[str, ...] = ()  # more vllm serve arguments (e.g. --no-enable-prefix-caching)
+    recall: bool = False  # the recall tier on (its defaults)
 
     def args(self, common: list[str]) -> list[str]:
         if self.policy is None:
             return [*common, *self.extra]
         cfg = {"kvevict": {"policy": self.policy, "budget": self.budget}}
+        if self.recall:
+            cfg["kvevict"]["recall"] = {"enabled": True}
         return ["--attention-backend", "kvevict", *common, *self.extra, "--additional-config", json.dumps(cfg)]
 
 

@@ -13,6 +13,7 @@ is RULER's ``string_match_all``: the fraction of the expected answers found verb
 task                   what is asked                                                     answers
 =====================  =================================================================  ==========
 ``niah_single``        one needle in RULER's noise haystack ("The grass is green...")     1 number
+``niah_single_varied`` one needle in a varied haystack (sentences that all differ)        1 number
 ``niah_multikey``      one of four needles with different keys, varied haystack           1 number
 ``niah_multivalue``    all four values given for one key (RULER niah_multivalue)           4 numbers
 ``niah_multiquery``    the values of four different keys at once (RULER niah_multiquery)  4 numbers
@@ -120,6 +121,17 @@ def niah_single(tokenizer, length: int, depth: float, seed: int) -> Task:
     question = f"\nWhat is the special magic number for {key} mentioned in the provided text?"
     return _haystack_task("niah_single", tokenizer, length, depth, seed, rng, [_needle(key, value)], question, [value],
                           varied=False)
+
+
+def niah_single_varied(tokenizer, length: int, depth: float, seed: int) -> Task:
+    """One needle in a varied haystack: sentences that differ from each other (generated from the
+    seed), so the needle is not the only unusual text in the prompt (RULER's noise haystack, one
+    sentence repeated, flatters every policy)."""
+    rng = random.Random(seed + 70_000)
+    key, value = rng.choice(KEYS), _magic(rng)
+    question = f"\nWhat is the special magic number for {key} mentioned in the provided text?"
+    return _haystack_task("niah_single_varied", tokenizer, length, depth, seed, rng, [_needle(key, value)], question,
+                          [value])
 
 
 def niah_multikey(tokenizer, length: int, depth: float, seed: int, n_needles: int = 4) -> Task:
@@ -249,7 +261,8 @@ def common_words(tokenizer, length: int, depth: float, seed: int, n_common: int 
 
 
 TASKS: dict[str, Callable[..., Task]] = {
-    "niah_single": niah_single, "niah_multikey": niah_multikey, "niah_multivalue": niah_multivalue,
+    "niah_single": niah_single, "niah_single_varied": niah_single_varied, "niah_multikey": niah_multikey,
+    "niah_multivalue": niah_multivalue,
     "niah_multiquery": niah_multiquery, "kv_retrieval": kv_retrieval, "variable_tracking": variable_tracking,
     "common_words": common_words,
 }

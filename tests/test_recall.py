@@ -1,0 +1,105 @@
+"""The recall tier and its selection (vllm_kvevict/backends/recall.py) against plain loops."""
+
+from __future__ import annotations
+
+import math
+import os
+
+import pytest
+import torch
+
+from vllm_kvevict.backends.recall import (
+    RecallTier,
+    TierEntry,
+    complement,
+    recall_scores,
+    select_recalled,
+)
+
+
+def _entry(pos: list[list[int]], score: list[list[float]], D: int = 4) -> TierEntry:
+    p = torch.tensor(pos).T  # [n, H]
+    n, H = p.shape
+    K = torch.arange(n * H * D, dtype=torch.float32).view(n, H, D)
+    return TierEntry(K, -K, p, torch.tensor(score).T, {"acc": p.float() * 10})
+
+
+def test_tier_keeps_the_best_scored_per_head_within_its_cap():
+    tier = RecallTier()
+    tier.add("a", _entry([[1, 2, 3], [4, 5, 6]], [[0.1, 0.9, 0.5], [0.3, 0.2, 0.1]]), cap=4)
+    tier.add("a", _entry([[7, 8], [9, 10]], [[0.2, 0.8], [0.7, 0.0]]), cap=4)
+    e = tier.entries["a"]
+    assert e.tokens == 4 and tier.tokens == 4
+    assert sorted(e.pos[:, 0].tolist()) == [2, 3, 7, 8]  # head 0 dropped 1 (0.1)
+    assert sorted(e.pos[:, 1].tolist()) == [4, 5, 6, 9]  # head 1 dropped 10 (0.0)
+    # everything of a token moves together: its K, V and state
+    for h in range(2):
+        for j in range(4):
+            assert e.state["acc"][j, h] == e.pos[j, h] * 10
+    tier.add("b", _entry([[1], [1]], [[0.0], [0.0]]), cap=0)  # cap 0: nothing kept
+    assert "b" not in tier.entries
+    tier.forget(frozenset({"c"}))
+    assert tier.tokens == 0 and tier.take("a") is None
+
+
+def _reference_scores(Q, q_pos, K, pos, G, scale, kernel):
+    """Plain loops: per query head, softmax over the candidates it may see, summed over queries;
+    mean over each KV head's group; max-pooled over the ``kernel`` nearest candidates by position."""
+    H_q, w, _ = Q.shape
+    n, H, _ = K.shape
+    A = torch.zeros(n, H_q, dtype=torch.float64)
+    for hq in range(H_q):
+        h = hq // G
+        for i in range(w):
+            logits = [float(Q[hq, i] @ K[j, h]) * scale if pos[j, h] <= q_pos[i] else -math.inf for j in range(n)]
+            m = max(logits)
+            ex = [math.exp(x - m) if x > -math.inf else 0.0 for x in logits]
+            z = sum(ex)
+            for j in range(n):
+                A[j, hq] += ex[j] / z
+    s = A.view(n, H, G).mean(-1)
+    out = torch.empty_like(s)
+    for h in range(H):
+        order = sorted(range(n), key=lambda j: int(pos[j, h]))
+        for rank, j in enumerate(order):
+            lo, hi = max(0, rank - kernel // 2), min(n, rank + kernel // 2 + 1)
+            out[j, h] = max(s[order[k], h] for k in range(lo, hi))
+    return out
+
+
+@pytest.mark.parametrize("kernels", ["torch", "triton"])
+@pytest.mark.parametrize("kernel", [1, 3, 7])
+def test_recall_scores_equal_the_loops(kernel, kernels, monkeypatch):
+    """The scores come from the ragged ``column_sums`` (torch, and the Triton kernel under Triton's
+    interpreter here, on the GPU where one is lent) and equal the plain loops."""
+    if kernels == "triton":
+        pytest.importorskip("triton")
+        if not torch.cuda.is_available() and os.environ.get("TRITON_INTERPRET") != "1":
+            pytest.skip("Triton on CPU needs TRITON_INTERPRET=1 from the start")
+    monkeypatch.setenv("KVEVICT_KERNELS", kernels)
+    torch.manual_seed(0)
+    H, G, d, n, w = 2, 2, 8, 23, 5
+    K = torch.randn(n, H, d)
+    pos = torch.stack([torch.randperm(40)[:n] for _ in range(H)], dim=1)  # window and tier mixed, any order
+    q_pos = torch.arange(35, 35 + w)
+    Q = torch.randn(H * G, w, d)
+    got = recall_scores(Q, q_pos, K, pos, G, 0.3, None, kernel)
+    want = _reference_scores(Q, q_pos, K, pos, G, 0.3, kernel)
+    torch.testing.assert_close(got.double(), want, rtol=1e-5, atol=1e-6)
+
+
+def test_selection_protects_the_observation_window_and_orders_by_position():
+    pos = torch.tensor([[10, 3], [50, 51], [2, 52], [51, 9], [7, 1]])  # [5, 2]
+    scores = torch.tensor([[0.9, 0.1], [0.0, 0.0], [0.5, 0.0], [0.0, 0.8], [0.5, 0.7]])
+    idx = select_recalled(scores, pos, keep=3, protect_from=50)
+    kept = torch.gather(pos, 0, idx)
+    assert kept[:, 0].tolist() == [10, 50, 51]  # 50 and 51 protected, then the best (10)
+    assert kept[:, 1].tolist() == [9, 51, 52]  # 51, 52 protected, then 9 (0.8)
+    # ties go to the newer position
+    idx = select_recalled(torch.zeros(4, 1), torch.tensor([[4], [1], [3], [2]]), keep=2, protect_from=99)
+    assert torch.gather(torch.tensor([[4], [1], [3], [2]]), 0, idx)[:, 0].tolist() == [3, 4]
+
+
+def test_complement():
+    kept = torch.tensor([[0, 2], [3, 4]])
+    assert complement(5, kept).tolist() == [[1, 0], [2, 1], [4, 3]]
