@@ -69,6 +69,10 @@ def overrides(draw) -> dict:
         policy = p if isinstance(p, str) and p in POLICIES else draw(st.sampled_from(sorted(POLICIES)))
         params = draw(_param_values(policy) | json_values)
         xargs["kvevict_params"] = json.dumps(params, allow_nan=True) if draw(st.booleans()) else params
+    if draw(st.integers(0, 3)) == 0:
+        xargs["kvevict_trigger"] = draw(st.sampled_from(["chunked", "once"]) | json_values)
+    if draw(st.integers(0, 3)) == 0:
+        xargs["kvevict_recall"] = draw(st.sampled_from([True, False, 0, 1]) | json_values)
     if draw(st.integers(0, 9)) == 0:
         xargs["kvevict_" + draw(st.text(max_size=60))] = draw(json_values)
     return xargs
@@ -123,6 +127,8 @@ def test_any_override_is_accepted_and_runs_or_refused_naming_the_key(xargs):
     ({"kvevict_params": "[" * 5000}, "kvevict_params", "at most"),
     ({"kvevict_policy": "lshe", "kvevict_params": '{"a": {"b": {"c": {"d": {"e": 1}}}}}'}, "kvevict_params", "nested at most 4 deep"),
     ({"kvevict_policy": "p" * 10_000}, "kvevict_policy", "at most 64 characters"),
+    ({"kvevict_trigger": "sometimes"}, "kvevict_trigger", "'chunked' or 'once'"),
+    ({"kvevict_recall": 2}, "kvevict_recall", "allowed: true or false"),
 ])
 def test_refusals_name_the_key_and_range(xargs, key, fragment):
     with pytest.raises(RequestConfigError) as ei:

@@ -447,7 +447,7 @@ def _request_config(server: KVEvictConfig, overrides: tuple[tuple[str, Any], ...
     data = {**server.model_dump(), **over}
     if recall is not None:
         data["recall"] = {**data["recall"], "enabled": recall}
-    if params is not None:
+    if params is not None and data["policy"] in POLICIES:  # an unknown policy is refused below, by name
         name = data["policy"]
         if POLICIES[name].Params is PolicyParams:
             raise RequestConfigError(f"kvevict_params: policy {name!r} has no parameters", "kvevict_params")
