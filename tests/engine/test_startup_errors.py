@@ -15,7 +15,7 @@ CASES = {  # name: (--additional-config, KVEVICT_CONFIG, extra vllm args, the on
         {"kvevict": {"budgett": 64}}, None, [],
         "invalid kvevict configuration (--additional-config): unknown key 'kvevict.budgett'; "
         "allowed keys: budget, caote, criticalkv, enabled, fastcaote, h2o, knorm, kvmerger, lshe, policy, random, "
-        "snapkv, streamingllm, trigger",
+        "recall, snapkv, streamingllm, trigger",
     ),
     "wrong_type": (
         {"kvevict": {"budget": "lots"}}, None, [],
