@@ -28,18 +28,61 @@ def test_tier_keeps_the_best_scored_per_head_within_its_cap():
     tier = RecallTier()
     tier.add("a", _entry([[1, 2, 3], [4, 5, 6]], [[0.1, 0.9, 0.5], [0.3, 0.2, 0.1]]), cap=4)
     tier.add("a", _entry([[7, 8], [9, 10]], [[0.2, 0.8], [0.7, 0.0]]), cap=4)
-    e = tier.entries["a"]
-    assert e.tokens == 4 and tier.tokens == 4
+    assert tier.tokens_of("a") == 4 and tier.tokens == 4
+    (e,) = tier.chunks["a"]
     assert sorted(e.pos[:, 0].tolist()) == [2, 3, 7, 8]  # head 0 dropped 1 (0.1)
     assert sorted(e.pos[:, 1].tolist()) == [4, 5, 6, 9]  # head 1 dropped 10 (0.0)
     # everything of a token moves together: its K, V and state
     for h in range(2):
         for j in range(4):
             assert e.state["acc"][j, h] == e.pos[j, h] * 10
+            assert torch.equal(e.V[j, h], -e.K[j, h])
     tier.add("b", _entry([[1], [1]], [[0.0], [0.0]]), cap=0)  # cap 0: nothing kept
-    assert "b" not in tier.entries
+    assert "b" not in tier.chunks
     tier.forget(frozenset({"c"}))
     assert tier.tokens == 0 and tier.take("a") is None
+
+
+class _Copy:
+    """A device-to-host copy in flight, as the GPU tier sees one (a CUDA event's query/synchronize)."""
+
+    def __init__(self, done: bool) -> None:
+        self.done, self.waited = done, False
+
+    def query(self) -> bool:
+        return self.done
+
+    def synchronize(self) -> None:
+        self.waited = self.done = True
+
+
+def test_tier_merges_a_chunk_only_once_its_copy_has_landed():
+    """On a GPU the newest chunk's copy to pinned memory may still be in flight: it stays apart
+    (bound: cap plus that chunk) and is waited for at the next add or at take, never read before."""
+    tier = RecallTier()
+    first = _entry([[1, 2, 3], [4, 5, 6]], [[0.1, 0.9, 0.5], [0.3, 0.2, 0.1]])
+    first.copy = _Copy(done=False)
+    tier.add("a", first, cap=2)
+    assert tier.chunks["a"] == [first] and not first.copy.waited  # not read, not capped yet
+    second = _entry([[7], [9]], [[0.8], [0.7]])
+    second.copy = copy2 = _Copy(done=False)
+    tier.add("a", second, cap=2)
+    merged, pending = tier.chunks["a"]
+    assert pending is second and not copy2.waited
+    assert merged.copy is None and first.copy is None and merged.tokens == 2  # the first waited for, capped
+    assert sorted(merged.pos[:, 0].tolist()) == [2, 3] and tier.tokens_of("a") == 3
+    third = _entry([[8], [10]], [[0.0], [0.9]])
+    third.copy = _Copy(done=True)  # already landed: merged at once
+    tier.add("a", third, cap=2)
+    (e,) = tier.chunks["a"]
+    assert copy2.waited and e.tokens == 2
+    assert sorted(e.pos[:, 0].tolist()) == [2, 7] and sorted(e.pos[:, 1].tolist()) == [9, 10]
+    last = _entry([[11], [12]], [[1.0], [1.0]])
+    last.copy = copy4 = _Copy(done=False)
+    tier.add("a", last, cap=2)
+    got = tier.take("a", "cpu")
+    assert copy4.waited and got.tokens == 2 and "a" not in tier.chunks and tier.tokens == 0
+    assert sorted(got.pos[:, 0].tolist()) == [2, 11] and sorted(got.pos[:, 1].tolist()) == [10, 12]
 
 
 def _reference_scores(Q, q_pos, K, pos, G, scale, kernel):

@@ -319,7 +319,7 @@ class KVEvictImplMixin:
         the kept positions ``[keep, H]`` (None when there is nothing to recall). A failure leaves
         the window as the policy chose it (logged once, like a policy's)."""
         rid, cfg = plan.req_ids[r], plan.configs[r]
-        tier = self._kvevict_tier.take(rid)
+        tier = self._kvevict_tier.take(rid, kv_cache.device)
         Qw = self._kvevict_recall_q.pop(rid, None)
         if tier is None or Qw is None:
             return None

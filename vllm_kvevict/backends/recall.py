@@ -10,15 +10,19 @@ keeping the same count per KV head, and written back into the window (``[E, L)``
 order) with the backend's own writer. The contract is unchanged: ``E`` does not move, only what the
 window holds does, so the engine core never knows.
 
-The tier lives in host memory beside the KV cache (the CPU engine's memory; on a GPU server the same
-tensors, on the device, until a host-memory tier with asynchronous copies is written), bounded by
-``recall.cap`` tokens per request, layer and KV head: when full, the lowest-scored tokens go first.
-It is dropped when the request finishes, is aborted or restarts after preemption.
+The tier lives in host memory, never in vLLM's pool: on the CPU engine beside the KV cache; on a
+GPU server in pinned host memory, copied from the device asynchronously (the copy is ordered on the
+step's stream and waited for only when the tier next merges, a step later, or at recall, when it is
+copied back the same way). It is bounded by ``recall.cap`` tokens per request, layer and KV head
+(plus, on a GPU, the newest compaction's tokens while their copy is in flight): when full, the
+lowest-scored tokens go first. It is dropped when the request finishes, is aborted or restarts
+after preemption.
 """
 
 from __future__ import annotations
 
 from dataclasses import dataclass, field
+from typing import Any
 
 import torch
 
@@ -34,47 +38,95 @@ class TierEntry:
     pos: torch.Tensor  # [n, H] int64
     score: torch.Tensor  # [n, H] float32: the policy's score when they were dropped (-inf: none)
     state: dict[str, torch.Tensor] = field(default_factory=dict)  # per-slot policy state, [n, H]
+    copy: Any = None  # a GPU server: the event its device-to-host copy completes (None: ready)
 
     @property
     def tokens(self) -> int:
         return int(self.pos.shape[0])
 
+    def tensors(self) -> list[torch.Tensor]:
+        return [self.K, self.V, self.pos, self.score, *self.state.values()]
+
 
 class RecallTier:
-    """The tier of one layer: request id -> :class:`TierEntry`."""
+    """The tier of one layer: request id -> its chunks (one merged :class:`TierEntry`, and on a GPU
+    the newest one while its copy to host memory is in flight)."""
 
     def __init__(self) -> None:
-        self.entries: dict[str, TierEntry] = {}
+        self.chunks: dict[str, list[TierEntry]] = {}
+        self.caps: dict[str, int] = {}
 
     def add(self, rid: str, new: TierEntry, cap: int) -> None:
-        """Append ``new`` to the request's tier, keeping the ``cap`` best-scored tokens per KV head."""
-        old = self.entries.get(rid)
-        if old is not None:
-            new = TierEntry(
-                torch.cat([old.K, new.K]), torch.cat([old.V, new.V]), torch.cat([old.pos, new.pos]),
-                torch.cat([old.score, new.score]),
-                {k: torch.cat([old.state[k], new.state[k]]) for k in old.state if k in new.state},
-            )
-        if new.tokens > cap:
-            new = _best(new, cap)
-        if new.tokens:
-            self.entries[rid] = new
+        """Append ``new`` to the request's tier, keeping the ``cap`` best-scored tokens per KV head.
+        Tokens on a GPU are copied to pinned host memory without waiting; that copy is waited for
+        at the next ``add`` or ``take`` (by then the step that issued it has long finished)."""
+        if new.K.device.type != "cpu":
+            new = _to_host(new)
+        self.caps[rid] = cap
+        chunks = [*self.chunks.get(rid, []), new]
+        last = chunks[-1]
+        if last.copy is not None and not last.copy.query():
+            merged, pending = _merge(chunks[:-1], cap), [last]
         else:
-            self.entries.pop(rid, None)
+            merged, pending = _merge(chunks, cap), []
+        self.chunks[rid] = [c for c in (merged, *pending) if c is not None and c.tokens]
+        if not self.chunks[rid]:
+            self.drop(rid)
 
-    def take(self, rid: str) -> TierEntry | None:
-        return self.entries.pop(rid, None)
+    def take(self, rid: str, device: torch.device | str | None = None) -> TierEntry | None:
+        """The request's whole tier (on ``device``: copied back from pinned memory asynchronously),
+        removed from the tier."""
+        chunks = self.chunks.pop(rid, None)
+        cap = self.caps.pop(rid, 0)
+        e = _merge(chunks or [], cap)
+        if e is None or device is None or torch.device(device).type == "cpu":
+            return e
+        to = lambda t: (t if t.is_pinned() else t.pin_memory()).to(device, non_blocking=True)  # noqa: E731
+        return TierEntry(to(e.K), to(e.V), to(e.pos), to(e.score), {k: to(v) for k, v in e.state.items()})
 
     def drop(self, rid: str) -> None:
-        self.entries.pop(rid, None)
+        self.chunks.pop(rid, None)
+        self.caps.pop(rid, None)
 
     def forget(self, live: frozenset[str]) -> None:
-        for rid in [r for r in self.entries if r not in live]:
-            del self.entries[rid]
+        for rid in [r for r in self.chunks if r not in live]:
+            self.drop(rid)
+
+    def tokens_of(self, rid: str) -> int:
+        return sum(c.tokens for c in self.chunks.get(rid, []))
 
     @property
     def tokens(self) -> int:
-        return sum(e.tokens for e in self.entries.values())
+        return sum(c.tokens for cs in self.chunks.values() for c in cs)
+
+
+def _to_host(e: TierEntry) -> TierEntry:
+    """``e`` copied into pinned host memory, ordered on the current stream; ``copy`` is the event
+    that says it has landed."""
+    def pin(t: torch.Tensor) -> torch.Tensor:
+        return torch.empty(t.shape, dtype=t.dtype, pin_memory=True).copy_(t, non_blocking=True)
+
+    out = TierEntry(pin(e.K), pin(e.V), pin(e.pos), pin(e.score), {k: pin(v) for k, v in e.state.items()})
+    out.copy = torch.cuda.Event()
+    out.copy.record()
+    return out
+
+
+def _merge(chunks: list[TierEntry], cap: int) -> TierEntry | None:
+    """The chunks as one entry (their copies waited for), the ``cap`` best per KV head."""
+    if not chunks:
+        return None
+    for c in chunks:
+        if c.copy is not None:
+            c.copy.synchronize()
+            c.copy = None
+    if len(chunks) == 1:
+        e = chunks[0]
+    else:
+        keys = [k for k in chunks[0].state if all(k in c.state for c in chunks)]
+        e = TierEntry(*(torch.cat([getattr(c, f) for c in chunks]) for f in ("K", "V", "pos", "score")),
+                      {k: torch.cat([c.state[k] for c in chunks]) for k in keys})
+    return _best(e, cap) if e.tokens > cap else e
 
 
 def _best(e: TierEntry, cap: int) -> TierEntry:
