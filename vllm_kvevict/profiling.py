@@ -4,7 +4,8 @@ With ``KVEVICT_PROFILE_DIR`` set, every worker process appends one JSON line per
 ``<dir>/steps-<pid>.jsonl``: the step's wall time (the runner's ``execute_model``, timed through
 :func:`vllm_kvevict.vllm_compat.runner.add_step_listener`), the time spent inside the attention
 kernels, the time spent in eviction (observe, score, select, compact: everything the plugin adds
-after attention), the number of tokens and rows, and how many rows compacted. On CUDA the device is synchronised around each timed region
+after attention; recall's part of it also as ``recall_s``), the number of tokens and rows, how many
+rows compacted, and the bytes the recall tiers hold after the step (``tier_bytes``, all layers). On CUDA the device is synchronised around each timed region
 (profiling changes the timing it measures only by those synchronisations).
 """
 
@@ -47,6 +48,14 @@ def timed(kind: str, device=None):
     finally:
         _sync(device)
         acc[kind] = acc.get(kind, 0.0) + time.perf_counter() - t0
+
+
+def add(**fields) -> None:
+    """Add to the current step's totals (e.g. bytes summed over layers)."""
+    acc = _acc()
+    if acc is not None:
+        for k, v in fields.items():
+            acc[k] = acc.get(k, 0) + v
 
 
 def note(**fields) -> None:

@@ -72,7 +72,7 @@ def test_memory_smoke(smollm2_model, tmp_path):
 
 def test_overhead_smoke(smollm2_model, tmp_path):
     r = _bench(tmp_path, "overhead")
-    assert list(r["results"]) == ["none", "keydiff", "snapkv"]
+    assert list(r["results"]) == ["none", "keydiff", "snapkv", "keydiff:recall=true"]
     off = r["results"]["none"]
     # eviction off for the request: only the per-slot position bookkeeping runs after attention
     assert off["prefill"]["steps"] >= 4 and off["prefill"]["compacting_steps"] == 0
@@ -82,6 +82,13 @@ def test_overhead_smoke(smollm2_model, tmp_path):
         assert p["steps"] >= 4 and p["compacting_steps"] >= 2  # 1024 tokens in 256-token chunks, budget 256
         assert 0 < p["evict_ms"] < p["step_ms"] and 0 < p["evict_fraction"] < 1
         assert 0 < p["attn_ms"] < p["step_ms"]
+        assert p["tier_peak_bytes"] == 0 and p["recall_ms"] == 0
+    # Recall: its time is inside the eviction time; the tier held at most what the prompt's
+    # compactions dropped (1024 tokens down to the 256 budget: 768 per layer and KV head) of
+    # SmolLM2's 30 layers x 3 KV heads, each K and V (64 wide, float32) plus position and score.
+    p = r["results"]["keydiff:recall=true"]["prefill"]
+    assert 0 < p["recall_ms"] <= p["evict_fraction"] * p["total_ms"]
+    assert 0 < p["tier_peak_bytes"] <= 30 * 768 * 3 * (2 * 64 * 4 + 8 + 4)
 
 
 def test_prefix_smoke(smollm2_model, tmp_path):

@@ -413,9 +413,12 @@ class KVEvictImplMixin:
         kept_by_row = dict(zip(rows, kept))
         for r, (K, V, pos, score, state) in evicted.items():
             self._kvevict_tier.add(plan.req_ids[r], TierEntry(K, V, pos, score, state), plan.configs[r].recall.cap)
+        if profiling.enabled():  # the tiers at their fullest: before this step's recalls take them
+            profiling.add(tier_bytes=self._kvevict_tier.nbytes)
         for r in sorted(recall_rows):
             if plan.completes_prompt(r):
-                got = self._recall(layer, kv_cache, plan, r, G)
+                with profiling.timed("recall_s", kv_cache.device):
+                    got = self._recall(layer, kv_cache, plan, r, G)
                 if got is not None:
                     kept_by_row[r] = got
         _record_tier(layer_idx, self._kvevict_tier.tokens)

@@ -99,6 +99,10 @@ class RecallTier:
     def tokens(self) -> int:
         return sum(c.tokens for cs in self.chunks.values() for c in cs)
 
+    @property
+    def nbytes(self) -> int:
+        return sum(t.nbytes for cs in self.chunks.values() for c in cs for t in c.tensors())
+
 
 def _to_host(e: TierEntry) -> TierEntry:
     """``e`` copied into pinned host memory, ordered on the current stream; ``copy`` is the event

@@ -43,9 +43,12 @@ def _stats(steps: list[dict]) -> dict:
     wall = [s["wall_s"] for s in steps]
     ev = [s.get("evict_s", 0.0) for s in steps]
     at = [s.get("attn_s", 0.0) for s in steps]
+    rc = [s.get("recall_s", 0.0) for s in steps]
     return {"steps": len(steps), "step_ms": 1e3 * statistics.median(wall), "evict_ms": 1e3 * statistics.median(ev),
             "attn_ms": 1e3 * statistics.median(at), "evict_fraction": sum(ev) / sum(wall),
-            "compacting_steps": sum(1 for s in steps if s.get("compact_rows"))}
+            "compacting_steps": sum(1 for s in steps if s.get("compact_rows")),
+            "total_ms": 1e3 * sum(wall), "recall_ms": 1e3 * sum(rc), "recall_fraction": sum(rc) / sum(wall),
+            "tier_peak_bytes": max(s.get("tier_bytes", 0) for s in steps)}
 
 
 def run_overhead(model: str, policies: list[str], prompt_len: int, output_len: int, budget: int, chunk: int,
@@ -92,11 +95,14 @@ def run_overhead(model: str, policies: list[str], prompt_len: int, output_len: i
 
 
 def format_table(report: dict) -> str:
+    recall = any(r["prefill"].get("tier_peak_bytes") for r in report["results"].values())
+    w = max(14, *(len(n) + 2 for n in report["results"]))
     lines = [f"one request at a time: {report['prompt_len']} prompt + {report['output_len']} output tokens, budget "
              f"{report['budget']}, prefill chunks of {report['chunk']} tokens; medians per step (ms) and total "
-             f"eviction time / total step time",
-             f"{'policy':<14}{'chunk ms':>10}{'evict ms':>10}{'evict %':>9}{'decode ms':>10}{'evict ms':>10}"
-             f"{'evict %':>9}"]
+             f"eviction time / total step time"
+             + ("; recall: its time / the whole prefill's, the tier's peak (all layers)" if recall else ""),
+             f"{'policy':<{w}}{'chunk ms':>10}{'evict ms':>10}{'evict %':>9}{'decode ms':>10}{'evict ms':>10}"
+             f"{'evict %':>9}" + (f"{'recall %':>10}{'tier MiB':>10}" if recall else "")]
     for name, r in report["results"].items():
         p, d = r["prefill"], r["decode"]
 
@@ -106,7 +112,11 @@ def format_table(report: dict) -> str:
             return f"{s['step_ms']:>10.1f}{s['evict_ms']:>10.2f}{100 * s['evict_fraction']:>8.1f}%"
 
         label = "none (off)" if name == REFERENCE else name
-        lines.append(f"{label:<14}{cols(p)}{cols(d)}")
+        row = f"{label:<{w}}{cols(p)}{cols(d)}"
+        if recall:
+            row += (f"{100 * p['recall_fraction']:>9.2f}%{p['tier_peak_bytes'] / 2**20:>10.2f}"
+                    if p.get("tier_peak_bytes") else f"{'-':>10}{'-':>10}")
+        lines.append(row)
     return "\n".join(lines)
 
 
