@@ -58,6 +58,29 @@ def test_faulty_row_falls_back_and_others_are_untouched(monkeypatch, caplog):
     assert sum("policy snapkv failed" in r.message for r in caplog.records) == 1
 
 
+def test_fallback_runs_without_what_broke_the_policy():
+    """Whatever made a row's policy fail (here an extra its view does not take, the way recall's
+    flag once reached the observing policies' views) cannot break the safe policy: it runs on the
+    keys and positions alone, for a compacting row and for an observing row that does not compact
+    in this step (where the engine once died: the retry raised again, out of the step)."""
+    cache_r, _, pos_r, state_r, plan_r, work_r = _setup("flash", torch.float32)
+    cache, _, slot_pos, state, plan, work = _setup("flash", torch.float32)
+    observing = next(i for i, w in enumerate(work) if w.policy.observes)
+    bad = {observing, FAULTY_ROW}
+    for i in bad:
+        w = work[i]
+        work[i] = RowWork(w.row, w.policy, i == FAULTY_ROW, {**w.extra, "no_such_field": 1})
+        work_r[i] = RowWork(w.row, fault.SAFE_POLICY, i == FAULTY_ROW, {})
+    kept_r = _step(cache_r, pos_r, state_r, plan_r)(work_r)
+    step = _step(cache, slot_pos, state, plan)
+    with pytest.raises(TypeError):
+        step(work)
+    done, kept = fault.isolate(plan, work, step, TypeError("batched"))
+    assert [x.policy is fault.SAFE_POLICY for x in done] == [i in bad for i in range(len(work))]
+    assert torch.equal(cache, cache_r) and torch.equal(slot_pos, pos_r)
+    assert all(torch.equal(a, b) for a, b in zip(kept, kept_r))
+
+
 def test_fallback_is_sticky_and_forgotten_when_the_request_ends():
     fault.fall_back("req-1", fault.SAFE_POLICY, ValueError("x"))
     fault.fall_back("req-1", fault.SAFE_POLICY, ValueError("again"))  # counted and logged once

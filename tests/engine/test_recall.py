@@ -84,6 +84,22 @@ def test_recall_equals_the_replay_and_brings_tokens_back(server, hf_model):
     assert any(len(attempts_for(attempts, o["id"])) > 1 for o in outs)
 
 
+@pytest.mark.parametrize("policy", ["h2o", "criticalkv", "lshe", "tova", "caote"])
+def test_recall_with_every_kind_of_policy(server, hf_model, policy):
+    """Policies that observe every step and keep per-slot state (H2O, LSH-E, CAOTE on H2O), read
+    the output projection (CriticalKV, chunked: by default it evicts once, at the prompt's end,
+    with nothing to recall) or the newest query (TOVA): recall hands their drops to the tier like
+    KeyDiff's, and nothing falls back to the safe policy."""
+    vocab = hf_model.config.vocab_size
+    fallbacks = server.metrics().get("kvevict:fallbacks_total", 0.0)
+    n = 480
+    out = complete(server, make_prompt(n, 11, vocab), 16, {"kvevict_policy": policy, "kvevict_trigger": "chunked"})
+    atts = check_against_reference(hf_model, out, load_attempts(server.dump_dir))
+    assert max(_recalled(att, n) for att in atts) > 0
+    assert server.metrics().get("kvevict:fallbacks_total", 0.0) == fallbacks
+    assert f"policy {policy} failed" not in server.log()
+
+
 def test_per_request_trigger(server, hf_model):
     vocab = hf_model.config.vocab_size
     out = complete(server, make_prompt(500, 5, vocab), 16, {"kvevict_trigger": "once", "kvevict_recall": False})

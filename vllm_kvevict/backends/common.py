@@ -384,7 +384,7 @@ class KVEvictImplMixin:
                 item = self._row_work(plan, r, fault.SAFE_POLICY, r in compact, query, layer)
             if item is not None:
                 if r in recall_rows:
-                    item.extra["keep_evicted"] = True
+                    item.keep_evicted = True
                 work.append(item)
         if not work and not recall_rows:
             return

@@ -36,6 +36,7 @@ class RowWork:
     policy: Policy
     compact: bool
     extra: dict  # KVView fields beyond K/V/pos/state: Q, q_pos, Q_window, w_pos, W_O, L, budget, ...
+    keep_evicted: bool = False  # recall: hand what this row drops to ``evicted``
 
 
 def evict_step(
@@ -46,7 +47,7 @@ def evict_step(
     """Observe and compact the rows of ``work``; returns the kept positions ``[keep, H]`` of each
     compacting row, in order.
 
-    ``evicted``: when given, every compacting row whose ``RowWork.extra["keep_evicted"]`` is set
+    ``evicted``: when given, every compacting row whose ``RowWork.keep_evicted`` is set
     gets what it drops there, ``{row: (K, V, pos, score, state)}`` (``[n, H, ...]``, the score it
     was dropped with, ``-inf`` where its policy selects without one), for the recall tier.
 
@@ -143,7 +144,7 @@ def evict_step(
     out = [w.row for w in work if w.compact]
     if evicted is not None:  # read before anything is written (the window's slots are rewritten)
         for i, w in enumerate(work):
-            if w.compact and w.extra.get("keep_evicted") and w.row in kept_tok:
+            if w.compact and w.keep_evicted and w.row in kept_tok:
                 evicted[w.row] = _dropped(w.row, i, bounds, kept_tok, row_scores, K_all, V_all, pos_all,
                                           slots_all, slot_state)
     if out:

@@ -85,7 +85,10 @@ def isolate(plan, work: list, step: Callable[[list], list[torch.Tensor]], err: B
         except Exception as row_err:  # noqa: BLE001
             rid = plan.req_ids[w.row] if plan.req_ids else None
             fall_back(rid, w.policy, row_err)
-            w = RowWork(w.row, SAFE_POLICY, w.compact, w.extra)
+            # The safe policy reads nothing but keys and positions: none of the row's extras (queries,
+            # W_O, ...) go with it, whatever broke the policy cannot break it; what it drops is
+            # still handed to the recall tier.
+            w = RowWork(w.row, SAFE_POLICY, w.compact, {}, w.keep_evicted)
             out = step([w])
         done.append(w)
         kept += out

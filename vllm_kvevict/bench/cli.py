@@ -24,10 +24,12 @@ ALL_TASKS = "niah_single,niah_multikey,niah_multivalue,niah_multiquery,kv_retrie
 ALL_POLICIES = ("keydiff,streamingllm,snapkv,tova,h2o,knorm,random,criticalkv,kvmerger,lshe,caote,caote:base=tova,"
                 "caote:base=snapkv,fastcaote,fastcaote:base=tova,fastcaote:base=snapkv")
 
-_RECALL_POLICIES = ("keydiff", "snapkv", "tova", "h2o", "streamingllm", "knorm", "random", "criticalkv", "lshe", "caote",
-                    "fastcaote")
-# kvmerger merges what it drops into what it keeps: nothing to recall
-RECALL_CONFIGS = ",".join([*_RECALL_POLICIES, "kvmerger", *(f"{p}:recall=true" for p in _RECALL_POLICIES)])
+# CriticalKV evicts once, at the prompt's end, by default (nothing to recall then): chunked here, as
+# every other policy. KVMerger merges what it drops into what it keeps: nothing to recall either.
+_RECALL_POLICIES = ("keydiff", "snapkv", "tova", "h2o", "streamingllm", "knorm", "random", "criticalkv:trigger=chunked",
+                    "lshe", "caote", "fastcaote")
+RECALL_CONFIGS = ",".join([*_RECALL_POLICIES, "kvmerger",
+                           *(f"{p}{';' if ':' in p else ':'}recall=true" for p in _RECALL_POLICIES)])
 
 PRESETS = {
     "quality": {

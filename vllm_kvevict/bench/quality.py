@@ -35,11 +35,12 @@ REQUEST_SPEC_KEYS = {"recall": "kvevict_recall", "trigger": "kvevict_trigger"}
 
 
 def parse_spec(spec: str) -> tuple[str, dict]:
-    """``policy[:k=v,...]`` -> (policy, params); values parsed as JSON where they parse. ``recall``
+    """``policy[:k=v,...]`` (or ``;`` between the parameters) -> (policy, params); values parsed as
+    JSON where they parse. ``recall``
     and ``trigger`` (``keydiff:recall=true``) are kept in the params under their request keys."""
     policy, _, rest = spec.partition(":")
     params = {}
-    for item in filter(None, rest.split(",")):
+    for item in filter(None, rest.replace(";", ",").split(",")):
         k, _, v = item.partition("=")
         try:
             params[k] = json.loads(v)
