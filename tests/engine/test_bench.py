@@ -38,6 +38,8 @@ def test_quality_smoke(smollm2_model, tmp_path):
     assert len(r["rows"]) == 2 * (1 + 2)  # 2 prompts x (reference + 2 policies x 1 budget)
     assert all(900 <= row["prompt_tokens"] <= 1100 for row in r["rows"])
     assert "none (no eviction)" in r["_stdout"]
+    # the same prompt under every config: the bench's server must not reuse the first send's KV
+    assert r["server"]["prefix_cache_hit_tokens"] == 0 and r["server"]["blocks_freed_by_eviction"] > 0
 
 
 def test_throughput_smoke(smollm2_model, tmp_path):

@@ -113,6 +113,7 @@ def run_quality(
                 "seed": task.seed, "answer": task.answer, "output": out, "score": task.score(out),
                 "latency_s": round(time.perf_counter() - t0, 3)}
 
+    before = _server_counters(base_url)
     with ThreadPoolExecutor(concurrency) as pool:
         it = pool.map(run, jobs)
         if progress:
@@ -120,8 +121,21 @@ def run_quality(
 
             it = tqdm(it, total=len(jobs), desc="quality", unit="req")
         rows = list(it)
+    after = _server_counters(base_url)
     return summarize(rows, configs, keys, tasks, lengths, n_depths, seeds, [t for _, t in items]) | {
-        "budget_ratios": list(budget_ratios), "budgets": list(budgets)}
+        "budget_ratios": list(budget_ratios), "budgets": list(budgets),
+        "server": {k: after[k] - before[k] for k in after}}
+
+
+def _server_counters(base_url: str) -> dict[str, float]:
+    """What the server did during the run, from its ``/metrics``: prefix-cache hits (tokens; any
+    makes the comparison unfair: a later send of a prompt starts on the first send's blocks and
+    evicts nothing before them) and KV blocks freed by eviction."""
+    from vllm_kvevict.bench.serving import metrics
+
+    m = metrics(base_url.rstrip("/"))
+    return {"prefix_cache_hit_tokens": m.get("vllm:prefix_cache_hits_total", 0.0),
+            "blocks_freed_by_eviction": m.get("kvevict:blocks_freed_total", 0.0)}
 
 
 def summarize(rows, configs, keys, tasks, lengths, n_depths, seeds, items) -> dict:
@@ -175,6 +189,10 @@ def format_table(result: dict) -> str:
     for name in result["summary"]:
         if name != REFERENCE:
             lines.append(f"{name:<26}" + "".join(cell(name, k) for k in keys))
+    hits = result.get("server", {}).get("prefix_cache_hit_tokens", 0)
+    if hits:
+        lines.append(f"WARNING: the server hit its prefix cache for {hits:.0f} prompt tokens: requests that "
+                     f"start on a hit evict nothing before it; serve with --no-enable-prefix-caching")
     if len(lengths) > 1:
         lines.append("by prompt length (mean over tasks): " + ", ".join(map(str, lengths)))
         for name in result["summary"]:
@@ -230,7 +248,10 @@ def serve_or_connect(args):
     path = args.model_path or str(smollm2_path())
     extra = shlex.split(args.server_args)
     cfg = {"kvevict": {"policy": "keydiff", "budget": 256}}  # every request sets its own
-    srv_args = ["--attention-backend", "kvevict", *CPU_SERVE_ARGS, *extra, "--additional-config", json.dumps(cfg)]
+    # Every prompt is sent once per configuration: with prefix caching on, the later sends would start
+    # on the first one's cached blocks and evict nothing before the hit (docs/architecture.md).
+    srv_args = ["--attention-backend", "kvevict", *CPU_SERVE_ARGS, "--no-enable-prefix-caching", *extra,
+                "--additional-config", json.dumps(cfg)]
     log = tempfile.NamedTemporaryFile(prefix="kvevict-bench-", suffix=".log", delete=False).name
     print(f"starting vLLM on {path} (log: {log})", file=sys.stderr)
     with VLLMServer(path, srv_args, log_path=log, served_model_name=args.model, startup_timeout=900) as srv:

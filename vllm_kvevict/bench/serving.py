@@ -22,12 +22,12 @@ CPU_ARGS = cpu_args("4G")
 
 
 def metrics(base_url: str) -> dict[str, float]:
-    """vLLM's Prometheus gauges and counters, summed over label sets."""
+    """vLLM's and the plugin's Prometheus gauges and counters, summed over label sets."""
     text = urllib.request.urlopen(base_url + "/metrics", timeout=5).read().decode()
     out: dict[str, float] = {}
     for line in text.splitlines():
-        if line.startswith("vllm:") and "{" in line:
-            name = line.split("{", 1)[0]
+        if line.startswith(("vllm:", "kvevict:")):
+            name = line.split("{", 1)[0].split(" ", 1)[0]
             try:
                 out[name] = out.get(name, 0.0) + float(line.rsplit(" ", 1)[1])
             except ValueError:
