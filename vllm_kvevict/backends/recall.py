@@ -47,6 +47,10 @@ class TierEntry:
     def tensors(self) -> list[torch.Tensor]:
         return [self.K, self.V, self.pos, self.score, *self.state.values()]
 
+    def map(self, fn) -> TierEntry:
+        """The same tokens with ``fn`` applied to every tensor (K, V, positions, scores, state)."""
+        return TierEntry(fn(self.K), fn(self.V), fn(self.pos), fn(self.score), {k: fn(v) for k, v in self.state.items()})
+
 
 class RecallTier:
     """The tier of one layer: request id -> its chunks (one merged :class:`TierEntry`, and on a GPU
@@ -81,8 +85,7 @@ class RecallTier:
         e = _merge(chunks or [], cap)
         if e is None or device is None or torch.device(device).type == "cpu":
             return e
-        to = lambda t: (t if t.is_pinned() else t.pin_memory()).to(device, non_blocking=True)  # noqa: E731
-        return TierEntry(to(e.K), to(e.V), to(e.pos), to(e.score), {k: to(v) for k, v in e.state.items()})
+        return e.map(lambda t: (t if t.is_pinned() else t.pin_memory()).to(device, non_blocking=True))
 
     def drop(self, rid: str) -> None:
         self.chunks.pop(rid, None)
@@ -110,7 +113,7 @@ def _to_host(e: TierEntry) -> TierEntry:
     def pin(t: torch.Tensor) -> torch.Tensor:
         return torch.empty(t.shape, dtype=t.dtype, pin_memory=True).copy_(t, non_blocking=True)
 
-    out = TierEntry(pin(e.K), pin(e.V), pin(e.pos), pin(e.score), {k: pin(v) for k, v in e.state.items()})
+    out = e.map(pin)
     out.copy = torch.cuda.Event()
     out.copy.record()
     return out
@@ -138,7 +141,7 @@ def _best(e: TierEntry, cap: int) -> TierEntry:
     cu = torch.tensor([0, e.tokens], device=e.pos.device)
     idx, _ = ops.select_topk(e.score, e.pos, cu, torch.tensor([cap], device=e.pos.device))
     h = torch.arange(e.pos.shape[1], device=e.pos.device)[None, :]
-    return TierEntry(e.K[idx, h], e.V[idx, h], e.pos[idx, h], e.score[idx, h], {k: v[idx, h] for k, v in e.state.items()})
+    return e.map(lambda t: t[idx, h])
 
 
 def recall_scores(Q: torch.Tensor, q_pos: torch.Tensor, K: torch.Tensor, pos: torch.Tensor, G: int, scale: float,

@@ -58,7 +58,8 @@ PRESETS = {
                    "budget_ratios": "0.25", "policy": "keydiff", "max_num_batched_tokens": 512, "recall": True},
     },
     "overhead": {
-        "smoke": {"policies": "keydiff,snapkv,keydiff:recall=true", "prompt_len": 1024, "output_len": 8, "budget": 256, "chunk": 256},
+        "smoke": {"policies": "keydiff,snapkv,keydiff:recall=true", "prompt_len": 1024, "output_len": 8, "budget": 256,
+                  "chunk": 256},
         "full": {"policies": "keydiff,streamingllm,snapkv,tova,h2o,knorm,random,criticalkv,kvmerger,lshe,caote,"
                              "fastcaote", "prompt_len": 2048, "output_len": 64, "budget": 512, "chunk": 256},
         "recall": {"policies": "keydiff,keydiff:recall=true,tova,tova:recall=true,snapkv,snapkv:recall=true",
