@@ -2,6 +2,8 @@
 
 from __future__ import annotations
 
+import http.client
+import json
 import os
 import re
 import signal
@@ -191,6 +193,31 @@ class VLLMServer:
         finally:
             assert self.post("/resume") == 200
         return futures
+
+    def abort_mid_prefill(self, body: dict, started: Callable[[], bool], timeout: float = 120.0) -> None:
+        """A client that disconnects in the middle of its request's prefill, whatever the speed of the
+        machine: send ``body`` to /v1/completions streamed, wait until ``started()`` shows the
+        prefill under way (a first compaction, say), pause the scheduler keeping its requests (no
+        further step runs, so the prefill cannot finish), close the connection, wait until the API
+        server has aborted the request, resume. Needs ``VLLM_SERVER_DEV_MODE=1`` and
+        ``--enable-log-requests``."""
+        aborted = self.log().count("Aborted request")
+        conn = http.client.HTTPConnection("127.0.0.1", self.port, timeout=timeout)
+        try:
+            conn.request("POST", "/v1/completions", json.dumps({**body, "stream": True}),
+                         {"Content-Type": "application/json"})
+            resp = conn.getresponse()  # the headers: the request passed validation and is running
+            if resp.status != 200:
+                raise AssertionError(f"HTTP {resp.status}: {resp.read()[:300]!r}")
+            wait_until(started, timeout, "the request's prefill under way")
+            assert self.post("/pause?mode=keep") == 200
+        finally:
+            conn.close()
+        try:
+            wait_until(lambda: self.log().count("Aborted request") > aborted, timeout,
+                       "the API server aborting the disconnected request")
+        finally:
+            assert self.post("/resume") == 200
 
     def tail(self, n: int = 60) -> str:
         return "\n".join(self.log().splitlines()[-n:])
