@@ -67,7 +67,9 @@ class RecallConfig(BaseModel):
     cap: int = Field(4096, ge=0, le=MAX_BUDGET,
                      description="evicted tokens kept per request, layer and KV head (the lowest-scored go first)")
     window: int = Field(32, ge=1, le=MAX_RECALL_WINDOW, description="the prompt's last queries that score the recall")
-    kernel: int = Field(7, ge=1, le=63, description="odd width of the max-pooling over neighbouring positions")
+    # Wider than SnapKV's 7: a recalled token helps only with its neighbours (a 7-digit number is 8
+    # tokens in SmolLM2's tokenizer, after the key the question matches); measured in docs/policies.md.
+    kernel: int = Field(31, ge=1, le=63, description="odd width of the max-pooling over neighbouring positions")
 
     @field_validator("kernel")
     @classmethod
