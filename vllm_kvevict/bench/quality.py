@@ -133,7 +133,7 @@ def _server_counters(base_url: str) -> dict[str, float]:
     evicts nothing before them) and KV blocks freed by eviction."""
     from vllm_kvevict.bench.serving import metrics
 
-    m = metrics(base_url.rstrip("/"))
+    m = metrics(base_url)
     return {"prefix_cache_hit_tokens": m.get("vllm:prefix_cache_hits_total", 0.0),
             "blocks_freed_by_eviction": m.get("kvevict:blocks_freed_total", 0.0)}
 

