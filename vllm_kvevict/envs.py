@@ -67,6 +67,9 @@ _VARS = [
     EnvVar("KVEVICT_TEST_FAULT", "", lambda s: frozenset(n.strip() for n in s.split(",") if n.strip()),
            "tests only: comma-separated policy names whose scoring raises (`name`), or whose row preparation "
            "raises (`name@prepare`), to exercise the fault isolation", "tests"),
+    EnvVar("KVEVICT_TEST_HOLD", "", _optional_path,
+           "tests only: while the file `hold` exists in this directory, a worker step on a window that has "
+           "moved waits (after creating `held` there), so a test can act on a request mid-prompt", "tests"),
     EnvVar("KVEVICT_CSRC_EMULATE", "0", _flag,
            "tests only: `1` compiles the CUDA kernels' source for the CPU and runs their comparisons", "tests"),
     EnvVar("KVEVICT_SHOW_SERVER_LOGS", "0", _flag, "tests only: `1` prints the logs of the vLLM servers tests start",

@@ -46,7 +46,8 @@ def server(gqa_model, tmp_path_factory):
         "--enable-log-requests",  # admit_together counts the requests that reached the engine
     ]
     srv = VLLMServer(gqa_model, args, log_path=base / "server.log",
-                     env={"KVEVICT_DUMP_DIR": str(base / "dump"), "VLLM_SERVER_DEV_MODE": "1"})
+                     env={"KVEVICT_DUMP_DIR": str(base / "dump"), "VLLM_SERVER_DEV_MODE": "1",
+                          "KVEVICT_TEST_HOLD": str(base / "hold")})
     with srv:
         srv.dump_dir = base / "dump"
         yield srv
@@ -82,17 +83,13 @@ def test_prompt_longer_than_whole_cache_runs_within_bound(server, hf_model):
 def test_mixed_run_returns_every_block(server, hf_model):
     vocab = hf_model.config.vocab_size
     preemptions_before = server.metrics().get("vllm:num_preemptions_total", 0.0)
-    released_before = len(_released(server))
-    # 1. A client that disconnects mid-prefill (30000 tokens take ~470 steps of 64), once eviction
-    #    has freed blocks; the scheduler is paused meanwhile, so the prefill cannot finish first.
-    freed_before = server.metrics().get("kvevict:blocks_freed_total", 0.0)
-    server.abort_mid_prefill({"model": server.served_model_name, "prompt": make_prompt(ABORTED_PROMPT, 21, vocab),
-                              "max_tokens": 4},
-                             lambda: server.metrics().get("kvevict:blocks_freed_total", 0.0) > freed_before)
+    # 1. A client that disconnects mid-prefill (30000 tokens take ~470 steps of 64): the worker holds
+    #    a step once eviction has moved the window, so the prefill cannot finish first.
+    rid = server.abort_mid_prefill({"model": server.served_model_name,
+                                    "prompt": make_prompt(ABORTED_PROMPT, 21, vocab), "max_tokens": 4})
     # vLLM frees the aborted request; wait until it has logged the release.
     full_prefill_frees = (ABORTED_PROMPT - BUDGET) // BS
-    wait_until(lambda: len(_released(server)) > released_before, 120, "the aborted request's release line")
-    aborted = _released(server)[released_before]
+    aborted = released_line(server, rid, 120)
     # 2. Four requests that need up to 4 x 6 blocks from a pool of 8, admitted together (the
     #    scheduler is paused until all four have reached it): vLLM must preempt.
     specs = [(300, 22), (450, 23), (600, 24), (700, 25)]

@@ -38,7 +38,7 @@ def server(gqa_model, tmp_path_factory):
             "--num-gpu-blocks-override", str(POOL + 1), "--no-scheduler-reserve-full-isl",
             "--max-num-batched-tokens", str(CHUNK), "--max-num-seqs", "4", "--additional-config", json.dumps(cfg),
             "--enable-log-requests"]
-    env = {"KVEVICT_DUMP_DIR": str(base / "dump"), "VLLM_SERVER_DEV_MODE": "1"}
+    env = {"KVEVICT_DUMP_DIR": str(base / "dump"), "VLLM_SERVER_DEV_MODE": "1", "KVEVICT_TEST_HOLD": str(base / "hold")}
     with VLLMServer(gqa_model, args, log_path=base / "server.log", env=env) as srv:
         srv.dump_dir = base / "dump"
         yield srv
@@ -112,12 +112,13 @@ def test_tier_is_emptied_on_finish_and_abort(server, hf_model):
     def tier():
         return server.metrics().get("kvevict:recall_tier_tokens", 0.0)
 
-    # a client that disconnects mid-prefill (once its tier holds tokens): its tier goes with it
-    released = len(RELEASED.findall(server.log()))
-    server.abort_mid_prefill({"model": server.served_model_name, "prompt": make_prompt(20000, 8, vocab),
-                              "max_tokens": 4}, lambda: tier() > 0)
-    wait_until(lambda: len(RELEASED.findall(server.log())) > released, 120, "the aborted request's release line")
-    freed = int(RELEASED.findall(server.log())[released][1])
+    # a client that disconnects mid-prefill (held once eviction has moved its window, so its tier
+    # holds tokens): its tier goes with it
+    rid = server.abort_mid_prefill({"model": server.served_model_name, "prompt": make_prompt(20000, 8, vocab),
+                                    "max_tokens": 4})
+    wait_until(lambda: any(m[0].startswith(rid + "-") for m in RELEASED.findall(server.log())), 120,
+               "the aborted request's release line")
+    freed = int([m for m in RELEASED.findall(server.log()) if m[0].startswith(rid + "-")][-1][1])
     assert 0 < freed < (20000 - BUDGET) // BS - 2, f"not released mid-prefill: {freed} blocks freed"
     out = complete(server, make_prompt(900, 6, vocab), 8)
     # the next step after a request ends drops its tier; a short request without recall makes one

@@ -145,6 +145,7 @@ class KVEvictBuilderMixin:
         plan = plan_step(common_attn_metadata, self.kvevict_config, self.kvevict_block_size, step)
         if envs.KVEVICT_DUMP_DIR:
             _dump_starts(plan, step)
+        fault.hold_if_asked(plan)
         if profiling.enabled():
             qsl = plan.query_start_loc
             profiling.note(rows=len(plan.seq_lens), tokens=qsl[-1], compact_rows=len(plan.compact_rows),

@@ -17,13 +17,17 @@ on a model where none is found) falls back before the step.
 
 Testing: ``KVEVICT_TEST_FAULT=<policy>[,<policy>@prepare...]`` (read when a policy object is made;
 off by default) makes the scoring (or the row preparation) of those policies raise, so a test can
-fault one request among many.
+fault one request among many. ``KVEVICT_TEST_HOLD=<dir>`` lets a test stop the engine at a point of
+its choosing (:func:`hold_if_asked`).
 """
 
 from __future__ import annotations
 
+import os
+import time
 from collections import Counter
 from collections.abc import Callable
+from pathlib import Path
 
 import torch
 
@@ -34,6 +38,8 @@ from vllm_kvevict.policies.streamingllm import StreamingLLM, StreamingLLMParams
 from vllm_kvevict.vllm_compat import distributed as vllm_distributed
 
 TEST_FAULT_ENV = "KVEVICT_TEST_FAULT"
+#: the longest a held step waits for its test (then it goes on, with a warning)
+HOLD_DEADLINE_S = 600.0
 
 #: Keeps the newest tokens per KV head (StreamingLLM without sinks): scores are the positions,
 #: nothing it computes can fail for a window the engine could gather.
@@ -119,3 +125,25 @@ def maybe_faulty(policy: Policy) -> Policy:
     else:
         return policy
     return type(f"Faulty{cls.__name__}", (cls,), methods)(policy.params)
+
+
+def hold_if_asked(plan) -> None:
+    """Tests only, under ``KVEVICT_TEST_HOLD=<dir>``: while the file ``<dir>/hold`` exists, a step
+    that runs on a window eviction has already moved (some row's ``e_prev > 0``) waits in the
+    worker, before its forward, having created ``<dir>/held``. The request is then provably in the
+    middle of its prompt or its decoding, its earlier compactions done, whatever the machine's speed:
+    a test can disconnect its client and remove ``hold``; the engine core takes the abort before the
+    next step."""
+    d = envs.KVEVICT_TEST_HOLD
+    if d is None or not any(plan.e_prev):
+        return
+    hold = Path(d, "hold")
+    if not hold.exists():
+        return
+    Path(d, "held").touch()
+    deadline = time.monotonic() + HOLD_DEADLINE_S
+    while hold.exists():
+        if time.monotonic() > deadline:
+            logger.warning("kvevict: %s held the step for %.0f s; going on", os.fspath(hold), HOLD_DEADLINE_S)
+            return
+        time.sleep(0.01)

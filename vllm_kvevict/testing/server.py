@@ -175,8 +175,9 @@ class VLLMServer:
         paused, one after another, each once the previous has reached the engine, then resume it:
         the scheduler sees them all waiting at once and in this order, whatever the timing of the
         client threads. Returns their futures. Needs ``VLLM_SERVER_DEV_MODE=1`` (vLLM's /pause and
-        /resume) and ``--enable-log-requests``."""
-        assert self.post("/pause?mode=keep") == 200
+        /resume) and ``--enable-log-requests``. ``clear_cache=false``: vLLM's default would also
+        preempt the running requests and empty the prefix cache."""
+        assert self.post("/pause?mode=keep&clear_cache=false") == 200
         futures = []
         try:
             for call in calls:
@@ -187,30 +188,38 @@ class VLLMServer:
             assert self.post("/resume") == 200
         return futures
 
-    def abort_mid_prefill(self, body: dict, started: Callable[[], bool], timeout: float = 120.0) -> None:
+    def abort_mid_prefill(self, body: dict, timeout: float = 120.0) -> str:
         """A client that disconnects in the middle of its request's prefill, whatever the speed of the
-        machine: send ``body`` to /v1/completions streamed, wait until ``started()`` shows the
-        prefill under way (a first compaction, say), pause the scheduler keeping its requests (no
-        further step runs, so the prefill cannot finish), close the connection, wait until the API
-        server has aborted the request, resume. Needs ``VLLM_SERVER_DEV_MODE=1`` and
-        ``--enable-log-requests``."""
-        aborted = self.log().count("Aborted request")
+        machine. The server must run with ``KVEVICT_TEST_HOLD=<dir>`` and ``--enable-log-requests``:
+        creates ``<dir>/hold``, sends ``body`` to /v1/completions streamed, waits until the worker
+        holds a step on the request's moved window (``<dir>/held``: eviction has run and the prefill
+        cannot go on), closes the connection, waits until the API server has aborted the request,
+        and lets the engine go on (the engine core takes the abort before its next step). Returns
+        the request id the engine knew (``cmpl-<id>-0-...``: the release line's prefix)."""
+        hold_dir = Path(self.env["KVEVICT_TEST_HOLD"])
+        hold_dir.mkdir(parents=True, exist_ok=True)
+        hold, held = hold_dir / "hold", hold_dir / "held"
+        held.unlink(missing_ok=True)
+        hold.touch()
+        rid = f"abort-{time.monotonic_ns()}"
         conn = http.client.HTTPConnection("127.0.0.1", self.port, timeout=timeout)
         try:
-            conn.request("POST", "/v1/completions", json.dumps({**body, "stream": True}),
+            conn.request("POST", "/v1/completions", json.dumps({**body, "stream": True, "request_id": rid}),
                          {"Content-Type": "application/json"})
             resp = conn.getresponse()  # the headers: the request passed validation and is running
             if resp.status != 200:
                 raise AssertionError(f"HTTP {resp.status}: {resp.read()[:300]!r}")
-            wait_until(started, timeout, "the request's prefill under way")
-            assert self.post("/pause?mode=keep") == 200
+            wait_until(held.exists, timeout, "a worker step held mid-prefill")
+            if conn.sock is not None:
+                conn.sock.shutdown(socket.SHUT_RDWR)
+            conn.close()
+            wait_until(lambda: any(line in self.log() for line in (f"Aborted request(s) cmpl-{rid}-0",
+                                                                    f"Request cmpl-{rid}-0 aborted")),
+                       timeout, "the API server aborting the disconnected request")
         finally:
             conn.close()
-        try:
-            wait_until(lambda: self.log().count("Aborted request") > aborted, timeout,
-                       "the API server aborting the disconnected request")
-        finally:
-            assert self.post("/resume") == 200
+            hold.unlink(missing_ok=True)
+        return f"cmpl-{rid}-0"
 
     def tail(self, n: int = 60) -> str:
         return "\n".join(self.log().splitlines()[-n:])
