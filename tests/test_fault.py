@@ -93,3 +93,26 @@ def test_injection_is_off_by_default(monkeypatch):
     monkeypatch.delenv(fault.TEST_FAULT_ENV, raising=False)
     p = fault.SAFE_POLICY
     assert fault.maybe_faulty(p) is p
+
+
+def test_hold_waits_on_a_moved_window_until_the_file_goes(monkeypatch, tmp_path):
+    """KVEVICT_TEST_HOLD (what tests/engine use to disconnect a client mid-prefill): a step whose
+    window has moved waits while ``hold`` exists, after creating ``held``; other steps never wait."""
+    from concurrent.futures import ThreadPoolExecutor
+    from types import SimpleNamespace
+
+    from vllm_kvevict.testing.server import wait_until
+
+    moved, fresh = SimpleNamespace(e_prev=[0, 64]), SimpleNamespace(e_prev=[0, 0])
+    fault.hold_if_asked(moved)  # unset: returns at once
+    monkeypatch.setenv("KVEVICT_TEST_HOLD", str(tmp_path))
+    fault.hold_if_asked(moved)  # no hold file: returns at once
+    (tmp_path / "hold").touch()
+    fault.hold_if_asked(fresh)  # nothing evicted yet: returns at once
+    assert not (tmp_path / "held").exists()
+    with ThreadPoolExecutor(1) as pool:
+        step = pool.submit(fault.hold_if_asked, moved)
+        wait_until((tmp_path / "held").exists, 30, "the step held")
+        assert not step.done()
+        (tmp_path / "hold").unlink()
+        step.result(timeout=30)
