@@ -19,7 +19,7 @@ import pytest
 
 from tests.conftest import CPU_SERVER_ARGS
 from tests.engine.evict_common import check_against_reference, complete, make_prompt
-from tests.engine.test_memory import RELEASED
+from tests.engine.test_memory import RELEASED, released_line
 from vllm_kvevict.testing.hf_reference import attempts_for, load_attempts
 from vllm_kvevict.testing.server import VLLMServer, wait_until
 from vllm_kvevict.window import WindowConfig, window_bound_blocks
@@ -116,9 +116,7 @@ def test_tier_is_emptied_on_finish_and_abort(server, hf_model):
     # holds tokens): its tier goes with it
     rid = server.abort_mid_prefill({"model": server.served_model_name, "prompt": make_prompt(20000, 8, vocab),
                                     "max_tokens": 4})
-    wait_until(lambda: any(m[0].startswith(rid + "-") for m in RELEASED.findall(server.log())), 120,
-               "the aborted request's release line")
-    freed = int([m for m in RELEASED.findall(server.log()) if m[0].startswith(rid + "-")][-1][1])
+    freed = released_line(server, rid, 120)[1]
     assert 0 < freed < (20000 - BUDGET) // BS - 2, f"not released mid-prefill: {freed} blocks freed"
     out = complete(server, make_prompt(900, 6, vocab), 8)
     # the next step after a request ends drops its tier; a short request without recall makes one
