@@ -8,13 +8,16 @@ whose ``remove_skipped_blocks`` (called from ``KVCacheManager.allocate_slots`` w
 ``[0, E / block_size)`` with ``E = evicted_tokens(...)``, exactly as sliding-window attention does.
 
 Prefix caching (docs/architecture.md, "Prefix caching"): a block enters vLLM's prefix cache only
-when its KV is what its hash says and will never be rewritten. For a request whose window may
-evict, that is every block it computed before its first compaction and that the first compaction
-frees (``[shared, E1)``: hashed as the window moves past them, so they go back to the pool as
-free-but-cached blocks), and, if it never compacts, every full block (hashed when it is freed).
-Blocks its compactions write, and blocks computed after it first evicted (their KV depends on
-what was evicted), are never hashed. A prefix-cache hit is held read-only: ``E`` waits until it
-can move past it (``window.evicted_tokens(..., shared)``).
+when its KV is what its hash says and will never be rewritten. Whether that holds is decided from
+the schedule, never from what the engine core later sees of a step: for every step the scheduler
+schedules, ``allocate_slots`` tells the manager the tokens the workers will have computed after it
+(:meth:`KVEvictManager.scheduled`), so the core knows the ``E`` every step reaches. The first step
+scheduled with ``E > 0`` fences the attempt at ``E1``: blocks ``[0, E1)`` (computed before anything
+was evicted, never written by a compaction) are hashed then; no block at or after ``E1`` is ever
+hashed. A request freed before any scheduled step compacts hashes every full block it computed.
+This holds whatever happens between a step and the core's next look at the request (it finishes,
+is aborted or preempted, or sits out rounds; async scheduling). A prefix-cache hit is held
+read-only: ``E`` waits until it can move past it (``window.evicted_tokens(..., shared)``).
 """
 
 from __future__ import annotations
@@ -81,20 +84,34 @@ class KVEvictSpec(FullAttentionSpec):
         return cls.from_spec(merged, first.config, first.evict_max_in_flight)
 
 
+@dataclass
+class _Attempt:
+    """The engine core's record of one attempt of a request (from its first allocation to its free)."""
+
+    nulled: int = 0  # leading blocks nulled and freed by ``remove_skipped_blocks``
+    peak: int = 0  # most blocks held at once
+    #: ``E`` the workers reach after the last step scheduled for the request (from the schedule)
+    scheduled_e: int = 0
+    #: ``E1``, the first compaction point scheduled in this attempt: no block at or after it is
+    #: ever hashed (None while no scheduled step compacts)
+    fence: int | None = None
+
+
 class KVEvictManager(FullAttentionManager):
-    """Frees the blocks of evicted tokens as soon as the processed-token count crosses a trigger."""
+    """Frees the blocks of evicted tokens as soon as the processed-token count crosses a trigger,
+    and hashes for vLLM's prefix cache only what no compaction can have written (see the module
+    docstring and docs/architecture.md, "Prefix caching")."""
 
     def __init__(self, kv_cache_spec: KVEvictSpec, **kwargs) -> None:
         super().__init__(kv_cache_spec, **kwargs)
         # vLLM 0.32 passes the admission cap only to its own recycling specs; set ours the same way.
         if self.max_admission_blocks_per_request is None:
             self.max_admission_blocks_per_request = kv_cache_spec.max_admission_blocks_per_request()
-        # Per request: [leading blocks nulled (= freed by eviction), peak blocks held].
-        self._stats: dict[str, list[int]] = {}
+        self._attempts: dict[str, _Attempt] = {}
         #: Peak of blocks in use in the whole pool (vLLM's free-block count), since start.
         self.pool_peak_used = 0
         self._in_free = False
-        self._popped: list[int] | None = None
+        self._popped: _Attempt | None = None
         #: requests that evict: request id -> (blocks held, window bound), for the gauges
         self._windows: dict[str, tuple[int, int]] = {}
         # One manager per process records (a model with several kvevict KV cache groups has one
@@ -105,15 +122,16 @@ class KVEvictManager(FullAttentionManager):
 
     def _held(self, request_id: str) -> int:
         # The nulled blocks are exactly a prefix of vLLM's block list (the evicted window start).
-        st = self._stats.get(request_id)
-        return len(self.req_to_blocks.get(request_id, ())) - (st[0] if st else 0)
+        att = self._attempts.get(request_id)
+        return len(self.req_to_blocks.get(request_id, ())) - (att.nulled if att else 0)
 
     def allocate_new_blocks(self, request_id: str, num_tokens: int, num_tokens_main_model: int):
         new = super().allocate_new_blocks(request_id, num_tokens, num_tokens_main_model)
-        if request_id not in self._stats:  # the first allocation of an attempt
+        att = self._attempts.get(request_id)
+        if att is None:  # the first allocation of an attempt
+            att = self._attempts[request_id] = _Attempt()
             self._count_hit(request_id)
-        st = self._stats.setdefault(request_id, [0, 0])
-        st[1] = max(st[1], self._held(request_id))
+        att.peak = max(att.peak, self._held(request_id))
         pool = self.block_pool
         self.pool_peak_used = max(self.pool_peak_used, pool.num_gpu_blocks - 1 - pool.get_num_free_blocks())
         self._track_window(request_id)
@@ -122,9 +140,11 @@ class KVEvictManager(FullAttentionManager):
     def _count_hit(self, request_id: str) -> None:
         shared = SHARED.get(request_id, 0)
         if self._metrics is not None and shared > 0 and self.window_for(request_id).enabled:
-            policy = request_config(self.kv_cache_spec.config, REQUEST_OVERRIDES.get(request_id) or None).policy
-            self._metrics.inc("prefix_hits", policy)
-            self._metrics.inc("prefix_hit_tokens", policy, shared)
+            self._metrics.inc("prefix_hits", self._policy_name(request_id))
+            self._metrics.inc("prefix_hit_tokens", self._policy_name(request_id), shared)
+
+    def _policy_name(self, request_id: str) -> str:
+        return request_config(self.kv_cache_spec.config, REQUEST_OVERRIDES.get(request_id) or None).policy
 
     def _track_window(self, request_id: str, gone: bool = False) -> None:
         """Keep the gauges of blocks held by requests with a bounded window, and of their bounds, current."""
@@ -157,18 +177,49 @@ class KVEvictManager(FullAttentionManager):
         finally:
             self.max_admission_blocks_per_request = server_cap
 
+    def scheduled(self, request, num_tokens: int) -> None:
+        """The scheduler has scheduled a step after which the workers will have computed
+        ``num_tokens`` of the request's tokens; they compact in it when its ``E`` exceeds the last
+        scheduled step's (the same pure function, on the same integers, as on the workers:
+        ``backends/plan.py``). Decided here, from the schedule, never from what the core later
+        sees of the step: the request may finish, be aborted or preempted, or sit out rounds
+        before the core hears of its processed tokens again.
+
+        The first compaction point ``E1`` of the attempt fences the prefix cache: blocks ``[0, E1)``
+        were computed with nothing evicted and no compaction ever writes them (every compaction
+        writes ``[E, L)`` with ``E >= E1``), so they are hashed now; no block at or after ``E1`` is
+        ever hashed in this attempt (the first compaction rewrites ``[E1, L1)``, and everything
+        computed after it attended to a window)."""
+        rid = request.request_id
+        window = self.window_for(rid)
+        att = self._attempts.get(rid)
+        if not window.enabled or att is None:
+            return
+        e = evicted_tokens(num_tokens, request.num_prompt_tokens, window, SHARED.get(rid, 0))
+        if e <= att.scheduled_e:
+            return
+        if att.fence is None:
+            att.fence = e
+            self._cache_pure(request, e)
+        if self._metrics is not None:  # one compaction on the workers, in the step just scheduled
+            policy, freed = self._policy_name(rid), (e - att.scheduled_e) // self.block_size
+            self._metrics.inc("blocks_freed", policy, freed)
+            self._metrics.inc("tokens_evicted", policy, freed * self.block_size)
+            self._metrics.inc("compactions", policy)
+        att.scheduled_e = e
+
     def pop_blocks_for_free(self, request_id: str):
         """vLLM's last call for a request on both of its free paths: ``free`` (blocks go back to
         the pool now) and the deferred one (``Scheduler._free_request_blocks`` hands them back
         after an in-flight step). The request's bookkeeping ends here either way."""
-        self._cache_if_never_compacted(request_id)
+        self._cache_at_free(request_id)
         blocks = super().pop_blocks_for_free(request_id)
-        st = self._stats.pop(request_id, None)
+        att = self._attempts.pop(request_id, None)
         self._track_window(request_id, gone=True)
         if self._in_free:
-            self._popped = st  # logged by free() once the blocks are back in the pool
-        elif st is not None:
-            self._log_release(request_id, st)
+            self._popped = att  # logged by free() once the blocks are back in the pool
+        elif att is not None:
+            self._log_release(request_id, att)
         return blocks
 
     def free(self, request_id: str) -> None:
@@ -177,11 +228,11 @@ class KVEvictManager(FullAttentionManager):
             super().free(request_id)
         finally:
             self._in_free = False
-        st, self._popped = self._popped, None
-        if st is not None:
-            self._log_release(request_id, st)
+        att, self._popped = self._popped, None
+        if att is not None:
+            self._log_release(request_id, att)
 
-    def _log_release(self, request_id: str, st: list[int]) -> None:
+    def _log_release(self, request_id: str, att: _Attempt) -> None:
         """Once per request (and per preemption), whether it evicted or not."""
         pool = self.block_pool
         cfg = request_config(self.kv_cache_spec.config, REQUEST_OVERRIDES.get(request_id) or None)
@@ -189,7 +240,7 @@ class KVEvictManager(FullAttentionManager):
         logger.info(
             "kvevict: request %s released: %d blocks freed by eviction, peak %d blocks held "
             "(window bound %s); pool %d/%d blocks free, peak %d used; policy %s, budget %d",
-            request_id, st[0], st[1], bound, pool.get_num_free_blocks(),
+            request_id, att.scheduled_e // self.block_size, att.peak, bound, pool.get_num_free_blocks(),
             pool.num_gpu_blocks - 1, self.pool_peak_used, cfg.policy if cfg.eviction_active else "none",
             cfg.budget,
         )
@@ -197,7 +248,7 @@ class KVEvictManager(FullAttentionManager):
     @property
     def tracked_requests(self) -> int:
         """Requests this manager holds bookkeeping for (0 when nothing is allocated)."""
-        return len(self._stats)
+        return len(self._attempts)
 
     def window_for(self, request_id: str) -> WindowConfig:
         """The server's window, or the request's own when it overrides policy/budget/enabled."""
@@ -209,58 +260,54 @@ class KVEvictManager(FullAttentionManager):
     def remove_skipped_blocks(
         self, request_id: str, processed_computed_tokens: int, num_prompt_tokens: int | None = None
     ) -> None:
+        """Free the blocks the window has left once the workers have processed the step that left
+        them (vLLM passes processed tokens: an in-flight step still reads its window). Memory
+        only: what is hashed is decided from the schedule (:meth:`scheduled`)."""
         window = self.window_for(request_id)
         if num_prompt_tokens is None:
             if window.trigger != "chunked" or not window.decode:
                 return  # E depends on the prompt length; without it, free nothing (never too much)
             num_prompt_tokens = processed_computed_tokens
         e = evicted_tokens(processed_computed_tokens, num_prompt_tokens, window, SHARED.get(request_id, 0))
-        if e <= 0:
-            return
         blocks = self.req_to_blocks.get(request_id)
-        if blocks is None:
+        att = self._attempts.get(request_id)
+        if e <= 0 or blocks is None or att is None:
             return
         n_evicted = min(e // self.block_size, len(blocks))
-        st = self._stats.setdefault(request_id, [0, 0])
-        if st[0] == 0 and n_evicted > 0:
-            # The first compaction: the blocks it frees were computed before anything was evicted
-            # and were never rewritten: hash them now, so they go back as free-but-cached blocks.
-            self._cache_pure(request_id, n_evicted * self.block_size)
         # Backward scan that stops at the first null block: frees exactly [E_prev/bs, E/bs).
         self._remove_blocks_in_range(request_id, 0, n_evicted)
-        freed = n_evicted - st[0]
-        st[0] = max(st[0], n_evicted)
-        if freed > 0 and self._metrics is not None:  # the window moved: one compaction on the workers
-            policy = request_config(self.kv_cache_spec.config, REQUEST_OVERRIDES.get(request_id) or None).policy
-            self._metrics.inc("blocks_freed", policy, freed)
-            self._metrics.inc("tokens_evicted", policy, freed * self.block_size)
-            self._metrics.inc("compactions", policy)
+        if n_evicted > att.nulled:
+            att.nulled = n_evicted
             self._track_window(request_id)
 
     def cache_blocks(self, request, num_tokens, retention_interval=None, *, replay_boundaries) -> None:
-        """vLLM hashes the blocks a step fills as it schedules the step. A request whose window
-        may evict hashes nothing here (a block it computes now may be rewritten by its compaction
-        or computed after an eviction); its pure blocks are hashed when they leave the window or
-        when it is freed (:meth:`_cache_pure`). Any other request: vLLM's own caching."""
+        """vLLM hashes the blocks a step fills as it schedules the step (and, with async
+        scheduling, as outputs arrive). A request whose window may evict hashes nothing here: its
+        pure blocks are hashed when its first compaction is scheduled (:meth:`scheduled`) or when
+        it is freed (:meth:`_cache_at_free`). Any other request: vLLM's own caching."""
         if self.window_for(request.request_id).enabled:
             return
         super().cache_blocks(request, num_tokens, retention_interval, replay_boundaries=replay_boundaries)
 
-    def _cache_pure(self, request_id: str, num_tokens: int) -> None:
-        """Hash the request's blocks up to ``num_tokens`` (a multiple of the block size), whose KV
-        is what vLLM would compute for their tokens without eviction."""
-        request = REQUESTS.get(request_id)
-        if not self.enable_caching or request is None or num_tokens <= 0:
+    def _cache_pure(self, request, num_tokens: int) -> None:
+        """Hash the request's full blocks below ``num_tokens``, whose KV is what vLLM computes for
+        their tokens without eviction (never beyond the tokens the request knows: vLLM hashes
+        only those)."""
+        if not self.enable_caching or num_tokens <= 0:
             return
-        super().cache_blocks(request, num_tokens, replay_boundaries=())
+        num_tokens = min(num_tokens, len(request.block_hashes) * self.block_size, request.num_tokens)
+        super().cache_blocks(request, num_tokens // self.block_size * self.block_size, replay_boundaries=())
 
-    def _cache_if_never_compacted(self, request_id: str) -> None:
-        """A request freed before its first compaction computed every block without eviction."""
-        st = self._stats.get(request_id)
+    def _cache_at_free(self, request_id: str) -> None:
+        """When a request with an evicting window is freed (finished, aborted, preempted), every
+        step it will ever run has been scheduled: its blocks below the fence (all of them when no
+        scheduled step compacted) were computed without eviction and are never written again."""
+        att = self._attempts.get(request_id)
         request = REQUESTS.get(request_id)
-        if request is not None and (st is None or st[0] == 0) and self.window_for(request_id).enabled:
-            computed = min(request.num_computed_tokens, len(self.req_to_blocks.get(request_id, ())) * self.block_size)
-            self._cache_pure(request_id, computed // self.block_size * self.block_size)
+        if request is None or att is None or not self.window_for(request_id).enabled:
+            return
+        computed = min(request.num_computed_tokens, len(self.req_to_blocks.get(request_id, ())) * self.block_size)
+        self._cache_pure(request, computed if att.fence is None else min(att.fence, computed))
 
     def usable_hit(self, request, num_tokens: int) -> int:
         """How many of ``num_tokens`` prefix-cache hit tokens the request may use: all of them
@@ -312,11 +359,17 @@ def install_scheduler_hooks() -> None:
 
     def on_prefix_hit(request, num_tokens: int, managers: list) -> int:
         ours = [m for m in managers if isinstance(m, KVEvictManager)]
-        allowed = min([m.usable_hit(request, num_tokens) for m in ours], default=num_tokens)
-        SHARED[request.request_id] = allowed
-        return allowed
+        return min([m.usable_hit(request, num_tokens) for m in ours], default=num_tokens)
 
-    vllm_kv_cache.install_request_hooks(on_allocate, on_end, on_prefix_hit)
+    def on_hit(request, num_tokens: int) -> None:
+        SHARED[request.request_id] = num_tokens
+
+    def on_scheduled(request, num_tokens: int, managers: list) -> None:
+        for m in managers:
+            if isinstance(m, KVEvictManager):
+                m.scheduled(request, num_tokens)
+
+    vllm_kv_cache.install_request_hooks(on_allocate, on_end, on_prefix_hit, on_scheduled, on_hit)
 
 
 def register_spec() -> None:

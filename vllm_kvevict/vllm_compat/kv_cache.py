@@ -44,24 +44,46 @@ def install_request_hooks(
     on_allocate: Callable[[object], None],
     on_end: Callable[[str], None],
     on_prefix_hit: Callable[[object, int, list], int],
+    on_scheduled: Callable[[object, int, list], None],
+    on_hit: Callable[[object, int], None],
 ) -> None:
     """The single-type managers only see request ids; ``KVCacheManager`` sees the request.
 
-    ``on_allocate(request)`` runs before every ``allocate_slots``; ``on_end(request_id)`` after
-    ``free`` and after ``pop_blocks_for_free`` (the deferred-free path of
+    ``on_allocate(request)`` runs before every ``allocate_slots``; ``on_scheduled(request, L,
+    single_type_managers)`` after every ``allocate_slots`` that succeeded, i.e. for every step the
+    scheduler schedules the request in, with ``L`` the tokens whose KV the workers will have
+    computed once that step has run (the request's computed tokens, the hit it adopts in this
+    step, and the step's new tokens: vLLM's own sum in ``allocate_slots``); ``on_end(request_id)``
+    after ``free`` and after ``pop_blocks_for_free`` (the deferred-free path of
     ``Scheduler._free_request_blocks``), so per-request state ends on both of vLLM's free paths;
     ``on_prefix_hit(request, num_tokens, single_type_managers)`` sees every prefix-cache lookup
     (``get_computed_blocks``, run when a request is scheduled from the waiting queue: new or
     preempted) and returns how many of the hit tokens the request may use (a multiple of the block
-    size, at most ``num_tokens``); the hit is cut to that. vLLM 0.32/0.33: ``get_computed_blocks``
-    returns ``(KVCacheBlocks, num_tokens, shared_prefix_boundary)``.
+    size, at most ``num_tokens``); a hit that must be cut is looked up again through vLLM's
+    coordinator with that maximum length (``find_longest_cache_hit``, which keeps every KV cache
+    group consistent: a sliding-window group's blocks at the end of the shorter hit, groups of
+    other block sizes aligned), and ``on_hit(request, num_tokens)`` gets the hit the lookup
+    returns. vLLM 0.32/0.33: ``get_computed_blocks`` returns ``(KVCacheBlocks, num_tokens,
+    shared_prefix_boundary)``; ``find_longest_cache_hit(block_hashes, max_length)`` returns
+    ``(blocks, num_tokens, num_uncached)``.
     """
+    import inspect
+
     from vllm.v1.core.kv_cache_manager import KVCacheManager
 
     def make_allocate(orig):
+        signature = inspect.signature(orig)
+
         def allocate_slots(self, request, *args, **kwargs):
             on_allocate(request)
-            return orig(self, request, *args, **kwargs)
+            computed = request.num_computed_tokens  # before the call: vLLM advances it after scheduling
+            blocks = orig(self, request, *args, **kwargs)
+            if blocks is not None:
+                a = signature.bind(self, request, *args, **kwargs).arguments
+                hit = a.get("num_new_computed_tokens", 0) + a.get("num_external_computed_tokens", 0)
+                L = min(computed + hit, self.max_model_len) + a["num_new_tokens"]
+                on_scheduled(request, L, list(self.coordinator.single_type_managers))
+            return blocks
 
         return allocate_slots
 
@@ -80,14 +102,18 @@ def install_request_hooks(
             managers = list(self.coordinator.single_type_managers)
             allowed = on_prefix_hit(request, num_tokens, managers)
             if allowed < num_tokens:
-                keep = [allowed // m.block_size for m in managers]
-                blocks = self.create_kv_cache_blocks(tuple(list(g[:k]) for g, k in zip(blocks.blocks, keep)))
-                num_tokens, boundary = allowed, 0
+                if allowed > 0:
+                    hit, num_tokens, uncached = self.coordinator.find_longest_cache_hit(request.block_hashes, allowed)
+                    blocks, boundary = self.create_kv_cache_blocks(hit), (num_tokens + uncached if uncached else 0)
+                else:
+                    blocks, num_tokens, boundary = self.empty_kv_cache_blocks, 0, 0
+            on_hit(request, num_tokens)
             return blocks, num_tokens, boundary
 
         return get_computed_blocks
 
-    wrap_method(KVCacheManager, "allocate_slots", make_allocate, "kvevict: record each request's overrides")
+    wrap_method(KVCacheManager, "allocate_slots", make_allocate,
+                "kvevict: record each request's overrides; the window each scheduled step reaches")
     wrap_method(KVCacheManager, "free", make_end, "kvevict: forget a request's overrides")
     wrap_method(KVCacheManager, "pop_blocks_for_free", make_end, "kvevict: forget a request's overrides (deferred free)")
     wrap_method(KVCacheManager, "get_computed_blocks", make_lookup, "kvevict: prefix-cache hits a window can use")

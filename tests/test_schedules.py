@@ -1,0 +1,444 @@
+"""Prefix caching stays exact under any schedule (docs/architecture.md, "Prefix caching").
+
+vLLM's real ``Scheduler`` (and ``AsyncScheduler``, whose next step is scheduled before the previous
+one's output is seen) with its real ``KVCacheManager``, the plugin's manager and hooks installed,
+driven through random mixes of requests by a stand-in worker. The stand-in plans every step with
+the workers' own code (``backends/plan.plan_step``: the same windows, hits and attempt starts as
+a real worker) and, instead of computing KV, writes a label into every slot it computes or
+compacts: a *pure* label (a digest of the token prefix up to that slot) for KV computed while
+its attempt had evicted nothing, a label of its own otherwise. Then, at every step:
+
+* every slot a request reads (its window ``[E_prev, L_prev)``, a prefix-cache hit included) holds
+  exactly what that request wrote there, or, for a hit, the pure KV of its own tokens;
+* every block in vLLM's prefix cache holds the pure KV of the tokens its hash names, once the step
+  that computes it has run, and no step after the one it was hashed in writes it.
+
+Random mixes (hypothesis): prompts that share documents or continue earlier conversations
+(prompt and generated tokens), one-token requests, EOS, aborts at any point, a pool small enough
+to preempt, chunked prefill with small token budgets (requests sit out rounds), per-request
+policies, budgets and triggers (per-slot state, ``once``, eviction off), synchronous and
+asynchronous scheduling, and prefix-cache hits everywhere.
+"""
+
+from __future__ import annotations
+
+import hashlib
+import random
+from dataclasses import dataclass, field
+from types import SimpleNamespace
+
+import pytest
+
+pytest.importorskip("vllm")
+
+import torch  # noqa: E402
+from hypothesis import HealthCheck, given, settings  # noqa: E402
+from hypothesis import strategies as st  # noqa: E402
+from vllm.sampling_params import SamplingParams  # noqa: E402
+from vllm.utils.hashing import get_hash_fn_by_name  # noqa: E402
+from vllm.v1.core.kv_cache_utils import get_block_hash, get_request_block_hasher, init_none_hash  # noqa: E402
+from vllm.v1.core.sched.async_scheduler import AsyncScheduler  # noqa: E402
+from vllm.v1.core.sched.scheduler import Scheduler  # noqa: E402
+from vllm.v1.kv_cache_interface import FullAttentionSpec, KVCacheConfig, KVCacheGroupSpec  # noqa: E402
+from vllm.v1.outputs import ModelRunnerOutput  # noqa: E402
+from vllm.v1.request import Request, RequestStatus  # noqa: E402
+
+from vllm_kvevict.backends import plan as worker_plan  # noqa: E402
+from vllm_kvevict.config import parse_config, request_config, request_overrides  # noqa: E402
+from vllm_kvevict.scheduler import manager as mgr  # noqa: E402
+from vllm_kvevict.vllm_compat.runner import RunnerStep  # noqa: E402
+from vllm_kvevict.window import peak_blocks  # noqa: E402
+
+BS = 16
+EOS = 2
+VOCAB = 50
+MAX_LEN = 1024
+SERVER = {"policy": "keydiff", "budget": 48}
+#: per-request overrides the mixes draw from: the server's window, smaller and larger budgets,
+#: eviction off, a policy with per-slot state (no hits), a ``once`` policy, a policy with a query
+#: window, a ``once`` trigger
+OVERRIDES = [
+    {}, {"kvevict_budget": 32}, {"kvevict_budget": 96}, {"kvevict_enabled": False},
+    {"kvevict_policy": "h2o"}, {"kvevict_policy": "criticalkv"}, {"kvevict_policy": "snapkv"},
+    {"kvevict_trigger": "once"},
+]
+
+
+@pytest.fixture(scope="module")
+def vllm_config():
+    from vllm.config import CacheConfig, ModelConfig, SchedulerConfig, VllmConfig
+
+    from vllm_kvevict.testing.models import tiny_path
+
+    mgr.register_spec()
+    mgr.install_scheduler_hooks()
+    model = ModelConfig(model=str(tiny_path()), skip_tokenizer_init=True, max_model_len=MAX_LEN, dtype="float32")
+
+    def make(max_batched: int, max_seqs: int, reserve_full_isl: bool) -> VllmConfig:
+        sched = SchedulerConfig(max_num_seqs=max_seqs, max_num_batched_tokens=max_batched, max_model_len=MAX_LEN,
+                                enable_chunked_prefill=True, is_encoder_decoder=False,
+                                scheduler_reserve_full_isl=reserve_full_isl)
+        return VllmConfig(scheduler_config=sched, model_config=model,
+                          cache_config=CacheConfig(block_size=BS, enable_prefix_caching=True))
+
+    init_none_hash(get_hash_fn_by_name("sha256"))
+    return make
+
+
+def _digest(prev: bytes, token: int) -> bytes:
+    return hashlib.blake2b(prev + token.to_bytes(4, "little"), digest_size=8).digest()
+
+
+def _prefix_digests(tokens: list[int]) -> list[bytes]:
+    """Per position p, a digest of ``tokens[: p + 1]``: the label of the pure KV of slot p."""
+    out, d = [], b""
+    for t in tokens:
+        d = _digest(d, t)
+        out.append(d)
+    return out
+
+
+def _token(rid: str, pos: int, eos_rate: float) -> int:
+    """What the stand-in model samples at ``pos`` for request ``rid``: a fixed function of both,
+    so a step scheduled before the previous step's output is known (async scheduling) agrees
+    with what the scheduler later learns."""
+    r = random.Random(f"{rid}/{pos}")
+    return EOS if r.random() < eos_rate else r.randrange(3, VOCAB)
+
+
+@dataclass
+class Attempt:
+    """The stand-in worker's state of one attempt of a request."""
+
+    uid: int
+    blocks: list[int]
+    tokens: list[int]  # the tokens the worker knows (prompt, then what it sampled)
+    expected: dict[int, object] = field(default_factory=dict)  # logical slot -> the label it must hold
+    evicted: bool = False  # a compaction has run in this attempt
+
+
+class StandInWorker:
+    """Runs scheduled steps as a worker would, writing labels instead of KV, and checks every read."""
+
+    def __init__(self, server_config, eos_rates: dict[str, float], prompts: dict[str, list[int]]):
+        self.server_config = server_config
+        self.eos_rates = eos_rates
+        self.prompts = prompts
+        self.slots: dict[tuple[int, int], object] = {}  # (block id, offset) -> label
+        self.attempts: dict[str, Attempt] = {}
+        self.uids = 0
+        self.step_seq = 0
+        self.hash_stamp: dict[int, tuple[object, int]] = {}  # block id -> (its hash, step it was hashed in)
+        self.compactions = 0
+        self.hit_reads = 0
+        self.last_step: dict[str, int] = {}  # request id -> the last step it ran in
+        self.compacted_in: dict[str, list[int]] = {}  # request id -> the steps its current attempt compacted in
+        self.paths: set[str] = set()  # the schedule-dependent paths this run went through
+        self.violations: list[str] = []
+
+    def _fail(self, msg: str) -> None:
+        self.violations.append(f"step {self.step_seq}: {msg}")
+
+    def _write(self, block: int, offset: int, label) -> None:
+        stamp = self.hash_stamp.get(block)
+        if stamp is not None and stamp[1] < self.step_seq:
+            self._fail(f"block {block} written after it was hashed in step {stamp[1]}")
+        self.slots[(block, offset)] = label
+
+    def execute(self, out, finished_before: set[str]) -> ModelRunnerOutput:
+        self.step_seq += 1
+        for rid in out.finished_req_ids:
+            self.attempts.pop(rid, None)
+        starts: set[str] = set()
+        for new in out.scheduled_new_reqs:
+            self.uids += 1
+            self.attempts[new.req_id] = Attempt(self.uids, list(new.block_ids[0]), list(new.prompt_token_ids))
+            starts.add(new.req_id)
+            self.compacted_in[new.req_id] = []
+        cached = out.scheduled_cached_reqs
+        for i, rid in enumerate(cached.req_ids):
+            ids = cached.new_block_ids[i]
+            if rid in cached.resumed_req_ids:
+                self.uids += 1
+                tokens = list(cached.all_token_ids.get(rid) or self.prompts[rid])
+                self.attempts[rid] = Attempt(self.uids, list(ids[0]) if ids else [], tokens)
+                starts.add(rid)
+                self.compacted_in[rid] = []
+            elif ids is not None:
+                self.attempts[rid].blocks.extend(ids[0])
+        computed = {n.req_id: n.num_computed_tokens for n in out.scheduled_new_reqs}
+        computed.update(zip(cached.req_ids, cached.num_computed_tokens))
+        rids = list(out.num_scheduled_tokens)
+        n_sched = [out.num_scheduled_tokens[r] for r in rids]
+        L_prev = [computed[r] for r in rids]
+        seq = [a + b for a, b in zip(L_prev, n_sched)]
+        qsl = [0]
+        for n in n_sched:
+            qsl.append(qsl[-1] + n)
+        # The workers' own planning code decides every window (and each attempt's shared prefix).
+        cm = SimpleNamespace(num_reqs=len(rids), seq_lens=torch.tensor(seq), query_start_loc_cpu=torch.tensor(qsl),
+                             num_actual_tokens=qsl[-1], block_table_tensor=torch.zeros(len(rids), 1),
+                             slot_mapping=torch.zeros(qsl[-1]), positions=None)
+        step = RunnerStep(req_ids=rids, prompt_lens=[len(self.prompts[r]) for r in rids],
+                          num_tokens=[len(self.attempts[r].tokens) for r in rids],
+                          extra_args=[self.extra_args[r] for r in rids], live=frozenset(self.attempts),
+                          starts=frozenset(starts))
+        plan = worker_plan.plan_step(cm, self.server_config, BS, step)
+        sampled: list[list[int]] = []
+        for r, rid in enumerate(rids):
+            att = self.attempts[rid]
+            e_prev, e_new, L0, L = plan.e_prev[r], plan.e_new[r], L_prev[r], seq[r]
+            pure = _prefix_digests(att.tokens[:L0]) if rid in starts and L0 else None
+            if pure is not None:  # an attempt that starts on a hit reads pure KV of its own tokens
+                for q in range(L0):
+                    att.expected[q] = ("pure", pure[q])
+                self.hit_reads += 1
+            for q in range(e_prev, L0):  # attention reads the window
+                got = self.slots.get((att.blocks[q // BS], q % BS))
+                if got != att.expected.get(q):
+                    self._fail(f"{rid} reads slot {q} (block {att.blocks[q // BS]}): {got} != {att.expected.get(q)}")
+                    break
+            digests = _prefix_digests(att.tokens[:L]) if not att.evicted else None
+            for p in range(L0, L):
+                label = ("pure", digests[p]) if digests is not None else ("impure", att.uid, p)
+                self._write(att.blocks[p // BS], p % BS, label)
+                att.expected[p] = label
+            self.last_step[rid] = self.step_seq
+            if e_new > e_prev:  # compaction rewrites [E_new, L) in place
+                self.compactions += 1
+                steps = self.compacted_in[rid]
+                steps.append(self.step_seq)
+                if len(steps) == 2 and steps[1] == steps[0] + 1 and self.async_scheduling:
+                    self.paths.add("compacted twice before the core saw the first")
+                att.evicted = True
+                for q in range(e_new, L):
+                    label = ("compacted", att.uid, self.step_seq, q)
+                    self._write(att.blocks[q // BS], q % BS, label)
+                    att.expected[q] = label
+            if L >= len(att.tokens):  # not a partial prefill: one token sampled
+                tok = _token(rid, L, self.eos_rates[rid])
+                att.tokens.append(tok)
+                sampled.append([tok])
+            else:
+                sampled.append([])
+        return ModelRunnerOutput(req_ids=rids, req_id_to_index={r: i for i, r in enumerate(rids)},
+                                 sampled_token_ids=sampled)
+
+    def just_compacted(self, rid: str) -> bool:
+        """Whether the last step ``rid`` ran in compacted its window."""
+        steps = self.compacted_in.get(rid)
+        return bool(steps) and steps[-1] == self.last_step.get(rid)
+
+    def check_cache(self, pool, digests_of_hash: dict, stamp_step: int) -> None:
+        """Every hashed block holds the pure KV its hash names, once its step has run. A hash seen
+        for the first time is stamped with ``stamp_step``, the step it was hashed for (vLLM hashes
+        a block as it schedules the step that computes it)."""
+        for block in pool.blocks:
+            h = block.block_hash
+            if h is None:
+                self.hash_stamp.pop(block.block_id, None)
+                continue
+            stamp = self.hash_stamp.get(block.block_id)
+            if stamp is None or stamp[0] != h:
+                stamp = self.hash_stamp[block.block_id] = (h, stamp_step)
+            if stamp[1] > self.step_seq:
+                continue  # hashed as the step that computes it was scheduled: not run yet
+            want = digests_of_hash.get(bytes(get_block_hash(h)))
+            if want is None:
+                self._fail(f"block {block.block_id} has a hash no request's tokens produce")
+                continue
+            for o in range(BS):
+                if self.slots.get((block.block_id, o)) != ("pure", want[o]):
+                    self._fail(f"block {block.block_id} is cached but slot {o} holds "
+                               f"{self.slots.get((block.block_id, o))}")
+                    break
+
+
+def _block_key(h) -> bytes:
+    return bytes(h)
+
+
+@dataclass(frozen=True)
+class Req:
+    """One request of a mix."""
+
+    source: str  # "doc0"/"doc1": starts with a shared document; "turn": continues a finished request; "new"
+    base: int  # tokens of the document it starts with (source doc*), at most 400
+    own: int  # tokens of its own after that
+    max_tokens: int
+    eos: float  # chance that a sampled token is EOS
+    override: int  # index into OVERRIDES
+    abort: int | None = None  # aborted after this many rounds once it arrived (None: never)
+    arrive: int = 0  # the round it arrives in (at the latest: earlier when the scheduler is idle)
+
+
+@dataclass(frozen=True)
+class Mix:
+    async_scheduling: bool
+    max_batched: int
+    max_seqs: int
+    pool_blocks: int
+    requests: tuple[Req, ...]
+    seed: int = 0
+    reserve_full_isl: bool = True  # vLLM's admission gate: the whole prompt must fit (off: more preemption)
+
+
+@st.composite
+def mixes(draw):
+    reqs = []
+    for i in range(draw(st.integers(3, 9))):
+        reqs.append(Req(source=draw(st.sampled_from(["doc0", "doc1", "new", "turn"])), base=draw(st.integers(BS, 400)),
+                        own=draw(st.integers(1, 200)), max_tokens=draw(st.sampled_from([1, 1, 2, 5, 17, 40, 100])),
+                        eos=draw(st.sampled_from([0.0, 0.0, 0.05, 0.5, 1.0])),
+                        override=draw(st.integers(0, len(OVERRIDES) - 1)),
+                        abort=draw(st.one_of(st.none(), st.integers(0, 12))), arrive=draw(st.integers(0, 30))))
+    return Mix(async_scheduling=draw(st.booleans()), max_batched=draw(st.sampled_from([32, 48, 64, 128, 256])),
+               max_seqs=draw(st.integers(2, 6)), pool_blocks=draw(st.integers(24, 80)), requests=tuple(reqs),
+               seed=draw(st.integers(0, 2**16)), reserve_full_isl=draw(st.booleans()))
+
+
+def run_mix(make_config, mix: Mix) -> StandInWorker:
+    """Drive the real scheduler through ``mix``; returns the stand-in worker (its violations)."""
+    for d in (mgr.REQUEST_OVERRIDES, mgr.REQUESTS, mgr.SHARED, worker_plan._shared):
+        d.clear()
+    config = make_config(mix.max_batched, mix.max_seqs, mix.reserve_full_isl)
+    config.cache_config.num_gpu_blocks = mix.pool_blocks
+    in_flight = mix.max_batched * (2 if mix.async_scheduling else 1)
+    server = parse_config(SERVER)
+    spec = mgr.KVEvictSpec.from_spec(FullAttentionSpec(block_size=BS, num_kv_heads=2, head_size=8,
+                                                       dtype=torch.float32), server, in_flight)
+    kv_config = KVCacheConfig(num_blocks=mix.pool_blocks, kv_cache_tensors=[],
+                              kv_cache_groups=[KVCacheGroupSpec(["layer.0"], spec)])
+    from vllm.v1.structured_output import StructuredOutputManager
+
+    cls = AsyncScheduler if mix.async_scheduling else Scheduler
+    sched = cls(config, kv_config, StructuredOutputManager(config), block_size=BS, hash_block_size=BS)
+    hasher = get_request_block_hasher(BS, get_hash_fn_by_name("sha256"))
+    rng = random.Random(mix.seed)
+    docs = {f"doc{i}": [rng.randrange(3, VOCAB) for _ in range(400)] for i in range(2)}
+    eos_rates: dict[str, float] = {}
+    prompts: dict[str, list[int]] = {}
+    worker = StandInWorker(server, eos_rates, prompts)
+    worker.extra_args = {}
+    worker.async_scheduling = mix.async_scheduling
+    digests: dict = {}
+    finished_tokens: list[list[int]] = []
+    pending = list(enumerate(mix.requests))
+    aborts: dict[str, int] = {}
+    live: dict[str, Request] = {}
+
+    def record_hashes(req: Request) -> None:
+        ds = _prefix_digests(req.all_token_ids)
+        for j, h in enumerate(req.block_hashes):
+            if (j + 1) * BS <= len(ds):
+                digests[_block_key(h)] = ds[j * BS:(j + 1) * BS]
+
+    def fits(prompt: list[int], max_tokens: int, xargs) -> bool:
+        window = request_config(server, request_overrides(xargs)).window(BS)
+        return peak_blocks(len(prompt), len(prompt) + max_tokens, window, in_flight) <= mix.pool_blocks - 1
+
+    def add(i: int, r: Req) -> None:
+        if r.source == "turn" and finished_tokens:
+            base = rng.choice(finished_tokens)
+        elif r.source.startswith("doc"):
+            base = docs[r.source][: r.base]
+        else:
+            base = []
+        prompt = (base + [rng.randrange(3, VOCAB) for _ in range(r.own)])[: MAX_LEN - r.max_tokens - 1]
+        xargs = OVERRIDES[r.override] or None
+        if not fits(prompt, r.max_tokens, xargs):
+            return  # the API refuses a request that could not fit the pool alone (plugin.check_fits_pool)
+        rid = f"r{i}"
+        params = SamplingParams(max_tokens=r.max_tokens, stop_token_ids=[EOS], extra_args=xargs)
+        req = Request(rid, prompt, params, None, block_hasher=hasher)
+        eos_rates[rid], prompts[rid], worker.extra_args[rid] = r.eos, prompt, xargs
+        record_hashes(req)
+        sched.add_request(req)
+        live[rid] = req
+        if r.abort is not None:
+            aborts[rid] = r.abort
+
+    queue: list = []
+    rounds = 0
+    while pending or sched.has_requests() or queue:
+        rounds += 1
+        assert rounds < 5000, "the schedule did not finish"
+        # new arrivals, between any two steps
+        while pending and (pending[0][1].arrive <= rounds or not (sched.has_requests() or queue)):
+            add(*pending.pop(0))
+        for rid in [r for r, n in aborts.items() if n <= 0]:
+            del aborts[rid]
+            if rid in live:
+                if worker.just_compacted(rid):
+                    worker.paths.add("aborted after its compacting step")
+                sched.finish_requests(rid, RequestStatus.FINISHED_ABORTED)
+        for rid in aborts:
+            aborts[rid] -= 1
+        if sched.has_requests():
+            out = sched.schedule()
+            for rid in out.preempted_req_ids or ():
+                if worker.just_compacted(rid):
+                    worker.paths.add("preempted after its compacting step")
+            worker.check_cache(sched.kv_cache_manager.block_pool, digests, worker.step_seq + 1)
+            result = worker.execute(out, set())
+            worker.check_cache(sched.kv_cache_manager.block_pool, digests, worker.step_seq)
+            queue.append((out, result))
+            if mix.async_scheduling and len(queue) < 2 and out.total_num_scheduled_tokens > 0:
+                continue  # the next step is scheduled before this one's output is seen
+        if not queue:
+            continue
+        out, result = queue.pop(0)
+        sched.update_from_output(out, result)
+        for rid, req in list(live.items()):
+            record_hashes(req)
+            if req.is_finished():
+                if worker.just_compacted(rid) and req.status != RequestStatus.FINISHED_ABORTED:
+                    worker.paths.add(f"finished in its compacting step ({req.get_finished_reason()})")
+                del live[rid]
+                finished_tokens.append(list(req.all_token_ids))
+        worker.check_cache(sched.kv_cache_manager.block_pool, digests, worker.step_seq)
+    pool = sched.kv_cache_manager.block_pool
+    assert pool.get_num_free_blocks() == mix.pool_blocks - 1, "blocks leaked"
+    assert not mgr.REQUESTS and not mgr.SHARED
+    return worker
+
+
+@settings(max_examples=60, deadline=None, suppress_health_check=[HealthCheck.too_slow, HealthCheck.data_too_large])
+@given(mix=mixes())
+def test_cached_blocks_are_exact_under_random_schedules(vllm_config, mix):
+    worker = run_mix(vllm_config, mix)
+    assert not worker.violations, "\n".join(worker.violations[:10])
+
+
+def _r(source, base, own, max_tokens, eos, override, abort=None, arrive=0) -> Req:
+    return Req(source, base, own, max_tokens, eos, override, abort, arrive)
+
+
+#: One mix per schedule-dependent path (found by the random exploration above; each hashed blocks
+#: that a compaction had written, or handed them to a later request, before the engine core
+#: decided hashing from the schedule).
+PATHS = {
+    "finished in its compacting step (length)": Mix(False, 256, 4, 60, (
+        _r("doc0", 200, 8, 1, 0.0, 0), _r("doc0", 200, 20, 3, 0.0, 3, arrive=3))),
+    "finished in its compacting step (stop)": Mix(False, 256, 4, 60, (
+        _r("doc0", 200, 8, 20, 1.0, 0), _r("doc0", 200, 20, 3, 0.0, 3, arrive=3))),
+    "aborted after its compacting step": Mix(False, 256, 4, 60, (
+        _r("doc0", 200, 8, 20, 0.0, 0, abort=1), _r("doc0", 200, 20, 3, 0.0, 3, arrive=3))),
+    "preempted after its compacting step": Mix(True, 128, 3, 29, (
+        _r("turn", 259, 128, 40, 0.05, 2, None, 20), _r("turn", 16, 14, 100, 0.0, 3, None, 9),
+        _r("doc0", 290, 98, 17, 0.5, 6, 6, 18), _r("turn", 313, 53, 1, 0.5, 6, 11, 1),
+        _r("new", 202, 16, 1, 0.0, 3, 7, 17), _r("doc0", 154, 166, 5, 0.0, 0, None, 21),
+        _r("turn", 400, 153, 17, 0.0, 5, 12, 1), _r("new", 399, 27, 2, 0.0, 1, 7, 1),
+        _r("turn", 215, 178, 5, 0.5, 3, None, 23)), seed=26645, reserve_full_isl=False),
+    "compacted twice before the core saw the first": Mix(True, 48, 5, 46, (
+        _r("new", 337, 125, 40, 0.5, 0, None, 15), _r("new", 132, 173, 1, 0.5, 5, 6, 27),
+        _r("turn", 276, 149, 40, 0.05, 6, 4, 23)), seed=4956, reserve_full_isl=False),
+}
+
+
+@pytest.mark.parametrize("path", sorted(PATHS))
+def test_each_schedule_dependent_path(vllm_config, path):
+    """Each path by name: the mix goes through it, and every cached block is still exact."""
+    worker = run_mix(vllm_config, PATHS[path])
+    assert path in worker.paths, f"the mix no longer goes through this path ({sorted(worker.paths)})"
+    assert not worker.violations, "\n".join(worker.violations[:10])
