@@ -4,6 +4,7 @@ hook's context is refused, never planned with guessed configurations."""
 
 from __future__ import annotations
 
+import dataclasses
 import json
 from types import SimpleNamespace
 
@@ -109,3 +110,56 @@ def test_a_prefix_cache_hit_is_held_until_the_window_moves_past_it():
     # the same request restarting without a hit (after preemption) evicts as usual again
     restart = RunnerStep(**{**_step(["a"], [1000], [None]).__dict__, "starts": frozenset({"a"})})
     assert plan_step(_cm([256], [256]), SERVER, BS, restart).e_new == [192]
+
+
+def test_cascade_attention_is_off_once_any_row_has_moved():
+    """vLLM's cascade attention reads the prefix every row shares through row 0's logical block
+    table; a row attending over a shifted window no longer starts with those blocks."""
+    from vllm_kvevict.backends.common import KVEvictBuilderMixin
+    from vllm_kvevict.vllm_compat import runner
+
+    class Base:
+        def build(self, common_prefix_len, cm, fast_build=False, **kwargs):
+            return SimpleNamespace(common_prefix_len=common_prefix_len)
+
+    class Builder(KVEvictBuilderMixin, Base):
+        kvevict_config, kvevict_block_size = SERVER, BS
+
+    @dataclasses.dataclass
+    class Metadata:  # the fields of CommonAttentionMetadata the builder reads (it replaces some)
+        num_reqs: int
+        num_actual_tokens: int
+        seq_lens: torch.Tensor
+        query_start_loc_cpu: torch.Tensor
+        block_table_tensor: torch.Tensor
+        slot_mapping: torch.Tensor
+        positions: torch.Tensor
+        max_seq_len: int = 0
+
+    def built(seq_lens, query_lens):
+        runner._tls.step = _step(["a", "b"], [1024, 1024], [None, None])
+        try:
+            return Builder().build(64, Metadata(**vars(_cm(seq_lens, query_lens)))).common_prefix_len
+        finally:
+            runner._tls.step = None
+
+    assert built([96, 90], [64, 32]) == 64  # no row has evicted yet: the shared prefix stands
+    assert built([96, 400], [64, 32]) == 0  # row b attends over [E_prev, L) with E_prev = 288
+
+
+def test_an_attempt_starts_its_query_window_afresh():
+    """A request resumed after preemption on its own prefix-cache hit starts at L_prev > 0; its
+    query window must not carry the previous attempt's queries."""
+    from vllm_kvevict.backends.common import KVEvictImplMixin
+
+    impl = SimpleNamespace(_kvevict_qwin={})
+
+    def window(L_prev, m, start):
+        plan = SimpleNamespace(req_ids=["a"], L_prev=[L_prev], starts=frozenset({"a"} if start else ()))
+        Q = torch.full((2, m, 4), float(L_prev))
+        return KVEvictImplMixin._query_window(impl, plan, 0, Q, 8)
+
+    assert window(0, 5, True).shape[1] == 5
+    assert window(5, 5, False).shape[1] == 8  # the attempt's queries accumulate up to the window
+    resumed = window(64, 3, True)  # preempted, resumed on a 64-token hit
+    assert resumed.shape[1] == 3 and bool((resumed == 64).all())

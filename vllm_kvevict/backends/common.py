@@ -25,7 +25,7 @@ from vllm_kvevict import envs, metrics, profiling
 from vllm_kvevict._logging import info_once, logger
 from vllm_kvevict.backends import fault
 from vllm_kvevict.backends.evict import RowWork, evict_step
-from vllm_kvevict.backends.plan import plan_step, shifted_metadata
+from vllm_kvevict.backends.plan import cascade_prefix_len, plan_step, shifted_metadata
 from vllm_kvevict.backends.projection import output_projection
 from vllm_kvevict.backends.recall import RecallTier, TierEntry, logical_slots, recall_scores, select_recalled
 from vllm_kvevict.config import KVEvictConfig, config_from_vllm
@@ -152,6 +152,9 @@ class KVEvictBuilderMixin:
                            max_query=max(b - a for a, b in zip(qsl, qsl[1:])), policies=sorted(
                                {c.policy for c in plan.configs if c.eviction_active}))
         cm = shifted_metadata(common_attn_metadata, plan, self.kvevict_block_size)
+        # Cascade attention reads a prefix shared by every row through row 0's *logical* block
+        # table; a row whose table was shifted past its evicted blocks no longer starts there.
+        common_prefix_len = cascade_prefix_len(plan, common_prefix_len)
         md = super().build(common_prefix_len, cm, fast_build, **kwargs)
         md.kvevict_plan = plan
         return md
@@ -260,8 +263,8 @@ class KVEvictImplMixin:
         rid = plan.req_ids[r] if plan.req_ids else None
         if rid is None:
             raise RuntimeError("kvevict: query-window policies need the runner hook (request ids)")
-        old = self._kvevict_qwin.get(rid)
-        buf = Q if old is None or plan.L_prev[r] == 0 else torch.cat([old, Q], dim=1)  # a restart resets
+        old = None if rid in plan.starts else self._kvevict_qwin.get(rid)  # every attempt starts afresh
+        buf = Q if old is None else torch.cat([old, Q], dim=1)
         buf = buf[:, -w:].clone()
         self._kvevict_qwin[rid] = buf
         return buf

@@ -110,6 +110,13 @@ def _window(config, block_size: int) -> WindowConfig:
     return config.window(block_size)
 
 
+def cascade_prefix_len(plan: StepPlan, common_prefix_len: int) -> int:
+    """The common prefix vLLM's cascade attention may use in this step: none once any row attends
+    over a shifted window (``e_prev > 0``): the runner measured the prefix on the logical block
+    tables, and a shifted row's table no longer starts with those blocks."""
+    return 0 if any(plan.e_prev) else common_prefix_len
+
+
 def shift_block_table(block_table: torch.Tensor, shift_blocks: torch.Tensor) -> torch.Tensor:
     """Row r of the result is ``block_table[r, shift_blocks[r]:]``, padded with the null block 0."""
     rows, width = block_table.shape
