@@ -162,3 +162,49 @@ def test_metrics_follow_the_windows(tmp_path, monkeypatch):
     kv.free(a)
     kv.free(b)
     assert (val("gauge", "window_blocks_held"), val("gauge", "window_blocks_bound")) == (0, 0)
+
+
+def test_a_cut_hit_stays_consistent_across_kv_cache_groups():
+    """A hit the plugin cuts (here to keep the request's window inside the pool) is looked up again
+    through vLLM's coordinator with that maximum length: a sliding-window group gets the blocks of
+    its window at the end of the shorter hit, not the null blocks that a truncated list holds."""
+    from vllm.utils.hashing import get_hash_fn_by_name
+    from vllm.v1.core.kv_cache_utils import get_request_block_hasher, init_none_hash
+    from vllm.v1.kv_cache_interface import SlidingWindowSpec
+
+    mgr.register_spec()
+    mgr.install_scheduler_hooks()
+    init_none_hash(get_hash_fn_by_name("sha256"))
+    hasher = get_request_block_hasher(BS, get_hash_fn_by_name("sha256"))
+    budget, window, num_blocks = 2048, 128, 100
+    full = mgr.KVEvictSpec.from_spec(FullAttentionSpec(block_size=BS, num_kv_heads=2, head_size=64,
+                                                       dtype=torch.float32),
+                                     parse_config({"policy": "keydiff", "budget": budget}), CHUNK)
+    swa = SlidingWindowSpec(block_size=BS, num_kv_heads=2, head_size=64, dtype=torch.float32, sliding_window=window)
+    config = KVCacheConfig(num_blocks=num_blocks, kv_cache_tensors=[], kv_cache_groups=[
+        KVCacheGroupSpec(["layer.0"], full), KVCacheGroupSpec(["layer.1"], swa)])
+    kv = KVCacheManager(config, max_model_len=MAX_LEN, scheduler_block_size=BS, hash_block_size=BS,
+                        max_in_flight_tokens=CHUNK, enable_caching=True)
+    prompt = list(range(3, 3 + 2000))
+
+    def request(rid, tokens, xargs):
+        return Request(rid, tokens, SamplingParams(max_tokens=4, extra_args=xargs), None, block_hasher=hasher)
+
+    a = request("mg-a", prompt, {"kvevict_enabled": False})  # caches as vLLM does, in both groups
+    for start in range(0, len(prompt), CHUNK):  # chunked prefill, the sliding window freeing behind it
+        assert kv.allocate_slots(a, min(CHUNK, len(prompt) - start)) is not None
+        a.num_computed_tokens += min(CHUNK, len(prompt) - start)
+    kv.free(a)
+    b = request("mg-b", prompt + [7, 8, 9], None)  # budget 2048: its bound leaves room for fewer hit tokens
+    uncut, n_uncut, _ = kv.coordinator.find_longest_cache_hit(b.block_hashes, b.num_tokens - 1)
+    blocks, n, _ = kv.get_computed_blocks(b)
+    full_m = kv.coordinator.single_type_managers[0]
+    allowed = full_m.usable_hit(b, n_uncut)
+    assert 0 < n <= allowed < n_uncut and n % BS == 0
+    assert mgr.SHARED["mg-b"] == n  # the engine core's hold rule uses the hit the request really got
+    full_hit, swa_hit = blocks.blocks
+    assert len(full_hit) == len(swa_hit) == n // BS
+    in_window = swa_hit[-(window // BS):]
+    assert not any(blk.is_null for blk in in_window), "the sliding-window group's hit must end with real blocks"
+    assert uncut[1][n // BS - 1].is_null  # what truncating the uncut lookup would have handed over
+    mgr.SHARED.pop("mg-b", None)
