@@ -403,7 +403,8 @@ def run_mix(make_config, mix: Mix) -> StandInWorker:
     return worker
 
 
-@settings(max_examples=60, deadline=None, suppress_health_check=[HealthCheck.too_slow, HealthCheck.data_too_large])
+@settings(max_examples=300, deadline=None, derandomize=True, database=None,
+          suppress_health_check=[HealthCheck.too_slow, HealthCheck.data_too_large])
 @given(mix=mixes())
 def test_cached_blocks_are_exact_under_random_schedules(vllm_config, mix):
     worker = run_mix(vllm_config, mix)
