@@ -224,6 +224,22 @@ class StandInWorker:
         return ModelRunnerOutput(req_ids=rids, req_id_to_index={r: i for i, r in enumerate(rids)},
                                  sampled_token_ids=sampled)
 
+    def allocated(self, out) -> None:
+        """Blocks handed out afresh in the step just scheduled (not a hit's blocks): vLLM dropped
+        their old hash when it reallocated them, so any hash they carry now is from this step
+        (the same hash again when the same tokens are recomputed into them)."""
+        fresh: list[int] = []
+        for new in out.scheduled_new_reqs:
+            fresh += new.block_ids[0][new.num_computed_tokens // BS:]
+        cached = out.scheduled_cached_reqs
+        for i, rid in enumerate(cached.req_ids):
+            ids = cached.new_block_ids[i]
+            if ids is not None:
+                skip = cached.num_computed_tokens[i] // BS if rid in cached.resumed_req_ids else 0
+                fresh += ids[0][skip:]
+        for block in fresh:
+            self.hash_stamp.pop(block, None)
+
     def just_compacted(self, rid: str) -> bool:
         """Whether the last step ``rid`` ran in compacted its window."""
         steps = self.compacted_in.get(rid)
@@ -379,6 +395,7 @@ def run_mix(make_config, mix: Mix) -> StandInWorker:
             for rid in out.preempted_req_ids or ():
                 if worker.just_compacted(rid):
                     worker.paths.add("preempted after its compacting step")
+            worker.allocated(out)
             worker.check_cache(sched.kv_cache_manager.block_pool, digests, worker.step_seq + 1)
             result = worker.execute(out, set())
             worker.check_cache(sched.kv_cache_manager.block_pool, digests, worker.step_seq)

@@ -17,13 +17,16 @@ def make_prompt(n: int, seed: int, vocab: int) -> list[int]:
     return [rng.randrange(3, vocab) for _ in range(n)]
 
 
-def complete(srv: VLLMServer, prompt: list[int], max_tokens: int, xargs: dict | None = None) -> dict:
+def complete(
+    srv: VLLMServer, prompt: list[int], max_tokens: int, xargs: dict | None = None, extra: dict | None = None
+) -> dict:
     """A greedy completion of token ids, with the chosen tokens' ids and logprobs.
 
-    ``xargs``: the request's ``vllm_xargs`` (per-request kvevict overrides).
+    ``xargs``: the request's ``vllm_xargs`` (per-request kvevict overrides); ``extra``: more
+    fields of vLLM's request body (e.g. ``stop_token_ids``).
     """
     client = OpenAI(base_url=srv.base_url + "/v1", api_key="unused", max_retries=0)
-    body = {"ignore_eos": True, "return_tokens_as_token_ids": True}
+    body = {"ignore_eos": True, "return_tokens_as_token_ids": True, **(extra or {})}
     if xargs is not None:
         body["vllm_xargs"] = xargs
     r = client.completions.create(
@@ -35,7 +38,7 @@ def complete(srv: VLLMServer, prompt: list[int], max_tokens: int, xargs: dict | 
     return {
         "id": r.id, "prompt": prompt,
         "tokens": [int(t.removeprefix("token_id:")) for t in lp.tokens], "logprobs": lp.token_logprobs,
-        "cached_tokens": getattr(details, "cached_tokens", None),
+        "cached_tokens": getattr(details, "cached_tokens", None), "finish_reason": r.choices[0].finish_reason,
     }
 
 

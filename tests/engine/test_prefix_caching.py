@@ -96,6 +96,40 @@ def test_only_pure_blocks_enter_the_cache(server, hf_model, vocab):
     check_against_reference(hf_model, b, load_attempts(server.dump_dir), expect_compaction=False)
 
 
+ONE_CHUNK = 480  # a prompt prefilled in one step, which compacts at L = 480
+E_ONE_CHUNK = BS * ((ONE_CHUNK - BUDGET) // BS)  # 384: the 12 blocks that compaction frees
+
+
+@pytest.mark.parametrize("finish", ["max_tokens", "stop_token"])
+def test_request_finishing_in_its_compacting_step_caches_only_pure_blocks(server, hf_model, vocab, finish):
+    """A request that finishes in the very step in which it first compacts (its one prefill step,
+    with one token to generate or a first token that stops it) caches only the blocks that
+    compaction freed, ``[0, E1)``, never ``[E1, L)``, which it rewrote: an eviction-off request
+    sharing its whole prompt hits exactly ``E1`` tokens and computes exactly what the model
+    computes without eviction."""
+    seed = {"max_tokens": 30, "stop_token": 32}[finish]
+    prompt = make_prompt(ONE_CHUNK, seed, vocab)
+    _reset_cache(server)
+    a = complete(server, prompt, 1)
+    if finish == "stop_token":  # the same prompt again, stopped by its (greedy) first token
+        wait_until(lambda: _released(server, a["id"]), 60, "the first A's release line")
+        _reset_cache(server)
+        (first,) = a["tokens"]
+        a = complete(server, prompt, 16, extra={"stop_token_ids": [first]})
+        assert a["tokens"] == [first] and a["finish_reason"] == "stop", a
+    else:
+        assert len(a["tokens"]) == 1 and a["finish_reason"] == "length", a
+    assert a["cached_tokens"] == 0
+    (att,) = check_against_reference(hf_model, a, load_attempts(server.dump_dir))
+    assert min(att.events) == ONE_CHUNK  # it compacted in its one step, at L = 480
+    wait_until(lambda: _released(server, a["id"]), 60, "A's release line")
+    # the engine core knows from the schedule that A's one step compacted (it never saw it again)
+    assert int(_released(server, a["id"])[-1][1]) == E_ONE_CHUNK // BS
+    b = complete(server, prompt + make_prompt(60, seed + 1, vocab), 24, OFF)  # A's prompt, then its own
+    assert b["cached_tokens"] == E_ONE_CHUNK  # 12 blocks, not the 15 A computed
+    check_against_reference(hf_model, b, load_attempts(server.dump_dir), expect_compaction=False)
+
+
 def test_hits_are_reused_by_evicting_requests(server, hf_model, vocab):
     """A second evicting request with the same prefix gets the cached blocks (vLLM's own hit
     counter grows by them), starts its prefill after them, holds them until its window moves past
