@@ -208,3 +208,39 @@ def test_a_cut_hit_stays_consistent_across_kv_cache_groups():
     assert not any(blk.is_null for blk in in_window), "the sliding-window group's hit must end with real blocks"
     assert uncut[1][n // BS - 1].is_null  # what truncating the uncut lookup would have handed over
     mgr.SHARED.pop("mg-b", None)
+
+
+def test_hashing_does_not_wait_for_processed_tokens():
+    """Under async scheduling the core may first hear of a request's processed tokens when they have
+    passed two compaction points at once (``remove_skipped_blocks`` sees ``E2``, never ``E1``). What
+    is hashed is decided when each step is scheduled: ``[0, E1)`` at the first compacting step, and
+    nothing at or after ``E1`` ever, however late the processed count catches up."""
+    from vllm.utils.hashing import get_hash_fn_by_name
+    from vllm.v1.core.kv_cache_utils import get_request_block_hasher, init_none_hash
+
+    mgr.register_spec()
+    mgr.install_scheduler_hooks()
+    init_none_hash(get_hash_fn_by_name("sha256"))
+    spec = mgr.KVEvictSpec.from_spec(FullAttentionSpec(block_size=BS, num_kv_heads=2, head_size=64,
+                                                       dtype=torch.float32),
+                                     parse_config({"policy": "keydiff", "budget": BUDGET}), 2 * 192)
+    config = KVCacheConfig(num_blocks=NUM_BLOCKS, kv_cache_tensors=[], kv_cache_groups=[KVCacheGroupSpec(["l"], spec)])
+    kv = KVCacheManager(config, max_model_len=MAX_LEN, scheduler_block_size=BS, hash_block_size=BS,
+                        max_in_flight_tokens=2 * 192, enable_caching=True)
+    req = Request("jump", list(range(3, 403)), SamplingParams(max_tokens=4), None,
+                  block_hasher=get_request_block_hasher(BS, get_hash_fn_by_name("sha256")))
+
+    def cached() -> int:
+        return sum(1 for b in kv.block_pool.blocks if b.block_hash is not None)
+
+    e1 = BS * ((192 - BUDGET) // BS)  # 96: the first step (L = 192) compacts
+    for n in (192, 64):  # two steps scheduled back to back, neither processed yet (async)
+        assert kv.allocate_slots(req, n) is not None
+        req.num_computed_tokens += n
+        req.num_in_flight_tokens += n
+        assert cached() == e1 // BS  # [0, E1), from the moment the first compacting step was scheduled
+    req.num_in_flight_tokens = 0  # both outputs arrive; the next allocation sees L = 256 processed, E = 160
+    assert kv.allocate_slots(req, 64) is not None
+    assert cached() == e1 // BS  # not [0, E2): the first compaction rewrote [96, 192)
+    kv.free(req)
+    assert cached() == e1 // BS
