@@ -62,7 +62,12 @@ def test_scheduler_side_methods():
     from vllm.v1.core.single_type_kv_cache_manager import FullAttentionManager
     from vllm.v1.kv_cache_spec_registry import KVCacheSpecRegistry
 
-    _starts_with(KVCacheManager.allocate_slots, "self", "request")
+    _starts_with(KVCacheManager.allocate_slots, "self", "request", "num_new_tokens", "num_new_computed_tokens")
+    assert "num_external_computed_tokens" in _params(KVCacheManager.allocate_slots)  # read by the schedule hook
+    _starts_with(KVCacheManager.get_computed_blocks, "self", "request")  # 0.33 adds max_cache_hit_length
+    from vllm.v1.core.kv_cache_coordinator import KVCacheCoordinator
+
+    _starts_with(KVCacheCoordinator.find_longest_cache_hit, "self", "block_hashes", "max_cache_hit_length")
     _starts_with(KVCacheManager.free, "self", "request")
     _starts_with(KVCacheManager.pop_blocks_for_free, "self", "request")
     _starts_with(FullAttentionManager.remove_skipped_blocks, "self", "request_id", "processed_computed_tokens",

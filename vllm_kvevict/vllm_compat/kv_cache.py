@@ -64,8 +64,9 @@ def install_request_hooks(
     group consistent: a sliding-window group's blocks at the end of the shorter hit, groups of
     other block sizes aligned), and ``on_hit(request, num_tokens)`` gets the hit the lookup
     returns. vLLM 0.32/0.33: ``get_computed_blocks`` returns ``(KVCacheBlocks, num_tokens,
-    shared_prefix_boundary)``; ``find_longest_cache_hit(block_hashes, max_length)`` returns
-    ``(blocks, num_tokens, num_uncached)``.
+    shared_prefix_boundary)`` (0.33 adds an optional ``max_cache_hit_length``, passed on);
+    ``find_longest_cache_hit(block_hashes, max_length)`` returns ``(blocks, num_tokens,
+    num_uncached)``.
     """
     import inspect
 
@@ -97,8 +98,8 @@ def install_request_hooks(
         return end
 
     def make_lookup(orig):
-        def get_computed_blocks(self, request):
-            blocks, num_tokens, boundary = orig(self, request)
+        def get_computed_blocks(self, request, *args, **kwargs):  # 0.33: max_cache_hit_length=None
+            blocks, num_tokens, boundary = orig(self, request, *args, **kwargs)
             managers = list(self.coordinator.single_type_managers)
             allowed = on_prefix_hit(request, num_tokens, managers)
             if allowed < num_tokens:

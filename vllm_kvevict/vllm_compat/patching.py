@@ -37,6 +37,7 @@ def wrap_method(cls: type, name: str, make: Callable[[Callable], Callable], purp
     func = raw.__func__ if kind is not None else raw
     wrapper = make(func)
     wrapper.__kvevict_purpose__ = purpose
+    wrapper.__wrapped__ = func  # inspect.signature() and friends see vLLM's own signature
     setattr(cls, name, kind(wrapper) if kind is not None else wrapper)
     _PATCHES[key] = Patch(cls, name, purpose, own)
     return True
