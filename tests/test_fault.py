@@ -103,7 +103,7 @@ def test_hold_waits_on_a_moved_window_until_the_file_goes(monkeypatch, tmp_path)
 
     from vllm_kvevict.testing.server import wait_until
 
-    moved, fresh = SimpleNamespace(e_prev=[0, 64]), SimpleNamespace(e_prev=[0, 0])
+    moved, fresh = SimpleNamespace(e_prev=[0, 64], e_new=[0, 64]), SimpleNamespace(e_prev=[0, 0], e_new=[0, 0])
     fault.hold_if_asked(moved)  # unset: returns at once
     monkeypatch.setenv("KVEVICT_TEST_HOLD", str(tmp_path))
     fault.hold_if_asked(moved)  # no hold file: returns at once
@@ -115,4 +115,17 @@ def test_hold_waits_on_a_moved_window_until_the_file_goes(monkeypatch, tmp_path)
         wait_until((tmp_path / "held").exists, 30, "the step held")
         assert not step.done()
         (tmp_path / "hold").unlink()
+        step.result(timeout=30)
+    # hold-compacting: a step in which a window moves waits; a step on a moved window that does
+    # not compact, and a step in which nothing moves, do not
+    (tmp_path / "held").unlink()
+    (tmp_path / "hold-compacting").touch()
+    fault.hold_if_asked(SimpleNamespace(e_prev=[0, 64], e_new=[0, 64]))
+    fault.hold_if_asked(SimpleNamespace(e_prev=[0, 0], e_new=[0, 0]))
+    assert not (tmp_path / "held").exists()
+    with ThreadPoolExecutor(1) as pool:
+        step = pool.submit(fault.hold_if_asked, SimpleNamespace(e_prev=[0, 0], e_new=[0, 384]))
+        wait_until((tmp_path / "held").exists, 30, "the compacting step held")
+        assert not step.done()
+        (tmp_path / "hold-compacting").unlink()
         step.result(timeout=30)

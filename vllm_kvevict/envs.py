@@ -69,7 +69,8 @@ _VARS = [
            "raises (`name@prepare`), to exercise the fault isolation", "tests"),
     EnvVar("KVEVICT_TEST_HOLD", "", _optional_path,
            "tests only: while the file `hold` exists in this directory, a worker step on a window that has "
-           "moved waits (after creating `held` there), so a test can act on a request mid-prompt", "tests"),
+           "moved waits (after creating `held` there), and while `hold-compacting` exists, a step in which a "
+           "window moves, so a test can act on a request mid-prompt or in its compacting step", "tests"),
     EnvVar("KVEVICT_CSRC_EMULATE", "0", _flag,
            "tests only: `1` compiles the CUDA kernels' source for the CPU and runs their comparisons", "tests"),
     EnvVar("KVEVICT_SHOW_SERVER_LOGS", "0", _flag, "tests only: `1` prints the logs of the vLLM servers tests start",

@@ -52,7 +52,7 @@ def server(gqa_model, tmp_path_factory):
             "--max-model-len", "4096", "--max-num-batched-tokens", str(CHUNK), "--max-num-seqs", "4",
             "--no-scheduler-reserve-full-isl", "--enable-prompt-tokens-details", "--enable-log-requests",
             "--additional-config", json.dumps(SERVER_CFG)]
-    env = {"KVEVICT_DUMP_DIR": str(base / "dump"), "VLLM_SERVER_DEV_MODE": "1"}
+    env = {"KVEVICT_DUMP_DIR": str(base / "dump"), "VLLM_SERVER_DEV_MODE": "1", "KVEVICT_TEST_HOLD": str(base / "hold")}
     with VLLMServer(gqa_model, args, log_path=base / "server.log", env=env) as srv:
         srv.dump_dir = base / "dump"
         yield srv
@@ -128,6 +128,22 @@ def test_request_finishing_in_its_compacting_step_caches_only_pure_blocks(server
     b = complete(server, prompt + make_prompt(60, seed + 1, vocab), 24, OFF)  # A's prompt, then its own
     assert b["cached_tokens"] == E_ONE_CHUNK  # 12 blocks, not the 15 A computed
     check_against_reference(hf_model, b, load_attempts(server.dump_dir), expect_compaction=False)
+
+
+def test_request_aborted_in_its_compacting_step_caches_only_pure_blocks(server, hf_model, vocab):
+    """A client that disconnects while its request's one prefill step compacts: the engine core
+    takes the abort right after that step, before it schedules the request again (so it never hears
+    of the compaction from the request's processed tokens), and still caches only ``[0, E1)``."""
+    prompt = make_prompt(ONE_CHUNK, 34, vocab)
+    _reset_cache(server)
+    rid = server.abort_mid_prefill({"model": server.served_model_name, "prompt": prompt, "max_tokens": 16,
+                                    "temperature": 0.0}, hold_file="hold-compacting")
+    wait_until(lambda: _released(server, rid), 60, "the aborted request's release line")
+    b = complete(server, prompt + make_prompt(60, 35, vocab), 24, OFF)
+    assert b["cached_tokens"] == E_ONE_CHUNK
+    check_against_reference(hf_model, b, load_attempts(server.dump_dir), expect_compaction=False)
+    ((_, freed, *_),) = _released(server, rid)
+    assert int(freed) == E_ONE_CHUNK // BS  # it compacted once, in the step it was aborted after
 
 
 def test_hits_are_reused_by_evicting_requests(server, hf_model, vocab):

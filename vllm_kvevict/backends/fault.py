@@ -130,15 +130,19 @@ def maybe_faulty(policy: Policy) -> Policy:
 def hold_if_asked(plan) -> None:
     """Tests only, under ``KVEVICT_TEST_HOLD=<dir>``: while the file ``<dir>/hold`` exists, a step
     that runs on a window eviction has already moved (some row's ``e_prev > 0``) waits in the
-    worker, before its forward, having created ``<dir>/held``. The request is then provably in the
-    middle of its prompt or its decoding, its earlier compactions done, whatever the machine's speed:
-    a test can disconnect its client and remove ``hold``; the engine core takes the abort before the
-    next step."""
+    worker, before its forward, having created ``<dir>/held``; while ``<dir>/hold-compacting``
+    exists, so does a step in which some row compacts (``e_new > e_prev``). The request is then
+    provably in the middle of its prompt or its decoding (or in the step of a compaction), its
+    earlier compactions done, whatever the machine's speed: a test can disconnect its client and
+    remove the file; the engine core takes the abort before the next step."""
     d = envs.KVEVICT_TEST_HOLD
-    if d is None or not any(plan.e_prev):
+    if d is None:
         return
-    hold = Path(d, "hold")
-    if not hold.exists():
+    if any(plan.e_prev) and Path(d, "hold").exists():
+        hold = Path(d, "hold")
+    elif any(b > a for a, b in zip(plan.e_prev, plan.e_new)) and Path(d, "hold-compacting").exists():
+        hold = Path(d, "hold-compacting")
+    else:
         return
     Path(d, "held").touch()
     deadline = time.monotonic() + HOLD_DEADLINE_S

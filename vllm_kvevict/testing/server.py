@@ -188,17 +188,20 @@ class VLLMServer:
             assert self.post("/resume") == 200
         return futures
 
-    def abort_mid_prefill(self, body: dict, timeout: float = 120.0) -> str:
+    def abort_mid_prefill(self, body: dict, timeout: float = 120.0, hold_file: str = "hold") -> str:
         """A client that disconnects in the middle of its request's prefill, whatever the speed of the
         machine. The server must run with ``KVEVICT_TEST_HOLD=<dir>`` and ``--enable-log-requests``:
         creates ``<dir>/hold``, sends ``body`` to /v1/completions streamed, waits until the worker
         holds a step on the request's moved window (``<dir>/held``: eviction has run and the prefill
         cannot go on), closes the connection, waits until the API server has aborted the request,
         and lets the engine go on (the engine core takes the abort before its next step). Returns
-        the request id the engine knew (``cmpl-<id>-0-...``: the release line's prefix)."""
+        the request id the engine knew (``cmpl-<id>-0-...``: the release line's prefix).
+        ``hold_file="hold-compacting"``: the client disconnects in the step in which its request's
+        window moves (``backends/fault.hold_if_asked``), so the engine core takes the abort right
+        after that step, before it schedules the request again."""
         hold_dir = Path(self.env["KVEVICT_TEST_HOLD"])
         hold_dir.mkdir(parents=True, exist_ok=True)
-        hold, held = hold_dir / "hold", hold_dir / "held"
+        hold, held = hold_dir / hold_file, hold_dir / "held"
         held.unlink(missing_ok=True)
         hold.touch()
         rid = f"abort-{time.monotonic_ns()}"
