@@ -24,6 +24,7 @@ from __future__ import annotations
 
 import dataclasses
 import hashlib
+import os
 import random
 from dataclasses import dataclass, field
 from types import SimpleNamespace
@@ -440,8 +441,9 @@ def run_mix(make_config, mix: Mix) -> StandInWorker:
     return worker
 
 
-@settings(max_examples=300, deadline=None, derandomize=True, database=None,
-          suppress_health_check=[HealthCheck.too_slow, HealthCheck.data_too_large])
+#: ``SCHEDULE_EXAMPLES=3000`` for a longer exploration (derandomized: the same mixes every run)
+@settings(max_examples=int(os.environ.get("SCHEDULE_EXAMPLES", "300")), deadline=None, derandomize=True,
+          database=None, suppress_health_check=[HealthCheck.too_slow, HealthCheck.data_too_large])
 @given(mix=mixes())
 def test_cached_blocks_are_exact_under_random_schedules(vllm_config, mix):
     worker = run_mix(vllm_config, mix)
