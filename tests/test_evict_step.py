@@ -19,6 +19,8 @@ from vllm_kvevict.backends import cpu_layout as cpu_cache
 from vllm_kvevict.backends import flash_layout as flash_cache
 from vllm_kvevict.backends.evict import RowWork, evict_step
 from vllm_kvevict.policies import POLICIES as POLICY_CLASSES
+from vllm_kvevict.config import parse_config
+from vllm_kvevict.request import RequestState, resolve
 
 CUDA = torch.cuda.is_available()
 H, HQ, D, BS = 2, 4, 64, 32
@@ -52,7 +54,8 @@ def _setup(layout: str, dtype: torch.dtype):
         qsl.append(qsl[-1] + 8)  # every row: this step's last 8 tokens
     plan = StepPlan(L_prev=[L - 8 for L in LENS], e_prev=E_PREV, e_new=E_NEW, seq_lens=LENS, block_table=table,
                     slot_mapping=torch.tensor([]), positions=torch.cat([torch.arange(L - 8, L) for L in LENS]),
-                    req_ids=list("abcdefghi"), configs=[], query_start_loc=qsl)
+                    req_ids=list("abcdefghi"), query_start_loc=qsl,
+                    states=[RequestState(resolve(parse_config({}), None, BS)) for _ in LENS])
     Q = torch.randn(HQ, qsl[-1], D, generator=g)
     W_O = torch.randn(HQ, D, 96, generator=g)
     work = []

@@ -26,10 +26,8 @@ def _step(cache, slot_pos, state, plan):
 
 @pytest.fixture(autouse=True)
 def _clean():
-    fault._fallen.clear()
     fault.FALLBACKS.clear()
     yield
-    fault._fallen.clear()
     fault.FALLBACKS.clear()
 
 
@@ -54,7 +52,9 @@ def test_faulty_row_falls_back_and_others_are_untouched(monkeypatch, caplog):
     for k in state:  # observed state applied exactly once (not once per attempt)
         assert torch.equal(state[k], state_r[k]), k
     assert all(torch.equal(a, b) for a, b in zip(kept, kept_r))
-    assert fault.has_fallen_back("g") and fault.FALLBACKS == {"snapkv": 1}
+    assert plan.states[FAULTY_ROW].fell_back_from == "snapkv" and fault.FALLBACKS == {"snapkv": 1}
+    assert fault.policy_of(plan.states[FAULTY_ROW]) is fault.SAFE_POLICY
+    assert [s.fell_back_from for i, s in enumerate(plan.states) if i != FAULTY_ROW] == [None] * (len(work) - 1)
     assert sum("policy snapkv failed" in r.message for r in caplog.records) == 1
 
 
@@ -82,11 +82,19 @@ def test_fallback_runs_without_what_broke_the_policy():
 
 
 def test_fallback_is_sticky_and_forgotten_when_the_request_ends():
-    fault.fall_back("req-1", fault.SAFE_POLICY, ValueError("x"))
-    fault.fall_back("req-1", fault.SAFE_POLICY, ValueError("again"))  # counted and logged once
-    assert fault.has_fallen_back("req-1") and sum(fault.FALLBACKS.values()) == 1
-    fault.forget_finished(frozenset({"req-2"}))
-    assert not fault.has_fallen_back("req-1")
+    from vllm_kvevict.config import parse_config
+    from vllm_kvevict.request import WORKER, resolve
+
+    settings = resolve(parse_config({"policy": "snapkv"}), None, BS)
+    st = WORKER.open("req-1", lambda: settings)
+    fault.fall_back(st, "req-1", settings.policy, ValueError("x"))
+    fault.fall_back(st, "req-1", settings.policy, ValueError("again"))  # counted and logged once
+    assert fault.policy_of(st) is fault.SAFE_POLICY and fault.FALLBACKS == {"snapkv": 1}
+    st.restart(0)  # preempted and resumed: still the safe policy (the fault was the policy's)
+    assert fault.policy_of(st) is fault.SAFE_POLICY
+    WORKER.retain(frozenset({"req-2"}))  # the runner no longer holds it
+    assert WORKER.open("req-1", lambda: settings).fell_back_from is None
+    WORKER.clear()
 
 
 def test_injection_is_off_by_default(monkeypatch):

@@ -68,7 +68,7 @@ def test_compact_step_keeps_policy_choice_right_aligned():
         truth.append((K, V))
     # r0: window [0, 30) -> keep [16, 30) (14 tokens); r1: [8, 20) -> keep [16, 20) (4 tokens)
     plan = StepPlan(L_prev=[24, 19], e_prev=[0, 8], e_new=[16, 16], seq_lens=lens, block_table=tables,
-                    slot_mapping=torch.tensor([]), positions=torch.tensor([]), req_ids=["a", "b"], configs=[],
+                    slot_mapping=torch.tensor([]), positions=torch.tensor([]), req_ids=["a", "b"], states=[],
                     query_start_loc=[0, 0, 0])
     pol = get_policy("keydiff")
     kept = evict_step(

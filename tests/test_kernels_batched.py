@@ -174,7 +174,7 @@ def _step(monkeypatch, batched: bool, kernels: str):
     tables = torch.randperm(NB - 1, generator=g)[:36].reshape(6, 6) + 1
     lens, e_prev, e_new = [90, 40, 70, 33, 64, 80], [16, 0, 32, 0, 0, 48], [48, 16, 48, 16, 32, 64]
     plan = StepPlan(L_prev=[0] * 6, e_prev=e_prev, e_new=e_new, seq_lens=lens, block_table=tables,
-                    slot_mapping=torch.tensor([]), positions=torch.tensor([]), req_ids=list("abcdef"), configs=[],
+                    slot_mapping=torch.tensor([]), positions=torch.tensor([]), req_ids=list("abcdef"), states=[],
                     query_start_loc=[0] * 7)
     kd, kn, sl, rnd = (get_policy(p) for p in ("keydiff", "knorm", "streamingllm", "random"))
     pols = [kd, kn, kd, sl, rnd, kd]

@@ -14,9 +14,10 @@ pytest.importorskip("vllm")
 from vllm.sampling_params import SamplingParams  # noqa: E402
 from vllm.v1.core.kv_cache_manager import KVCacheManager  # noqa: E402
 from vllm.v1.kv_cache_interface import FullAttentionSpec, KVCacheConfig, KVCacheGroupSpec  # noqa: E402
-from vllm.v1.request import Request  # noqa: E402
+from vllm.v1.request import Request, RequestStatus  # noqa: E402
 
-from vllm_kvevict.config import parse_config, request_overrides  # noqa: E402
+from vllm_kvevict.config import parse_config  # noqa: E402
+from vllm_kvevict.request import ENGINE  # noqa: E402
 from vllm_kvevict.scheduler import manager as mgr  # noqa: E402
 from vllm_kvevict.window import WindowConfig, window_bound_blocks  # noqa: E402
 
@@ -40,6 +41,13 @@ def _request(rid: str, n: int, xargs: dict | None = None) -> Request:
     return Request(rid, list(range(3, 3 + n)), params, None)
 
 
+@pytest.fixture(autouse=True)
+def _fresh_registry():
+    """Requests these tests free without finishing them keep their settings (as preempted ones do)."""
+    yield
+    ENGINE.clear()
+
+
 def _single(kv) -> mgr.KVEvictManager:
     (m,) = kv.coordinator.single_type_managers
     assert isinstance(m, mgr.KVEvictManager)
@@ -48,13 +56,13 @@ def _single(kv) -> mgr.KVEvictManager:
 
 def _admission(kv, req: Request) -> int:
     """The blocks vLLM's admission gate asks the manager for (``apply_admission_cap``), with the
-    request's overrides recorded as the ``allocate_slots`` hook records them."""
-    mgr.REQUEST_OVERRIDES[req.request_id] = request_overrides(req.sampling_params.extra_args) or ()
+    request's settings resolved as the ``allocate_slots`` hook resolves them."""
+    _single(kv).state_of(req)
     try:
         return _single(kv).get_num_blocks_to_allocate(req.request_id, req.num_tokens, [], 0, 0, req.num_tokens,
                                                       apply_admission_cap=True)
     finally:
-        mgr.REQUEST_OVERRIDES.pop(req.request_id, None)
+        ENGINE.end(req.request_id)
 
 
 def test_admission_reserves_the_requests_own_window(kv):
@@ -74,14 +82,21 @@ def test_bookkeeping_ends_on_both_free_paths(kv, caplog):
     for rid, deferred in (("f", False), ("g", True)):
         req = _request(rid, 300, {"kvevict_budget": 128})
         assert kv.allocate_slots(req, 300) is not None
-        assert rid in mgr.REQUEST_OVERRIDES and m.tracked_requests == 1
+        st = ENGINE.get(rid)
+        assert st is not None and st.settings.budget == 128 and st.request is req and m.tracked_requests == 1
+        # Preempted (vLLM frees its blocks while it is still RUNNING): its attempt ends, its settings stay.
+        req.status = RequestStatus.RUNNING
+        kv.free(req)
+        assert ENGINE.get(rid) is st and st.request is None and m.tracked_requests == 0
+        assert kv.allocate_slots(req, 300) is not None and st.request is req and m.tracked_requests == 1
+        req.status = RequestStatus.FINISHED_STOPPED  # vLLM sets it before it frees a finished request
         if deferred:
             blocks = kv.pop_blocks_for_free(req)
             kv.block_pool.free_blocks(reversed(blocks))
         else:
             kv.free(req)
-        assert rid not in mgr.REQUEST_OVERRIDES and m.tracked_requests == 0
-        assert sum(f"request {rid} released" in r.message for r in caplog.records) == 1
+        assert rid not in ENGINE and m.tracked_requests == 0
+        assert sum(f"request {rid} released" in r.message for r in caplog.records) == 2  # once per attempt
     assert kv.block_pool.get_num_free_blocks() == free_before
 
 
@@ -201,13 +216,13 @@ def test_a_cut_hit_stays_consistent_across_kv_cache_groups():
     full_m = kv.coordinator.single_type_managers[0]
     allowed = full_m.usable_hit(b, n_uncut)
     assert 0 < n <= allowed < n_uncut and n % BS == 0
-    assert mgr.SHARED["mg-b"] == n  # the engine core's hold rule uses the hit the request really got
+    assert ENGINE.get("mg-b").shared == n  # the engine core's hold rule uses the hit the request really got
     full_hit, swa_hit = blocks.blocks
     assert len(full_hit) == len(swa_hit) == n // BS
     in_window = swa_hit[-(window // BS):]
     assert not any(blk.is_null for blk in in_window), "the sliding-window group's hit must end with real blocks"
     assert uncut[1][n // BS - 1].is_null  # what truncating the uncut lookup would have handed over
-    mgr.SHARED.pop("mg-b", None)
+    ENGINE.end("mg-b")
 
 
 def test_hashing_does_not_wait_for_processed_tokens():

@@ -1,5 +1,5 @@
 """Step planning on the worker (backends/plan.py): each row's window from its request's own
-configuration as the runner hook publishes it; a dummy batch evicts nothing; a batch without the
+settings (resolved once, kept while the runner holds the request); a dummy batch evicts nothing; a batch without the
 hook's context is refused, never planned with guessed configurations."""
 
 from __future__ import annotations
@@ -42,10 +42,10 @@ def test_each_row_plans_with_its_own_configuration():
     plan = plan_step(cm, SERVER, BS, step)
     assert plan.L_prev == [128, 128] and plan.seq_lens == [256, 256]
     assert plan.e_new == [BS * ((256 - 64) // BS), BS * ((256 - 160) // BS)] == [192, 96]
-    assert [c.budget for c in plan.configs] == [64, 160]
+    assert [st.settings.budget for st in plan.states] == [64, 160]
     assert plan.req_ids == ["a", "b"] and plan.compact_rows == [0, 1]
     # A row whose request turns eviction off keeps everything.
-    off = plan_step(cm, SERVER, BS, _step(["a", "b"], [512, 512], [{"kvevict_enabled": False}, None]))
+    off = plan_step(cm, SERVER, BS, _step(["c", "d"], [512, 512], [{"kvevict_enabled": False}, None]))
     assert off.e_new[0] == 0 and off.e_new[1] == 192
 
 
@@ -62,7 +62,7 @@ def test_dummy_batch_evicts_nothing():
     cm = _cm([4096, 4096], [1024, 1024])
     plan = plan_step(cm, SERVER, BS, _step([], [], [], dummy=True))
     assert plan.e_prev == plan.e_new == [0, 0] and plan.compact_rows == []
-    assert not any(c.eviction_active for c in plan.configs)
+    assert plan.states == [] and plan.settings(0) is None
 
 
 @pytest.mark.parametrize("step", [None, _step(["a"], [512], [None])])
@@ -74,22 +74,35 @@ def test_without_the_runner_context_the_step_is_refused(step):
 
 
 def test_rows_configuration_matches_the_engine_core():
-    """The worker resolves a request's window with the same function as the engine core's manager
-    (config.request_config over config.request_overrides): both sides agree on E."""
-    from vllm_kvevict.config import request_config, request_overrides
+    """The worker resolves a request's settings with the same function as the engine core's manager
+    (request.resolve): both sides agree on E. Resolved once: a later step reads the worker's
+    registry, not the request's keys."""
+    from vllm_kvevict.request import resolve
 
     xargs = {"kvevict_policy": "snapkv", "kvevict_budget": 96, "kvevict_params": json.dumps({"window": 8})}
     plan = plan_step(_cm([300], [44]), SERVER, BS, _step(["a"], [300], [xargs]))
-    assert plan.configs[0] == request_config(SERVER, request_overrides(xargs))
+    assert plan.states[0].settings == resolve(SERVER, xargs, BS)
+    assert plan.states[0].settings.window.budget == 96 and plan.states[0].settings.params.window == 8
+    again = plan_step(_cm([301], [1]), SERVER, BS, _step(["a"], [300], [{"kvevict_budget": "not parsed again"}]))
+    assert again.states[0] is plan.states[0]
+
+
+def test_requests_the_runner_no_longer_holds_are_gone():
+    from vllm_kvevict.request import WORKER
+
+    plan_step(_cm([100, 100], [100, 100]), SERVER, BS, _step(["a", "b"], [100, 100], [None, None]))
+    assert "a" in WORKER and "b" in WORKER
+    plan_step(_cm([101], [1]), SERVER, BS, _step(["b"], [100], [None]))  # a finished: the runner dropped it
+    assert "a" not in WORKER and "b" in WORKER
 
 
 @pytest.fixture(autouse=True)
-def _no_shared_prefixes_between_tests():
-    from vllm_kvevict.backends import plan
+def _no_requests_between_tests():
+    from vllm_kvevict.request import WORKER
 
-    plan._shared.clear()
+    WORKER.clear()
     yield
-    plan._shared.clear()
+    WORKER.clear()
 
 
 def test_a_prefix_cache_hit_is_held_until_the_window_moves_past_it():
@@ -152,12 +165,15 @@ def test_an_attempt_starts_its_query_window_afresh():
     query window must not carry the previous attempt's queries."""
     from vllm_kvevict.backends.common import KVEvictImplMixin
 
-    impl = SimpleNamespace(_kvevict_qwin={})
+    impl = SimpleNamespace()
+    impl._layer_state = lambda plan, r, layer: KVEvictImplMixin._layer_state(impl, plan, r, layer)
+    layer = SimpleNamespace(layer_name="model.layers.0.self_attn.attn")
 
     def window(L_prev, m, start):
-        plan = SimpleNamespace(req_ids=["a"], L_prev=[L_prev], starts=frozenset({"a"} if start else ()))
+        step = RunnerStep(**{**_step(["a"], [1000], [None]).__dict__, "starts": frozenset({"a"} if start else ())})
+        plan = plan_step(_cm([L_prev + m], [m]), SERVER, BS, step)
         Q = torch.full((2, m, 4), float(L_prev))
-        return KVEvictImplMixin._query_window(impl, plan, 0, Q, 8)
+        return KVEvictImplMixin._query_window(impl, plan, 0, Q, 8, layer)
 
     assert window(0, 5, True).shape[1] == 5
     assert window(5, 5, False).shape[1] == 8  # the attempt's queries accumulate up to the window

@@ -9,7 +9,7 @@ import pytest
 import torch
 
 from vllm_kvevict.backends.recall import (
-    RecallTier,
+    Tier,
     TierEntry,
     complement,
     recall_scores,
@@ -25,11 +25,11 @@ def _entry(pos: list[list[int]], score: list[list[float]], D: int = 4) -> TierEn
 
 
 def test_tier_keeps_the_best_scored_per_head_within_its_cap():
-    tier = RecallTier()
-    tier.add("a", _entry([[1, 2, 3], [4, 5, 6]], [[0.1, 0.9, 0.5], [0.3, 0.2, 0.1]]), cap=4)
-    tier.add("a", _entry([[7, 8], [9, 10]], [[0.2, 0.8], [0.7, 0.0]]), cap=4)
-    assert tier.tokens_of("a") == 4 and tier.tokens == 4
-    (e,) = tier.chunks["a"]
+    tier = Tier()
+    tier.add(_entry([[1, 2, 3], [4, 5, 6]], [[0.1, 0.9, 0.5], [0.3, 0.2, 0.1]]), cap=4)
+    tier.add(_entry([[7, 8], [9, 10]], [[0.2, 0.8], [0.7, 0.0]]), cap=4)
+    assert tier.tokens == 4
+    (e,) = tier.chunks
     assert sorted(e.pos[:, 0].tolist()) == [2, 3, 7, 8]  # head 0 dropped 1 (0.1)
     assert sorted(e.pos[:, 1].tolist()) == [4, 5, 6, 9]  # head 1 dropped 10 (0.0)
     # everything of a token moves together: its K, V and state
@@ -37,10 +37,10 @@ def test_tier_keeps_the_best_scored_per_head_within_its_cap():
         for j in range(4):
             assert e.state["acc"][j, h] == e.pos[j, h] * 10
             assert torch.equal(e.V[j, h], -e.K[j, h])
-    tier.add("b", _entry([[1], [1]], [[0.0], [0.0]]), cap=0)  # cap 0: nothing kept
-    assert "b" not in tier.chunks
-    tier.forget(frozenset({"c"}))
-    assert tier.tokens == 0 and tier.take("a") is None
+    assert tier.take() is not None and tier.tokens == 0 and tier.take() is None  # take empties it
+    other = Tier()
+    other.add(_entry([[1], [1]], [[0.0], [0.0]]), cap=0)  # cap 0: nothing kept
+    assert other.chunks == [] and other.tokens == 0
 
 
 class _Copy:
@@ -59,29 +59,29 @@ class _Copy:
 def test_tier_merges_a_chunk_only_once_its_copy_has_landed():
     """On a GPU the newest chunk's copy to pinned memory may still be in flight: it stays apart
     (bound: cap plus that chunk) and is waited for at the next add or at take, never read before."""
-    tier = RecallTier()
+    tier = Tier()
     first = _entry([[1, 2, 3], [4, 5, 6]], [[0.1, 0.9, 0.5], [0.3, 0.2, 0.1]])
     first.copy = _Copy(done=False)
-    tier.add("a", first, cap=2)
-    assert tier.chunks["a"] == [first] and not first.copy.waited  # not read, not capped yet
+    tier.add(first, cap=2)
+    assert tier.chunks == [first] and not first.copy.waited  # not read, not capped yet
     second = _entry([[7], [9]], [[0.8], [0.7]])
     second.copy = copy2 = _Copy(done=False)
-    tier.add("a", second, cap=2)
-    merged, pending = tier.chunks["a"]
+    tier.add(second, cap=2)
+    merged, pending = tier.chunks
     assert pending is second and not copy2.waited
     assert merged.copy is None and first.copy is None and merged.tokens == 2  # the first waited for, capped
-    assert sorted(merged.pos[:, 0].tolist()) == [2, 3] and tier.tokens_of("a") == 3
+    assert sorted(merged.pos[:, 0].tolist()) == [2, 3] and tier.tokens == 3
     third = _entry([[8], [10]], [[0.0], [0.9]])
     third.copy = _Copy(done=True)  # already landed: merged at once
-    tier.add("a", third, cap=2)
-    (e,) = tier.chunks["a"]
+    tier.add(third, cap=2)
+    (e,) = tier.chunks
     assert copy2.waited and e.tokens == 2
     assert sorted(e.pos[:, 0].tolist()) == [2, 7] and sorted(e.pos[:, 1].tolist()) == [9, 10]
     last = _entry([[11], [12]], [[1.0], [1.0]])
     last.copy = copy4 = _Copy(done=False)
-    tier.add("a", last, cap=2)
-    got = tier.take("a", "cpu")
-    assert copy4.waited and got.tokens == 2 and "a" not in tier.chunks and tier.tokens == 0
+    tier.add(last, cap=2)
+    got = tier.take("cpu")
+    assert copy4.waited and got.tokens == 2 and tier.chunks == [] and tier.tokens == 0
     assert sorted(got.pos[:, 0].tolist()) == [2, 11] and sorted(got.pos[:, 1].tolist()) == [10, 12]
 
 

@@ -46,7 +46,8 @@ from vllm.v1.outputs import ModelRunnerOutput  # noqa: E402
 from vllm.v1.request import Request, RequestStatus  # noqa: E402
 
 from vllm_kvevict.backends import plan as worker_plan  # noqa: E402
-from vllm_kvevict.config import parse_config, request_config, request_overrides  # noqa: E402
+from vllm_kvevict.config import parse_config  # noqa: E402
+from vllm_kvevict.request import ENGINE, WORKER, resolve  # noqa: E402
 from vllm_kvevict.scheduler import manager as mgr  # noqa: E402
 from vllm_kvevict.vllm_compat.runner import RunnerStep  # noqa: E402
 from vllm_kvevict.window import peak_blocks  # noqa: E402
@@ -332,8 +333,8 @@ def mixes(draw):
 
 def run_mix(make_config, mix: Mix) -> StandInWorker:
     """Drive the real scheduler through ``mix``; returns the stand-in worker (its violations)."""
-    for d in (mgr.REQUEST_OVERRIDES, mgr.REQUESTS, mgr.SHARED, worker_plan._shared):
-        d.clear()
+    ENGINE.clear()
+    WORKER.clear()
     config = make_config(mix.max_batched, mix.max_seqs, mix.reserve_full_isl)
     config.cache_config.num_gpu_blocks = mix.pool_blocks
     in_flight = mix.max_batched * (2 if mix.async_scheduling else 1)
@@ -367,7 +368,7 @@ def run_mix(make_config, mix: Mix) -> StandInWorker:
                 digests[_block_key(h)] = ds[j * BS:(j + 1) * BS]
 
     def fits(prompt: list[int], max_tokens: int, xargs) -> bool:
-        window = request_config(server, request_overrides(xargs)).window(BS)
+        window = resolve(server, xargs, BS).window
         return peak_blocks(len(prompt), len(prompt) + max_tokens, window, in_flight) <= mix.pool_blocks - 1
 
     def add(i: int, r: Req) -> None:
@@ -437,7 +438,7 @@ def run_mix(make_config, mix: Mix) -> StandInWorker:
         worker.check_cache(sched.kv_cache_manager.block_pool, digests, worker.step_seq)
     pool = sched.kv_cache_manager.block_pool
     assert pool.get_num_free_blocks() == mix.pool_blocks - 1, "blocks leaked"
-    assert not mgr.REQUESTS and not mgr.SHARED
+    assert not ENGINE, "the engine core kept a finished request"
     return worker
 
 

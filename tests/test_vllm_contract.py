@@ -103,7 +103,6 @@ def test_selectors_and_engine_hooks():
 
     _starts_with(CpuPlatform.get_attn_backend_cls.__func__, "cls", "selected_backend", "attn_selector_config")
     _starts_with(CpuPlatform.check_and_update_config.__func__, "cls", "vllm_config")
-    _starts_with(InputProcessor._validate_params, "self", "params", "supported_tasks")
     _starts_with(InputProcessor.process_inputs, "self", "request_id", "prompt", "params")
     assert "enable_prefix_caching" in EngineArgs.__dataclass_fields__
     _starts_with(EngineArgs.create_engine_config, "self")

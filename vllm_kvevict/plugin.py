@@ -10,7 +10,7 @@ core and every worker; it is idempotent. Everything it installs goes through the
 2. :func:`check_config` runs when vLLM finalises its configuration, in every process: a bad
    configuration, or one eviction cannot run beside, stops vLLM with one line before any weight loads;
 3. the engine core's KV cache spec and manager, and its per-request hooks;
-4. the API server's request checks (:func:`validate_request`, :func:`check_fits_pool`): HTTP 400.
+4. the API server's request check (:func:`check_request`: the keys, then :func:`check_fits_pool`): HTTP 400.
 """
 
 from __future__ import annotations
@@ -25,9 +25,9 @@ from vllm_kvevict.config import (
     RequestConfigError,
     config_from_vllm,
     raw_config,
-    request_config,
     request_overrides,
 )
+from vllm_kvevict.request import RequestSettings, resolve
 from vllm_kvevict.vllm_compat import attention as vllm_attention
 from vllm_kvevict.vllm_compat import check_supported
 from vllm_kvevict.vllm_compat import engine as vllm_engine
@@ -85,25 +85,44 @@ def _refuse_unsafe_combinations(vllm_config, cfg) -> None:
         _refuse(*refusal)
 
 
-def validate_request(vllm_config, extra_args) -> None:
-    """Check one request's ``kvevict_*`` keys; raises :class:`RequestConfigError` naming the key."""
-    overrides = request_overrides(extra_args)
-    if not overrides:
-        return
-    key = "kvevict_" + overrides[0][0]
+def check_request(vllm_config, params):
+    """Resolve a request's ``kvevict_*`` keys once (:func:`vllm_kvevict.request.resolve`), before
+    vLLM processes its inputs: a bad key is refused (HTTP 400 naming it, a
+    :class:`RequestConfigError`). Returns what checks the processed request (its prompt tokenized):
+    :func:`check_fits_pool` with these settings; None when there is nothing more to check."""
+    extra = getattr(params, "extra_args", None)
     if not vllm_attention.custom_selected(vllm_config):
-        raise RequestConfigError(f"{key}: this server was not started with --attention-backend kvevict", key)
-    server = config_from_vllm(vllm_config)
-    cfg = request_config(server, overrides)
+        overrides = request_overrides(extra)  # a bad key is refused as such, first
+        if overrides:
+            key = "kvevict_" + overrides[0][0]
+            raise RequestConfigError(f"{key}: this server was not started with --attention-backend kvevict", key)
+        return None
+    # vLLM 0.33 on CPU sets the block size in the worker; until the engine reports it here,
+    # check_fits_pool does not run and the window's block size is unused.
+    settings = resolve(config_from_vllm(vllm_config), extra, vllm_config.cache_config.block_size or 1)
     max_len = vllm_config.model_config.max_model_len
-    if dict(overrides).get("budget", 0) > max_len:
+    if "kvevict_budget" in settings.keys and settings.budget > max_len:
         raise RequestConfigError(
-            f"kvevict_budget: {dict(overrides)['budget']} is above this server's max_model_len "
-            f"(allowed: an integer in [{cfg.policy_params.min_budget()}, {max_len}])", "kvevict_budget",
+            f"kvevict_budget: {settings.budget} is above this server's max_model_len "
+            f"(allowed: an integer in [{settings.params.min_budget()}, {max_len}])", "kvevict_budget",
         )
 
+    def fits(request) -> None:
+        sp = getattr(request, "sampling_params", None)
+        if sp is None:
+            return
+        tokens = request.prompt_token_ids
+        prompt_len = len(tokens) if tokens is not None else int(getattr(request, "prompt_embeds").shape[0])
+        # The key that made the window unbounded or large: the one a 400 names.
+        key = next((k for k in ("kvevict_enabled", "kvevict_policy", "kvevict_params", "kvevict_budget")
+                    if k in settings.keys), None)
+        check_fits_pool(vllm_config, settings, prompt_len, sp.max_tokens, key)
 
-def check_fits_pool(vllm_config, cfg, prompt_len: int, max_tokens: int | None, key: str | None) -> None:
+    return fits
+
+
+def check_fits_pool(vllm_config, settings: RequestSettings, prompt_len: int, max_tokens: int | None,
+                    key: str | None) -> None:
     """Refuse (HTTP 400) a request that could hold more KV blocks than the whole pool: one whose
     override turns eviction off, picks a ``once`` policy or a large budget, with a prompt plus
     output longer than the KV cache. Admitted, it could never finish and would preempt everyone
@@ -117,30 +136,17 @@ def check_fits_pool(vllm_config, cfg, prompt_len: int, max_tokens: int | None, k
     usable = num_blocks - 1  # block 0 is vLLM's null block
     max_len = vllm_config.model_config.max_model_len
     total = min(prompt_len + (max_tokens if max_tokens is not None else max_len), max_len)
-    window = cfg.window(cache.block_size)
+    window = settings.window
     peak = peak_blocks(prompt_len, total, window, vllm_config.max_in_flight_tokens)
     if peak > usable:
         why = ("with eviction off" if not window.enabled else
                f"with trigger {window.trigger}" if window.trigger != "chunked" or not window.decode else
-               f"with budget {cfg.budget}")
+               f"with budget {settings.budget}")
         raise RequestConfigError(
             f"{key or 'max_tokens'}: this request could hold {peak} KV blocks ({prompt_len} prompt + up to "
             f"{total - prompt_len} output tokens {why}) but the KV cache has {usable}; shorten the prompt or "
             f"max_tokens, or keep eviction on with a smaller budget", key or "max_tokens",
         )
-
-
-def _check_request_fits(vllm_config, request, sp) -> None:
-    if not vllm_attention.custom_selected(vllm_config):
-        return
-    overrides = request_overrides(getattr(sp, "extra_args", None))
-    cfg = request_config(config_from_vllm(vllm_config), overrides)
-    tokens = request.prompt_token_ids
-    prompt_len = len(tokens) if tokens is not None else int(getattr(request, "prompt_embeds").shape[0])
-    over = dict(overrides or ())
-    # The key that made the window unbounded or large: the one a 400 names.
-    key = next((f"kvevict_{k}" for k in ("enabled", "policy", "params", "budget") if k in over), None)
-    check_fits_pool(vllm_config, cfg, prompt_len, sp.max_tokens, key)
 
 
 def _choose_cuda_base(device_capability, attn_selector_config) -> str:
@@ -187,7 +193,7 @@ def register() -> None:
 
     register_spec()
     install_scheduler_hooks()
-    vllm_engine.install_request_checks(validate_request, _check_request_fits, logger)
+    vllm_engine.install_request_check(check_request, logger)
     # Every process records into the metrics directory the first one (the API server) made; the
     # API server serves them on vLLM's /metrics.
     vllm_metrics.install_collector(metrics.Collector(metrics.setup_directory()))

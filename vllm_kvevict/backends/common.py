@@ -27,17 +27,13 @@ from vllm_kvevict.backends import fault
 from vllm_kvevict.backends.evict import RowWork, evict_step
 from vllm_kvevict.backends.plan import cascade_prefix_len, plan_step, shifted_metadata
 from vllm_kvevict.backends.projection import output_projection
-from vllm_kvevict.backends.recall import RecallTier, TierEntry, logical_slots, recall_scores, select_recalled
+from vllm_kvevict.backends.recall import Tier, TierEntry, logical_slots, recall_scores, select_recalled
 from vllm_kvevict.config import KVEvictConfig, config_from_vllm
-from vllm_kvevict.policies import get_policy
+from vllm_kvevict.request import WORKER, LayerState
 from vllm_kvevict.vllm_compat import attention as vllm_attention
 from vllm_kvevict.vllm_compat import distributed as vllm_distributed
 from vllm_kvevict.vllm_compat import kv_cache as vllm_kv_cache
 from vllm_kvevict.vllm_compat import runner as vllm_runner
-
-#: Policy objects kept per layer (one per distinct policy and parameters in use).
-MAX_POLICIES = 64
-
 
 def _dump(records: list[dict]) -> None:
     """``KVEVICT_DUMP_DIR`` (debugging, tests): every compaction's kept positions, as JSON lines."""
@@ -84,17 +80,11 @@ def _current_config() -> KVEvictConfig:
     return config_from_vllm(_worker_vllm_config)
 
 
-#: layer -> token slots in its recall tier (this worker), for the gauge
-_tier_tokens: dict[int, int] = {}
-
-
-def _record_tier(layer: int, tokens: int) -> None:
-    if _tier_tokens.get(layer, 0) == tokens:
-        return
-    _tier_tokens[layer] = tokens
-    rec = _worker_metrics()
-    if rec is not None:
-        rec.set("recall_tier_tokens", sum(_tier_tokens.values()))
+def _end_step(rec: metrics.Recorder) -> None:
+    """After every model step: the recall tiers' size (every request and layer of this worker)."""
+    rec.set("recall_tier_tokens", sum(ls.tier.tokens for st in WORKER.states() for ls in st.layers.values()
+                                      if ls.tier is not None))
+    rec.end_step()
 
 
 def _worker_metrics() -> metrics.Recorder | None:
@@ -136,7 +126,7 @@ class KVEvictBuilderMixin:
             profiling.install_profile_hook()  # only with KVEVICT_PROFILE_DIR
             rec = _worker_metrics()
             if rec is not None:  # eviction time per model step, for /metrics
-                vllm_runner.add_step_listener("metrics", lambda: None, lambda _token, _wall: rec.end_step())
+                vllm_runner.add_step_listener("metrics", lambda: None, lambda _token, _wall: _end_step(rec))
 
     def build(self, common_prefix_len, common_attn_metadata, fast_build: bool = False, **kwargs):
         if self.kvevict_config is None:
@@ -150,7 +140,7 @@ class KVEvictBuilderMixin:
             qsl = plan.query_start_loc
             profiling.note(rows=len(plan.seq_lens), tokens=qsl[-1], compact_rows=len(plan.compact_rows),
                            max_query=max(b - a for a, b in zip(qsl, qsl[1:])), policies=sorted(
-                               {c.policy for c in plan.configs if c.eviction_active}))
+                               {st.settings.policy_name for st in plan.states if st.settings.evicts}))
         cm = shifted_metadata(common_attn_metadata, plan, self.kvevict_block_size)
         # Cascade attention reads a prefix shared by every row through row 0's *logical* block
         # table; a row whose table was shifted past its evicted blocks no longer starts there.
@@ -167,14 +157,10 @@ class KVEvictImplMixin:
 
     def _kvevict_init(self, base_name: str) -> None:
         self.kvevict_config = _current_config()
-        self._kvevict_policies: dict = {}  # (policy, params) -> Policy, LRU order: requests may choose their own
         self._kvevict_slot_pos: torch.Tensor | None = None
         self._kvevict_slot_state: dict[str, torch.Tensor] = {}  # per-slot policy state, like positions
-        self._kvevict_qwin: dict[str, torch.Tensor] = {}  # req_id -> its latest queries [H_q, w, d]
         self._kvevict_w_o: torch.Tensor | None = None
         self._kvevict_layer_index: int | None = None
-        self._kvevict_tier = RecallTier()  # recall: evicted tokens per request (backends/recall.py)
-        self._kvevict_recall_q: dict[str, torch.Tensor] = {}  # recall: req_id -> its last queries
         info_once(
             f"kvevict: attention backend {type(self).__name__} (base {base_name}) in pid {os.getpid()}; "
             f"{self.kvevict_config.summary()}"
@@ -207,22 +193,6 @@ class KVEvictImplMixin:
                     rec.eviction_timer(query.device) if rec is not None else contextlib.nullcontext()):
                 self._kvevict_after_attention(layer, query, kv_cache, plan)
         return out
-
-    def _policy(self, config, req_id: str | None):
-        """The policy object of a request's configuration: one per (policy, parameters), shared by
-        every request and budget that uses them (a policy holds no per-request state), at most
-        :data:`MAX_POLICIES` per layer (least recently used dropped). A request that has fallen
-        back after a fault gets the safe policy (:mod:`vllm_kvevict.backends.fault`)."""
-        if req_id is not None and fault.has_fallen_back(req_id):
-            return fault.SAFE_POLICY
-        key = (config.policy, config.policy_params)
-        policy = self._kvevict_policies.pop(key, None)
-        if policy is None:
-            policy = fault.maybe_faulty(get_policy(config.policy, config.policy_params))
-            if len(self._kvevict_policies) >= MAX_POLICIES:
-                del self._kvevict_policies[next(iter(self._kvevict_policies))]
-        self._kvevict_policies[key] = policy  # most recently used last
-        return policy
 
     def _slot_pos(self, kv_cache: torch.Tensor) -> torch.Tensor:
         """Per-slot, per-head absolute positions, moved with the tokens at every compaction."""
@@ -258,15 +228,18 @@ class KVEvictImplMixin:
             self._kvevict_w_o = w.reshape(self.num_heads, -1, w.shape[-1]).contiguous()
         return self._kvevict_w_o
 
-    def _query_window(self, plan, r: int, Q: torch.Tensor, w: int) -> torch.Tensor:
+    def _layer_state(self, plan, r: int, layer) -> LayerState:
+        """What this worker keeps of row ``r``'s request in this layer (it starts empty with every
+        attempt: :meth:`~vllm_kvevict.request.RequestState.restart`)."""
+        if not plan.states:
+            raise RuntimeError("kvevict: query-window policies and recall need the runner hook (request ids)")
+        return plan.states[r].layer(getattr(layer, "layer_name", None) or id(self))
+
+    def _query_window(self, plan, r: int, Q: torch.Tensor, w: int, layer=None) -> torch.Tensor:
         """The request's last ``w`` queries ``[H_q, <=w, d]``, this step's included."""
-        rid = plan.req_ids[r] if plan.req_ids else None
-        if rid is None:
-            raise RuntimeError("kvevict: query-window policies need the runner hook (request ids)")
-        old = None if rid in plan.starts else self._kvevict_qwin.get(rid)  # every attempt starts afresh
-        buf = Q if old is None else torch.cat([old, Q], dim=1)
-        buf = buf[:, -w:].clone()
-        self._kvevict_qwin[rid] = buf
+        st = self._layer_state(plan, r, layer)
+        buf = Q if st.queries is None else torch.cat([st.queries, Q], dim=1)
+        st.queries = buf = buf[:, -w:].clone()
         return buf
 
     def _row_work(self, plan, r: int, policy, compacts: bool, query, layer) -> RowWork | None:
@@ -277,12 +250,12 @@ class KVEvictImplMixin:
             return None
         qsl, L = plan.query_start_loc, plan.seq_lens[r]
         Q = query[qsl[r]:qsl[r + 1]].transpose(0, 1)  # [H_q, m, d]
-        extra = {"L": L, "budget": plan.configs[r].budget, "scale": self.scale,
+        extra = {"L": L, "budget": plan.states[r].settings.budget, "scale": self.scale,
                  "softcap": getattr(self, "logits_soft_cap", None) or None}
         if policy.needs_queries:
             extra.update(Q=Q, q_pos=plan.positions[qsl[r]:qsl[r + 1]].long())
         if w:
-            Qw = self._query_window(plan, r, Q, w)
+            Qw = self._query_window(plan, r, Q, w, layer)
             extra.update(Q_window=Qw, w_pos=torch.arange(L - Qw.shape[1], L, device=Qw.device))
         if not compacts and not policy.observes:
             return None  # only the query window moved
@@ -290,31 +263,24 @@ class KVEvictImplMixin:
             extra["W_O"] = self._w_o(layer)
         return RowWork(r, policy, compacts, extra)
 
-    def _recall_rows(self, plan, policies, query) -> set[int]:
+    def _recall_rows(self, plan, policies, query, layer) -> set[int]:
         """Rows whose request keeps a recall tier in this step (recall on, its prompt not complete
         before this step, a policy that drops rather than merges), with their query buffers
-        updated; tiers of requests that ended or restarted are dropped."""
-        if plan.live is not None:
-            self._kvevict_tier.forget(plan.live)
-            for rid in [k for k in self._kvevict_recall_q if k not in plan.live]:
-                del self._kvevict_recall_q[rid]
+        updated."""
         rows: set[int] = set()
-        if plan.req_ids is None or plan.prompt_lens is None:
+        if not plan.states or plan.prompt_lens is None:
             return rows
         qsl = plan.query_start_loc
-        for r, (cfg, policy) in enumerate(zip(plan.configs, policies)):
-            rid = plan.req_ids[r]
-            if rid in plan.starts:
-                self._kvevict_tier.drop(rid)
-                self._kvevict_recall_q.pop(rid, None)
-            if (policy is None or not cfg.recall.enabled or not policy.default_selection
+        for r, (st, policy) in enumerate(zip(plan.states, policies)):
+            recall = st.settings.recall
+            if (policy is None or not recall.enabled or not policy.default_selection
                     or plan.L_prev[r] >= plan.prompt_lens[r]):
                 continue
             rows.add(r)
             Q = query[qsl[r]:qsl[r + 1]].transpose(0, 1)  # [H_q, m, d]
-            old = self._kvevict_recall_q.get(rid)
-            buf = Q if old is None else torch.cat([old, Q], dim=1)
-            self._kvevict_recall_q[rid] = buf[:, -cfg.recall.window:].clone()
+            ls = self._layer_state(plan, r, layer)
+            buf = Q if ls.recall_queries is None else torch.cat([ls.recall_queries, Q], dim=1)
+            ls.recall_queries = buf[:, -recall.window:].clone()
         return rows
 
     def _recall(self, layer, kv_cache, plan, r: int, G: int) -> torch.Tensor | None:
@@ -322,9 +288,10 @@ class KVEvictImplMixin:
         by the attention of the prompt's last queries; write the winners into ``[E, L)``. Returns
         the kept positions ``[keep, H]`` (None when there is nothing to recall). A failure leaves
         the window as the policy chose it (logged once, like a policy's)."""
-        rid, cfg = plan.req_ids[r], plan.configs[r]
-        tier = self._kvevict_tier.take(rid, kv_cache.device)
-        Qw = self._kvevict_recall_q.pop(rid, None)
+        rid, cfg = plan.req_ids[r], plan.states[r].settings.config
+        ls = self._layer_state(plan, r, layer)
+        tier = ls.tier.take(kv_cache.device) if ls.tier is not None else None
+        Qw, ls.recall_queries = ls.recall_queries, None
         if tier is None or Qw is None:
             return None
         try:
@@ -365,18 +332,14 @@ class KVEvictImplMixin:
         valid = slots >= 0
         slot_pos[slots[valid]] = plan.positions[valid].to(torch.int32)[:, None]
         compact = set(plan.compact_rows)
-        rids = plan.req_ids or [None] * len(plan.configs)
-        policies = [self._policy(c, rid) if c.eviction_active else None for c, rid in zip(plan.configs, rids)]
+        if not plan.states:  # a dummy batch: no request behind its rows
+            return
+        policies = [fault.policy_of(st) if st.settings.evicts else None for st in plan.states]
         # Per-slot state: this step's slots start from the policy's initial value.
         for p in {id(p): p for p in policies if p is not None}.values():
             for name, (dtype, init) in p.slot_state.items():
                 self._state(kv_cache, name, dtype, init)[slots[valid]] = init
-        if plan.live is not None and len(self._kvevict_qwin) > 0:
-            for rid in [k for k in self._kvevict_qwin if k not in plan.live]:
-                del self._kvevict_qwin[rid]  # finished or aborted
-        if plan.live is not None:
-            fault.forget_finished(plan.live)
-        recall_rows = self._recall_rows(plan, policies, query)
+        recall_rows = self._recall_rows(plan, policies, query, layer)
         work = []
         for r, policy in enumerate(policies):
             if policy is None:
@@ -384,7 +347,7 @@ class KVEvictImplMixin:
             try:
                 item = self._row_work(plan, r, policy, r in compact, query, layer)
             except Exception as err:  # noqa: BLE001 - e.g. no W_O on this model: that request falls back
-                fault.fall_back(plan.req_ids[r] if plan.req_ids else None, policy, err)
+                fault.fall_back(plan.states[r], plan.req_ids[r] if plan.req_ids else None, policy, err)
                 item = self._row_work(plan, r, fault.SAFE_POLICY, r in compact, query, layer)
             if item is not None:
                 if r in recall_rows:
@@ -416,16 +379,20 @@ class KVEvictImplMixin:
         rows = [w.row for w in work if w.compact]
         kept_by_row = dict(zip(rows, kept))
         for r, (K, V, pos, score, state) in evicted.items():
-            self._kvevict_tier.add(plan.req_ids[r], TierEntry(K, V, pos, score, state), plan.configs[r].recall.cap)
+            ls = self._layer_state(plan, r, layer)
+            if ls.tier is None:
+                ls.tier = Tier()
+            ls.tier.add(TierEntry(K, V, pos, score, state), plan.states[r].settings.recall.cap)
         if profiling.enabled():  # the tiers at their fullest: before this step's recalls take them
-            profiling.add(tier_bytes=self._kvevict_tier.nbytes)
+            key = getattr(layer, "layer_name", None) or id(self)
+            profiling.add(tier_bytes=sum(st.layers[key].tier.nbytes for st in WORKER.states()
+                                         if key in st.layers and st.layers[key].tier is not None))
         for r in sorted(recall_rows):
             if plan.completes_prompt(r):
                 with profiling.timed("recall_s", kv_cache.device):
                     got = self._recall(layer, kv_cache, plan, r, G)
                 if got is not None:
                     kept_by_row[r] = got
-        _record_tier(layer_idx, self._kvevict_tier.tokens)
         rows = sorted(kept_by_row)
         if envs.KVEVICT_DUMP_DIR and rows:
             _dump_kept(plan, rows, layer_idx, [kept_by_row[r] for r in rows], self._model_kv_heads())
@@ -434,7 +401,7 @@ class KVEvictImplMixin:
                 rid = plan.req_ids[r] if plan.req_ids else f"row {r}"
                 logger.debug(
                     "kvevict: %s compacted [%d, %d) -> [%d, %d) (%s)", rid, plan.e_prev[r], plan.seq_lens[r],
-                    plan.e_new[r], plan.seq_lens[r], plan.configs[r].policy,
+                    plan.e_new[r], plan.seq_lens[r], plan.states[r].settings.policy_name,
                 )
 
 

@@ -5,8 +5,9 @@ fails. The eviction step therefore never lets an exception out: when the batched
 :func:`isolate` runs every row alone; a row whose policy raises again is given the safe policy
 (:data:`SAFE_POLICY`: keep the newest tokens of each KV head) and compacted with it, inside the
 same window, so the scheduler's block accounting (which only knows the window) stays right. The
-request keeps the safe policy for the rest of its life, on every layer; one WARNING names it, its
-policy and the error, and :data:`FALLBACKS` counts it per policy.
+request keeps the safe policy for the rest of its life, on every layer (its state in the worker's
+registry says so: :func:`policy_of`); one WARNING names it, its policy and the error, and
+:data:`FALLBACKS` counts it per policy.
 
 The step writes nothing before every row is scored and selected
 (:func:`~vllm_kvevict.backends.evict.evict_step`), so a retry starts from the untouched cache.
@@ -27,6 +28,7 @@ import os
 import time
 from collections import Counter
 from collections.abc import Callable
+from functools import lru_cache
 from pathlib import Path
 
 import torch
@@ -35,6 +37,7 @@ from vllm_kvevict import envs, metrics
 from vllm_kvevict._logging import logger
 from vllm_kvevict.policies import Policy
 from vllm_kvevict.policies.streamingllm import StreamingLLM, StreamingLLMParams
+from vllm_kvevict.request import RequestState
 from vllm_kvevict.vllm_compat import distributed as vllm_distributed
 
 TEST_FAULT_ENV = "KVEVICT_TEST_FAULT"
@@ -48,26 +51,26 @@ SAFE_POLICY: Policy = StreamingLLM(StreamingLLMParams(sink_tokens=0))
 #: policy name -> requests that fell back to :data:`SAFE_POLICY` in this worker since start.
 FALLBACKS: Counter[str] = Counter()
 
-_fallen: dict[str, str] = {}  # request id -> the policy it fell back from
+
+def policy_of(state: RequestState) -> Policy:
+    """The policy a request runs with in this worker: its own, or the safe one after a fault."""
+    if state.fell_back_from is not None:
+        return SAFE_POLICY
+    faults = envs.KVEVICT_TEST_FAULT
+    return _faulty(state.settings.policy, faults) if faults else state.settings.policy
 
 
-def has_fallen_back(req_id: str) -> bool:
-    return req_id in _fallen
+@lru_cache(maxsize=64)
+def _faulty(policy: Policy, faults: frozenset[str]) -> Policy:
+    return maybe_faulty(policy)
 
 
-def forget_finished(live: frozenset[str]) -> None:
-    """Drop the requests the runner no longer holds (finished, aborted)."""
-    if _fallen:
-        for rid in [r for r in _fallen if r not in live]:
-            del _fallen[rid]
-
-
-def fall_back(req_id: str | None, policy: Policy, err: BaseException) -> None:
+def fall_back(state: RequestState | None, req_id: str | None, policy: Policy, err: BaseException) -> None:
     name = getattr(policy, "name", type(policy).__name__)
-    if req_id is not None and req_id in _fallen:
-        return
-    if req_id is not None:
-        _fallen[req_id] = name
+    if state is not None:
+        if state.fell_back_from is not None:
+            return
+        state.fell_back_from = name
     FALLBACKS[name] += 1
     rec = metrics.recorder("worker", vllm_distributed.tensor_parallel()[0])
     if rec is not None:
@@ -89,8 +92,8 @@ def isolate(plan, work: list, step: Callable[[list], list[torch.Tensor]], err: B
         try:
             out = step([w])
         except Exception as row_err:  # noqa: BLE001
-            rid = plan.req_ids[w.row] if plan.req_ids else None
-            fall_back(rid, w.policy, row_err)
+            fall_back(plan.states[w.row] if plan.states else None, plan.req_ids[w.row] if plan.req_ids else None,
+                      w.policy, row_err)
             # The safe policy reads nothing but keys and positions: none of the row's extras (queries,
             # W_O, ...) go with it, whatever broke the policy cannot break it; what it drops is
             # still handed to the recall tier.

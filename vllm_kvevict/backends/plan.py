@@ -4,21 +4,23 @@ Device-agnostic (every builder shares it). The runner's ``CommonAttentionMetadat
 *logical* sequence lengths and block tables; for the kernel we hand it the physical window
 ``[e_prev, L)``: ``block_table[r, e_prev/bs:]`` and ``seq_lens - e_prev`` (docs/architecture.md,
 "The contract"). Positions and slot_mapping stay logical, so RoPE and the KV write are untouched.
-Each row's window comes from its request's own configuration, which the model runner's step hook
-publishes (:func:`vllm_kvevict.vllm_compat.runner.current_step`); a step without it is never planned.
+Each row's window comes from its request's own settings, resolved the first time a step schedules
+the request and kept in the worker's registry (:data:`vllm_kvevict.request.WORKER`) while the model
+runner holds it; the rows' requests come from the runner's step hook
+(:func:`vllm_kvevict.vllm_compat.runner.current_step`); a step without it is never planned.
 """
 
 from __future__ import annotations
 
 import dataclasses
 from dataclasses import dataclass
-from functools import lru_cache
 
 import torch
 
-from vllm_kvevict.config import request_config, request_overrides
+from vllm_kvevict.config import KVEvictConfig
+from vllm_kvevict.request import WORKER, RequestSettings, RequestState, resolve
 from vllm_kvevict.vllm_compat.runner import RunnerStep
-from vllm_kvevict.window import WindowConfig, step_window
+from vllm_kvevict.window import step_window
 
 
 @dataclass
@@ -33,11 +35,16 @@ class StepPlan:
     slot_mapping: torch.Tensor  # [num_actual_tokens] logical slots of this step's tokens
     positions: torch.Tensor  # [num_actual_tokens]
     req_ids: list[str] | None
-    configs: list  # per row: the request's KVEvictConfig (server config with its overrides)
+    #: per row: the request's state in this worker (its settings, shared prefix, per-layer state);
+    #: empty in a dummy batch, whose rows have no request behind them (nothing is evicted)
+    states: list[RequestState]
     query_start_loc: list[int]  # [rows + 1] this step's tokens of row r: [qsl[r], qsl[r + 1])
-    live: frozenset[str] | None = None  # requests alive on this worker (per-request state outlives none)
     prompt_lens: list[int] | None = None  # per row (None in a dummy batch)
     starts: frozenset[str] = frozenset()  # requests starting an attempt in this step
+
+    def settings(self, r: int) -> RequestSettings | None:
+        """Row ``r``'s settings (None in a dummy batch)."""
+        return self.states[r].settings if self.states else None
 
     def completes_prompt(self, r: int) -> bool:
         """Whether row ``r``'s prompt is completed in this step."""
@@ -48,32 +55,27 @@ class StepPlan:
         return [r for r, (a, b) in enumerate(zip(self.e_prev, self.e_new)) if b > a]
 
 
-#: request id -> the prefix-cache hit its current attempt started on (tokens; 0 without one). The
-#: engine core records the same number when it hands the hit to the request (scheduler/manager.py).
-_shared: dict[str, int] = {}
-
-
-def shared_prefix(step: RunnerStep, L_prev: list[int]) -> list[int]:
-    """Each row's shared prefix: its computed tokens in the step its attempt started (a prefix-cache
-    hit; 0 without one). Kept for the requests the runner still holds."""
-    for rid, lp in zip(step.req_ids, L_prev):
-        if rid in step.starts:
-            if lp:
-                _shared[rid] = lp
-            else:
-                _shared.pop(rid, None)
-    if _shared and len(_shared) > len(step.live):
-        for rid in [r for r in _shared if r not in step.live]:
-            del _shared[rid]
-    return [_shared.get(rid, 0) for rid in step.req_ids[: len(L_prev)]]
-
-
 class MissingStepContext(RuntimeError):
     """Attention metadata was built outside the model runner's step hook."""
 
 
+def request_states(step: RunnerStep, L_prev: list[int], server: KVEvictConfig, block_size: int) -> list[RequestState]:
+    """The worker's state of each row's request: made (its settings resolved) the first time a step
+    schedules the request; restarted in the step an attempt starts, on the prefix-cache hit it
+    starts on (its computed tokens at the step's start: the engine core records the same number
+    when it hands the hit over, scheduler/manager.py). Requests the runner no longer holds go."""
+    WORKER.retain(step.live)
+    states = []
+    for r, rid in enumerate(step.req_ids[: len(L_prev)]):
+        st = WORKER.open(rid, lambda r=r: resolve(server, step.extra_args[r], block_size))
+        if rid in step.starts:
+            st.restart(L_prev[r])
+        states.append(st)
+    return states
+
+
 def plan_step(cm, server_config, block_size: int, step: RunnerStep | None) -> StepPlan:
-    """Each row's window for this step, from its request's own configuration.
+    """Each row's window for this step, from its request's own settings.
 
     ``step``: the rows' requests as the runner hook published them. A dummy batch (profiling,
     warm-up, graph capture) has no requests behind its rows: nothing is evicted. Without ``step``
@@ -88,26 +90,19 @@ def plan_step(cm, server_config, block_size: int, step: RunnerStep | None) -> St
                   positions=cm.positions[:T] if cm.positions is not None else None, query_start_loc=qsl,
                   L_prev=L_prev)
     if step is not None and step.dummy:
-        off = server_config.model_copy(update={"enabled": False})
-        return StepPlan(e_prev=[0] * n, e_new=[0] * n, req_ids=None, configs=[off] * n, **common)
+        return StepPlan(e_prev=[0] * n, e_new=[0] * n, req_ids=None, states=[], **common)
     if step is None or len(step.req_ids) < n:
         raise MissingStepContext(
             "kvevict: attention metadata built without the model runner's step hook (no request ids, prompt "
             "lengths or per-request configuration); this model runner is not supported"
         )
-    configs = [request_config(server_config, request_overrides(step.extra_args[r])) for r in range(n)]
-    windows = [_window(c, block_size) for c in configs]
-    shared = shared_prefix(step, L_prev)
-    steps = [step_window(L_prev[r], seq_lens[r], step.prompt_lens[r], windows[r], shared[r]) for r in range(n)]
+    states = request_states(step, L_prev, server_config, block_size)
+    steps = [step_window(L_prev[r], seq_lens[r], step.prompt_lens[r], st.settings.window, st.shared)
+             for r, st in enumerate(states)]
     return StepPlan(
         e_prev=[s.e_prev for s in steps], e_new=[s.e_new for s in steps], req_ids=step.req_ids[:n],
-        configs=configs, live=step.live, prompt_lens=step.prompt_lens[:n], starts=step.starts, **common,
+        states=states, prompt_lens=step.prompt_lens[:n], starts=step.starts, **common,
     )
-
-
-@lru_cache(maxsize=1024)
-def _window(config, block_size: int) -> WindowConfig:
-    return config.window(block_size)
 
 
 def cascade_prefix_len(plan: StepPlan, common_prefix_len: int) -> int:

@@ -15,8 +15,9 @@ GPU server in pinned host memory, copied from the device asynchronously (the cop
 step's stream and waited for only when the tier next merges, a step later, or at recall, when it is
 copied back the same way). It is bounded by ``recall.cap`` tokens per request, layer and KV head
 (plus, on a GPU, the newest compaction's tokens while their copy is in flight): when full, the
-lowest-scored tokens go first. It is dropped when the request finishes, is aborted or restarts
-after preemption.
+lowest-scored tokens go first. It is part of the request's state in the worker
+(:class:`~vllm_kvevict.request.LayerState`), so it goes when the request finishes, is aborted or
+restarts after preemption.
 """
 
 from __future__ import annotations
@@ -52,59 +53,45 @@ class TierEntry:
         return TierEntry(fn(self.K), fn(self.V), fn(self.pos), fn(self.score), {k: fn(v) for k, v in self.state.items()})
 
 
-class RecallTier:
-    """The tier of one layer: request id -> its chunks (one merged :class:`TierEntry`, and on a GPU
-    the newest one while its copy to host memory is in flight)."""
+class Tier:
+    """One request's tier in one layer (kept in its :class:`~vllm_kvevict.request.LayerState`): one
+    merged :class:`TierEntry`, and on a GPU the newest one while its copy to host memory is in flight."""
 
     def __init__(self) -> None:
-        self.chunks: dict[str, list[TierEntry]] = {}
-        self.caps: dict[str, int] = {}
+        self.chunks: list[TierEntry] = []
+        self.cap = 0
 
-    def add(self, rid: str, new: TierEntry, cap: int) -> None:
-        """Append ``new`` to the request's tier, keeping the ``cap`` best-scored tokens per KV head.
-        Tokens on a GPU are copied to pinned host memory without waiting; that copy is waited for
-        at the next ``add`` or ``take`` (by then the step that issued it has long finished)."""
+    def add(self, new: TierEntry, cap: int) -> None:
+        """Append ``new``, keeping the ``cap`` best-scored tokens per KV head. Tokens on a GPU are
+        copied to pinned host memory without waiting; that copy is waited for at the next ``add``
+        or ``take`` (by then the step that issued it has long finished)."""
         if new.K.device.type != "cpu":
             new = _to_host(new)
-        self.caps[rid] = cap
-        chunks = [*self.chunks.get(rid, []), new]
+        self.cap = cap
+        chunks = [*self.chunks, new]
         last = chunks[-1]
         if last.copy is not None and not last.copy.query():
             merged, pending = _merge(chunks[:-1], cap), [last]
         else:
             merged, pending = _merge(chunks, cap), []
-        self.chunks[rid] = [c for c in (merged, *pending) if c is not None and c.tokens]
-        if not self.chunks[rid]:
-            self.drop(rid)
+        self.chunks = [c for c in (merged, *pending) if c is not None and c.tokens]
 
-    def take(self, rid: str, device: torch.device | str | None = None) -> TierEntry | None:
-        """The request's whole tier (on ``device``: copied back from pinned memory asynchronously),
-        removed from the tier."""
-        chunks = self.chunks.pop(rid, None)
-        cap = self.caps.pop(rid, 0)
-        e = _merge(chunks or [], cap)
+    def take(self, device: torch.device | str | None = None) -> TierEntry | None:
+        """The whole tier (on ``device``: copied back from pinned memory asynchronously); the tier
+        is empty afterwards."""
+        chunks, self.chunks = self.chunks, []
+        e = _merge(chunks, self.cap)
         if e is None or device is None or torch.device(device).type == "cpu":
             return e
         return e.map(lambda t: (t if t.is_pinned() else t.pin_memory()).to(device, non_blocking=True))
 
-    def drop(self, rid: str) -> None:
-        self.chunks.pop(rid, None)
-        self.caps.pop(rid, None)
-
-    def forget(self, live: frozenset[str]) -> None:
-        for rid in [r for r in self.chunks if r not in live]:
-            self.drop(rid)
-
-    def tokens_of(self, rid: str) -> int:
-        return sum(c.tokens for c in self.chunks.get(rid, []))
-
     @property
     def tokens(self) -> int:
-        return sum(c.tokens for cs in self.chunks.values() for c in cs)
+        return sum(c.tokens for c in self.chunks)
 
     @property
     def nbytes(self) -> int:
-        return sum(t.nbytes for cs in self.chunks.values() for c in cs for t in c.tensors())
+        return sum(t.nbytes for c in self.chunks for t in c.tensors())
 
 
 def _to_host(e: TierEntry) -> TierEntry:

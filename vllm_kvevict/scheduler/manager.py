@@ -27,11 +27,11 @@ from typing import Self
 
 from vllm_kvevict import metrics
 from vllm_kvevict._logging import logger
-from vllm_kvevict.config import KVEvictConfig, config_from_json, request_config, request_overrides
-from vllm_kvevict.policies import get_policy
+from vllm_kvevict.config import KVEvictConfig, config_from_json
+from vllm_kvevict.request import ENGINE, RequestSettings, RequestState, resolve
 from vllm_kvevict.vllm_compat import kv_cache as vllm_kv_cache
 from vllm_kvevict.vllm_compat.kv_cache import FullAttentionManager, FullAttentionSpec
-from vllm_kvevict.window import WindowConfig, admission_blocks, evicted_tokens, window_bound_blocks
+from vllm_kvevict.window import WindowConfig, evicted_tokens, window_bound_blocks
 
 
 @dataclass(frozen=True, kw_only=True)
@@ -138,19 +138,26 @@ class KVEvictManager(FullAttentionManager):
         return new
 
     def _count_hit(self, request_id: str) -> None:
-        shared = SHARED.get(request_id, 0)
-        if self._metrics is not None and shared > 0 and self.window_for(request_id).enabled:
-            self._metrics.inc("prefix_hits", self._policy_name(request_id))
-            self._metrics.inc("prefix_hit_tokens", self._policy_name(request_id), shared)
+        st = ENGINE.get(request_id)
+        if self._metrics is not None and st is not None and st.shared > 0 and st.settings.evicts:
+            self._metrics.inc("prefix_hits", st.settings.policy_name)
+            self._metrics.inc("prefix_hit_tokens", st.settings.policy_name, st.shared)
 
-    def _policy_name(self, request_id: str) -> str:
-        return request_config(self.kv_cache_spec.config, REQUEST_OVERRIDES.get(request_id) or None).policy
+    def state_of(self, request) -> RequestState:
+        """The request's state in the engine core, its settings resolved the first time it is seen."""
+        return ENGINE.open(request.request_id, lambda: resolve(
+            self.kv_cache_spec.config, vllm_kv_cache.request_extra_args(request), self.block_size))
+
+    def settings_for(self, request_id: str) -> RequestSettings | None:
+        st = ENGINE.get(request_id)
+        return st.settings if st is not None else None
 
     def _track_window(self, request_id: str, gone: bool = False) -> None:
         """Keep the gauges of blocks held by requests with a bounded window, and of their bounds, current."""
         if self._metrics is None:
             return
-        bound = None if gone else admission_blocks(self.window_for(request_id), self.kv_cache_spec.evict_max_in_flight)
+        settings = None if gone else self.settings_for(request_id)
+        bound = settings.admission_blocks(self.kv_cache_spec.evict_max_in_flight) if settings is not None else None
         if bound is None:  # gone, or its window is not bounded (eviction off, once, no decode-time eviction)
             if self._windows.pop(request_id, None) is None:
                 return
@@ -169,8 +176,10 @@ class KVEvictManager(FullAttentionManager):
         if not apply_admission_cap:
             return super().get_num_blocks_to_allocate(request_id, num_tokens, *args, **kwargs)
         server_cap = self.max_admission_blocks_per_request
-        self.max_admission_blocks_per_request = admission_blocks(
-            self.window_for(request_id), self.kv_cache_spec.evict_max_in_flight, SHARED.get(request_id, 0))
+        st = ENGINE.get(request_id)
+        if st is not None:
+            self.max_admission_blocks_per_request = st.settings.admission_blocks(
+                self.kv_cache_spec.evict_max_in_flight, st.shared)
         try:
             return super().get_num_blocks_to_allocate(request_id, num_tokens, *args, apply_admission_cap=True,
                                                       **kwargs)
@@ -191,18 +200,18 @@ class KVEvictManager(FullAttentionManager):
         ever hashed in this attempt (the first compaction rewrites ``[E1, L1)``, and everything
         computed after it attended to a window)."""
         rid = request.request_id
-        window = self.window_for(rid)
+        st = ENGINE.get(rid)
         att = self._attempts.get(rid)
-        if not window.enabled or att is None:
+        if st is None or not st.settings.evicts or att is None:
             return
-        e = evicted_tokens(num_tokens, request.num_prompt_tokens, window, SHARED.get(rid, 0))
+        e = evicted_tokens(num_tokens, request.num_prompt_tokens, st.settings.window, st.shared)
         if e <= att.scheduled_e:
             return
         if att.fence is None:
             att.fence = e
             self._cache_pure(request, e)
         if self._metrics is not None:  # one compaction on the workers, in the step just scheduled
-            policy, freed = self._policy_name(rid), (e - att.scheduled_e) // self.block_size
+            policy, freed = st.settings.policy_name, (e - att.scheduled_e) // self.block_size
             self._metrics.inc("blocks_freed", policy, freed)
             self._metrics.inc("tokens_evicted", policy, freed * self.block_size)
             self._metrics.inc("compactions", policy)
@@ -235,8 +244,11 @@ class KVEvictManager(FullAttentionManager):
     def _log_release(self, request_id: str, att: _Attempt) -> None:
         """Once per request (and per preemption), whether it evicted or not."""
         pool = self.block_pool
-        cfg = request_config(self.kv_cache_spec.config, REQUEST_OVERRIDES.get(request_id) or None)
-        bound = admission_blocks(cfg.window(self.block_size), self.kv_cache_spec.evict_max_in_flight)
+        settings = self.settings_for(request_id)
+        if settings is None:  # pragma: no cover - every allocated request has its settings
+            return
+        cfg = settings.config
+        bound = settings.admission_blocks(self.kv_cache_spec.evict_max_in_flight)
         logger.info(
             "kvevict: request %s released: %d blocks freed by eviction, peak %d blocks held "
             "(window bound %s); pool %d/%d blocks free, peak %d used; policy %s, budget %d",
@@ -251,11 +263,10 @@ class KVEvictManager(FullAttentionManager):
         return len(self._attempts)
 
     def window_for(self, request_id: str) -> WindowConfig:
-        """The server's window, or the request's own when it overrides policy/budget/enabled."""
-        spec = self.kv_cache_spec
-        overrides = REQUEST_OVERRIDES.get(request_id)
-        # The same resolution as the workers' (backends/plan.py), so both sides agree on E.
-        return request_config(spec.config, overrides).window(spec.block_size) if overrides else spec.window
+        """The request's window (resolved as the workers resolve it, so both sides agree on ``E``);
+        the server's for a request the engine core has not seen."""
+        settings = self.settings_for(request_id)
+        return settings.window if settings is not None else self.kv_cache_spec.window
 
     def remove_skipped_blocks(
         self, request_id: str, processed_computed_tokens: int, num_prompt_tokens: int | None = None
@@ -268,7 +279,8 @@ class KVEvictManager(FullAttentionManager):
             if window.trigger != "chunked" or not window.decode:
                 return  # E depends on the prompt length; without it, free nothing (never too much)
             num_prompt_tokens = processed_computed_tokens
-        e = evicted_tokens(processed_computed_tokens, num_prompt_tokens, window, SHARED.get(request_id, 0))
+        st = ENGINE.get(request_id)
+        e = evicted_tokens(processed_computed_tokens, num_prompt_tokens, window, st.shared if st else 0)
         blocks = self.req_to_blocks.get(request_id)
         att = self._attempts.get(request_id)
         if e <= 0 or blocks is None or att is None:
@@ -303,8 +315,9 @@ class KVEvictManager(FullAttentionManager):
         step it will ever run has been scheduled: its blocks below the fence (all of them when no
         scheduled step compacted) were computed without eviction and are never written again."""
         att = self._attempts.get(request_id)
-        request = REQUESTS.get(request_id)
-        if request is None or att is None or not self.window_for(request_id).enabled:
+        st = ENGINE.get(request_id)
+        request = st.request if st is not None else None
+        if request is None or att is None or not st.settings.evicts:
             return
         computed = min(request.num_computed_tokens, len(self.req_to_blocks.get(request_id, ())) * self.block_size)
         self._cache_pure(request, computed if att.fence is None else min(att.fence, computed))
@@ -319,13 +332,13 @@ class KVEvictManager(FullAttentionManager):
         still evicts."""
         if num_tokens <= 0:
             return 0
-        cfg = request_config(self.kv_cache_spec.config, request_overrides(vllm_kv_cache.request_extra_args(request)))
-        window = cfg.window(self.block_size)
+        settings = self.state_of(request).settings
+        window = settings.window
         if not window.enabled:
             return num_tokens
-        if get_policy(cfg.policy, cfg.policy_params).slot_state:
+        if settings.policy.slot_state:
             return 0
-        bound = admission_blocks(window, self.kv_cache_spec.evict_max_in_flight)
+        bound = settings.admission_blocks(self.kv_cache_spec.evict_max_in_flight)
         if bound is not None:
             return max(0, min(num_tokens, (self.block_pool.num_gpu_blocks - 1 - bound) * self.block_size))
         prompt = request.num_prompt_tokens
@@ -334,35 +347,34 @@ class KVEvictManager(FullAttentionManager):
 
 _metrics_owner: KVEvictManager | None = None
 
-#: Engine-core process: request id -> its kvevict overrides (set when vLLM first allocates for it).
-REQUEST_OVERRIDES: dict[str, tuple] = {}
-#: request id -> the request (vLLM's), while it holds blocks: its block hashes, for the prefix cache
-REQUESTS: dict[str, object] = {}
-#: request id -> the prefix-cache hit it started its current attempt on (tokens, read-only)
-SHARED: dict[str, int] = {}
-
 
 def install_scheduler_hooks() -> None:
-    """Record each request's kvevict overrides for the manager when vLLM first allocates for it,
-    the prefix-cache hit it may use, and forget both on vLLM's free paths. Idempotent."""
+    """Resolve each request's settings the first time the scheduler looks at it (a prefix-cache
+    lookup or an allocation), record the request and the prefix-cache hit its attempt starts on,
+    and end both on vLLM's free paths: the attempt when the request is preempted, everything when
+    it has finished. Idempotent."""
 
-    def on_allocate(request) -> None:
-        rid = request.request_id
-        if rid not in REQUEST_OVERRIDES:
-            REQUEST_OVERRIDES[rid] = request_overrides(vllm_kv_cache.request_extra_args(request)) or ()
-        REQUESTS[rid] = request
+    def on_allocate(request, managers: list) -> None:
+        for m in managers:
+            if isinstance(m, KVEvictManager):
+                m.state_of(request).request = request
+                return
 
-    def on_end(request_id: str) -> None:
-        REQUEST_OVERRIDES.pop(request_id, None)
-        REQUESTS.pop(request_id, None)
-        SHARED.pop(request_id, None)
+    def on_end(request) -> None:
+        if request.is_finished():
+            ENGINE.end(request.request_id)
+        elif (st := ENGINE.get(request.request_id)) is not None:  # preempted: it starts again later
+            st.request = None
+            st.restart(0)
 
     def on_prefix_hit(request, num_tokens: int, managers: list) -> int:
         ours = [m for m in managers if isinstance(m, KVEvictManager)]
         return min([m.usable_hit(request, num_tokens) for m in ours], default=num_tokens)
 
     def on_hit(request, num_tokens: int) -> None:
-        SHARED[request.request_id] = num_tokens
+        st = ENGINE.get(request.request_id)
+        if st is not None:
+            st.shared = num_tokens
 
     def on_scheduled(request, num_tokens: int, managers: list) -> None:
         for m in managers:

@@ -2,7 +2,7 @@
 
 Written against vLLM 0.32.0 (``platforms/interface.py`` ``check_and_update_config``,
 ``v1/engine/input_processor.py``
-``InputProcessor._validate_params`` and ``process_inputs``, ``exceptions.py``
+``InputProcessor.process_inputs``, ``exceptions.py``
 ``VLLMValidationError``); the same in 0.33.0 (``input_processor.py`` is byte-identical). In 0.33
 the CPU platform's default block size is set later, in the worker: ``cache_config.block_size`` is
 not final while ``check_and_update_config`` runs, so the plugin never reads it there.
@@ -13,7 +13,6 @@ from __future__ import annotations
 from collections.abc import Callable
 
 from vllm_kvevict.vllm_compat.patching import wrap_method
-
 
 
 def install_config_hook(platform_cls: type, check: Callable[[object], None]) -> None:
@@ -31,26 +30,14 @@ def install_config_hook(platform_cls: type, check: Callable[[object], None]) -> 
     wrap_method(platform_cls, "check_and_update_config", make, "kvevict: check the kvevict configuration")
 
 
-class RequestRefused(Exception):
-    """Raised by a request check: refused with HTTP 400 naming ``key``."""
+def install_request_check(check: Callable[[object, object], Callable[[object], None] | None], logger) -> None:
+    """The API server's check of a request, answered as vLLM answers its own: HTTP 400.
 
-    def __init__(self, message: str, key: str | None):
-        super().__init__(message)
-        self.key = key
-
-
-def install_request_checks(
-    check_params: Callable[[object, dict], None],
-    check_request: Callable[[object, object, object], None],
-    logger,
-) -> None:
-    """Request checks in the API server, answered as vLLM answers its own: HTTP 400.
-
-    ``check_params(vllm_config, extra_args)`` after vLLM's ``_validate_params`` for requests with
-    ``kvevict_*`` keys; ``check_request(vllm_config, engine_request, sampling_params)`` after
-    ``process_inputs`` (the prompt is tokenized there). Either raises :class:`RequestRefused`, or
-    anything with a ``key`` attribute, to refuse; anything else unexpected is logged and refused too,
-    so a bug in a check costs one request, never a 500.
+    ``then = check(vllm_config, params)`` before ``InputProcessor.process_inputs`` processes the
+    request (its keys: refused before the prompt is tokenized), and ``then(engine_request)`` after
+    it (the prompt tokenized), when ``then`` is not None. A check refuses by raising anything with a
+    ``key`` attribute (the parameter named in the 400); anything else unexpected is logged and
+    refused too, so a bug in a check costs one request, never a 500.
     """
     from vllm.exceptions import VLLMValidationError
     from vllm.v1.engine.input_processor import InputProcessor
@@ -60,31 +47,21 @@ def install_request_checks(
             return fn(*args)
         except Exception as err:  # noqa: BLE001 - a bug here must fail the request, not the server
             key = getattr(err, "key", None)
-            if key is not None or isinstance(err, RequestRefused):
+            if key is not None:
                 raise VLLMValidationError(str(err), parameter=key) from None
             logger.warning("kvevict: could not check a request's kvevict keys: %r", err, exc_info=True)
             raise VLLMValidationError(f"kvevict: could not check the request's kvevict keys ({type(err).__name__})",
                                       parameter="vllm_xargs") from None
 
-    def make_validate(orig):
-        def _validate_params(self, params, supported_tasks):
-            result = orig(self, params, supported_tasks)
-            extra = getattr(params, "extra_args", None)
-            if extra and any(str(k).startswith("kvevict_") for k in extra):
-                checked(check_params, self.vllm_config, extra)
-            return result
-
-        return _validate_params
-
     def make_process(orig):
         def process_inputs(self, request_id, prompt, params, *args, **kwargs):
+            then = checked(check, self.vllm_config, params)
             request = orig(self, request_id, prompt, params, *args, **kwargs)
-            sp = getattr(request, "sampling_params", None)
-            if sp is not None:
-                checked(check_request, self.vllm_config, request, sp)
+            if then is not None:
+                checked(then, request)
             return request
 
         return process_inputs
 
-    wrap_method(InputProcessor, "_validate_params", make_validate, "kvevict: HTTP 400 for bad kvevict keys")
-    wrap_method(InputProcessor, "process_inputs", make_process, "kvevict: HTTP 400 for a request that cannot fit")
+    wrap_method(InputProcessor, "process_inputs", make_process, "kvevict: HTTP 400 for bad kvevict keys, or a "
+                "request that cannot fit")

@@ -41,21 +41,25 @@ def request_extra_args(request) -> dict | None:
 
 
 def install_request_hooks(
-    on_allocate: Callable[[object], None],
-    on_end: Callable[[str], None],
+    on_allocate: Callable[[object, list], None],
+    on_end: Callable[[object], None],
     on_prefix_hit: Callable[[object, int, list], int],
     on_scheduled: Callable[[object, int, list], None],
     on_hit: Callable[[object, int], None],
 ) -> None:
     """The single-type managers only see request ids; ``KVCacheManager`` sees the request.
 
-    ``on_allocate(request)`` runs before every ``allocate_slots``; ``on_scheduled(request, L,
+    ``on_allocate(request, single_type_managers)`` runs before every ``allocate_slots``;
+    ``on_scheduled(request, L,
     single_type_managers)`` after every ``allocate_slots`` that succeeded, i.e. for every step the
     scheduler schedules the request in, with ``L`` the tokens whose KV the workers will have
     computed once that step has run (the request's computed tokens, the hit it adopts in this
-    step, and the step's new tokens: vLLM's own sum in ``allocate_slots``); ``on_end(request_id)``
+    step, and the step's new tokens: vLLM's own sum in ``allocate_slots``); ``on_end(request)``
     after ``free`` and after ``pop_blocks_for_free`` (the deferred-free path of
-    ``Scheduler._free_request_blocks``), so per-request state ends on both of vLLM's free paths;
+    ``Scheduler._free_request_blocks``), so per-request state ends on both of vLLM's free paths
+    (``request.is_finished()`` tells a finished request from a preempted one: vLLM frees a
+    preempted request's blocks before it sets its status to ``PREEMPTED``, a finished one's after
+    it sets ``FINISHED_*``);
     ``on_prefix_hit(request, num_tokens, single_type_managers)`` sees every prefix-cache lookup
     (``get_computed_blocks``, run when a request is scheduled from the waiting queue: new or
     preempted) and returns how many of the hit tokens the request may use (a multiple of the block
@@ -76,7 +80,7 @@ def install_request_hooks(
         signature = inspect.signature(orig)
 
         def allocate_slots(self, request, *args, **kwargs):
-            on_allocate(request)
+            on_allocate(request, list(self.coordinator.single_type_managers))
             computed = request.num_computed_tokens  # before the call: vLLM advances it after scheduling
             blocks = orig(self, request, *args, **kwargs)
             if blocks is not None:
@@ -93,7 +97,7 @@ def install_request_hooks(
             try:
                 return orig(self, request, *args, **kwargs)
             finally:
-                on_end(request.request_id)
+                on_end(request)
 
         return end
 
@@ -114,7 +118,8 @@ def install_request_hooks(
         return get_computed_blocks
 
     wrap_method(KVCacheManager, "allocate_slots", make_allocate,
-                "kvevict: record each request's overrides; the window each scheduled step reaches")
-    wrap_method(KVCacheManager, "free", make_end, "kvevict: forget a request's overrides")
-    wrap_method(KVCacheManager, "pop_blocks_for_free", make_end, "kvevict: forget a request's overrides (deferred free)")
+                "kvevict: each request's settings; the window each scheduled step reaches")
+    wrap_method(KVCacheManager, "free", make_end, "kvevict: end a request's attempt (or the request)")
+    wrap_method(KVCacheManager, "pop_blocks_for_free", make_end,
+                "kvevict: end a request's attempt (or the request; deferred free)")
     wrap_method(KVCacheManager, "get_computed_blocks", make_lookup, "kvevict: prefix-cache hits a window can use")

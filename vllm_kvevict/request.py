@@ -1,0 +1,182 @@
+"""A request's eviction settings, resolved once per process, and the per-process request registry.
+
+A request's ``kvevict_*`` keys (OpenAI ``vllm_xargs``, the Python API's ``extra_args``) travel to
+every process with its sampling parameters. Each process turns them into one frozen
+:class:`RequestSettings` the first time it sees the request (:func:`resolve`: the keys validated,
+applied to the server's configuration, the window and the policy object derived) and never reads
+the raw dict again:
+
+* the API server resolves while it checks the request (HTTP 400 naming a bad key);
+* the engine core when the scheduler first looks the request up (prefix-cache lookup or
+  allocation), kept until the request finishes (a preempted request keeps its settings);
+* each worker when a step first schedules the request, kept while the model runner holds it.
+
+Everything the engine core or a worker keeps of a request lives in its :class:`RequestState`, in
+that side's one registry (:data:`ENGINE`, :data:`WORKER`): the shared prefix of its attempt, the
+fallback of a failed policy, per layer its query windows and recall tier. A request that ends or
+restarts is cleaned up in one place (:meth:`Registry.end`, :meth:`Registry.retain`,
+:meth:`RequestState.restart`). Two registries, not one, because with a single GPU (or the CPU
+engine) vLLM runs the worker inside the engine core's process, and the two sides see a request
+begin and end at different times.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Callable, Collection, Hashable, Iterator
+from dataclasses import dataclass, field
+from functools import lru_cache
+from typing import TYPE_CHECKING, Any
+
+from vllm_kvevict.config import KVEvictConfig, RecallConfig, request_config, request_overrides
+from vllm_kvevict.policies import Policy, PolicyParams, get_policy
+from vllm_kvevict.window import WindowConfig, admission_blocks
+
+if TYPE_CHECKING:
+    import torch
+
+
+@dataclass(frozen=True)
+class RequestSettings:
+    """One request's eviction settings: the server's configuration with the request's overrides."""
+
+    config: KVEvictConfig
+    window: WindowConfig  # for the KV cache's block size
+    policy: Policy  # shared by every request with the same policy and parameters (policies hold no request state)
+    #: the request keys it set, in a fixed order (the one that made its window large is named in a 400)
+    keys: tuple[str, ...] = ()
+
+    @property
+    def policy_name(self) -> str:
+        return self.config.policy
+
+    @property
+    def budget(self) -> int:
+        return self.config.budget
+
+    @property
+    def params(self) -> PolicyParams:
+        return self.config.policy_params
+
+    @property
+    def recall(self) -> RecallConfig:
+        return self.config.recall
+
+    @property
+    def evicts(self) -> bool:
+        """Whether this request's window ever evicts (enabled, a policy other than ``none``)."""
+        return self.window.enabled
+
+    def admission_blocks(self, max_in_flight: int, shared: int = 0) -> int | None:
+        """The blocks vLLM's admission gate reserves for the request (``window.admission_blocks``)."""
+        return admission_blocks(self.window, max_in_flight, shared)
+
+
+def resolve(server: KVEvictConfig, extra_args: Any, block_size: int) -> RequestSettings:
+    """The settings of a request with these ``extra_args`` on a server with this configuration.
+
+    Raises :class:`~vllm_kvevict.config.RequestConfigError` (one line naming the key) on a bad key."""
+    overrides = request_overrides(extra_args)
+    return _resolve(server, overrides, block_size)
+
+
+@lru_cache(maxsize=1024)
+def _resolve(server: KVEvictConfig, overrides: tuple[tuple[str, Any], ...] | None, block_size: int) -> RequestSettings:
+    cfg = request_config(server, overrides)
+    keys = tuple(f"kvevict_{k}" for k in ("enabled", "policy", "params", "budget", "trigger", "recall")
+                 if k in dict(overrides or ()))
+    return RequestSettings(config=cfg, window=cfg.window(block_size), policy=policy_object(cfg), keys=keys)
+
+
+@lru_cache(maxsize=256)
+def _policy_object(name: str, params: PolicyParams) -> Policy:
+    return get_policy(name, params)
+
+
+def policy_object(cfg: KVEvictConfig) -> Policy:
+    """The policy object of a configuration (one per policy and parameters in a process)."""
+    return _policy_object(cfg.policy, cfg.policy_params)
+
+
+@dataclass
+class LayerState:
+    """What a worker keeps of one request in one attention layer."""
+
+    queries: torch.Tensor | None = None  # the request's latest queries [H_q, w, d] (query-window policies)
+    recall_queries: torch.Tensor | None = None  # recall: the prompt's latest queries [H_q, window, d]
+    tier: Any = None  # recall: the tokens its compactions evicted (backends/recall.Tier, made by the backend)
+
+
+@dataclass
+class RequestState:
+    """Everything one process keeps of one request. Its attempt (from the first step to a free or a
+    preemption) is :meth:`restart`-ed when the request starts again."""
+
+    settings: RequestSettings
+    #: the prefix-cache hit the current attempt started on (tokens, read-only; 0 without one)
+    shared: int = 0
+    #: engine core: vLLM's request while it holds blocks (its block hashes, for the prefix cache)
+    request: Any = None
+    #: worker: the policy a fault made it leave for the safe policy (backends/fault.py), if any
+    fell_back_from: str | None = None
+    #: worker: per attention layer (the layer's key: its name)
+    layers: dict[Hashable, LayerState] = field(default_factory=dict)
+
+    def restart(self, shared: int) -> None:
+        """A new attempt (the first, or after preemption) on a prefix-cache hit of ``shared`` tokens:
+        what the last attempt computed (query windows, recall tiers) is gone."""
+        self.shared = shared
+        self.layers.clear()
+
+    def layer(self, key: Hashable) -> LayerState:
+        st = self.layers.get(key)
+        if st is None:
+            st = self.layers[key] = LayerState()
+        return st
+
+
+class Registry:
+    """request id -> :class:`RequestState`; one per side of vLLM in a process (:data:`ENGINE`, :data:`WORKER`)."""
+
+    def __init__(self) -> None:
+        self._states: dict[str, RequestState] = {}
+
+    def open(self, request_id: str, settings: Callable[[], RequestSettings]) -> RequestState:
+        """The request's state, made with ``settings()`` the first time the request is seen."""
+        st = self._states.get(request_id)
+        if st is None:
+            st = self._states[request_id] = RequestState(settings())
+        return st
+
+    def get(self, request_id: str) -> RequestState | None:
+        return self._states.get(request_id)
+
+    def end(self, request_id: str) -> None:
+        """The request is gone from this process: everything kept of it goes."""
+        self._states.pop(request_id, None)
+
+    def retain(self, live: Collection[str]) -> None:
+        """Keep only the requests in ``live`` (a worker: those its model runner holds)."""
+        if len(self._states) > len(live) or any(rid not in live for rid in self._states):
+            for rid in [r for r in self._states if r not in live]:
+                del self._states[rid]
+
+    def clear(self) -> None:
+        self._states.clear()
+
+    def __contains__(self, request_id: object) -> bool:
+        return request_id in self._states
+
+    def __len__(self) -> int:
+        return len(self._states)
+
+    def __iter__(self) -> Iterator[str]:
+        return iter(list(self._states))
+
+    def states(self) -> list[RequestState]:
+        return list(self._states.values())
+
+
+#: The engine core's requests: from the scheduler's first look at a request to its end.
+ENGINE = Registry()
+#: A worker's requests: while its model runner holds them.
+WORKER = Registry()
