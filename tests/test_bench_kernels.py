@@ -37,7 +37,7 @@ def test_eviction_step_keeps_the_top_tokens_right_aligned(monkeypatch, score, ke
         if score == "keydiff":
             s = ref.keydiff_scores(Kr, torch.tensor([0, n])).T
         else:  # the window's attention summed per key, mean over each KV head's query group
-            p = ref.attention_probs(Qw[r], Kr.transpose(0, 1), torch.arange(n - 32, n), pos, Hq // H, D ** -0.5)
+            p = ref.attention_probs(Qw[r], Kr.transpose(0, 1), torch.arange(n - 32, n), pos, Hq // H, D**-0.5)
             s = p.sum(dim=1).reshape(H, Hq // H, n).mean(dim=1)
         kept = topk_newer(s, budget, pos)  # [H, budget], ascending
         j = torch.arange(n - budget, n)
@@ -50,9 +50,35 @@ def test_eviction_step_keeps_the_top_tokens_right_aligned(monkeypatch, score, ke
 
 def test_run_writes_table_json_and_plot(tmp_path, capsys, monkeypatch):
     monkeypatch.setenv("KVEVICT_KERNELS", "torch")
-    assert bench.main(["--device", "cpu", "--requests", "1,2", "--contexts", "128,256", "--chunk", "32",
-                       "--q-heads", "4", "--kv-heads", "2", "--head-dim", "64", "--dtype", "float32", "--reps", "1",
-                       "--score", "snapkv", "--out", str(tmp_path)]) == 0
+    assert (
+        bench.main(
+            [
+                "--device",
+                "cpu",
+                "--requests",
+                "1,2",
+                "--contexts",
+                "128,256",
+                "--chunk",
+                "32",
+                "--q-heads",
+                "4",
+                "--kv-heads",
+                "2",
+                "--head-dim",
+                "64",
+                "--dtype",
+                "float32",
+                "--reps",
+                "1",
+                "--score",
+                "snapkv",
+                "--out",
+                str(tmp_path),
+            ]
+        )
+        == 0
+    )
     report = json.loads((tmp_path / "kernels.json").read_text())
     assert report["device"] == "cpu" and report["kernels"] == "reference" and report["score"] == "snapkv"
     assert [(r["requests"], r["context"]) for r in report["rows"]] == [(1, 128), (1, 256), (2, 128), (2, 256)]

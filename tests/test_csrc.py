@@ -67,10 +67,29 @@ def build_emulated():
     if not obj.exists():
         src = out / f"kernels-{digest}.cpp"
         src.write_text(kern)
-        subprocess.run(["g++", "-std=c++20", "-O1", "-fPIC", "-pthread", f"-I{emu}", f"-I{cuda_ops.CSRC}", "-c",
-                        str(src), "-o", str(obj)], check=True)
-    ext = load(name="kvevict_cuda_emulated", sources=[str(bindings)], extra_include_paths=[str(cuda_ops.CSRC)],
-               extra_ldflags=[str(obj), "-pthread"], build_directory=str(out))
+        subprocess.run(
+            [
+                "g++",
+                "-std=c++20",
+                "-O1",
+                "-fPIC",
+                "-pthread",
+                f"-I{emu}",
+                f"-I{cuda_ops.CSRC}",
+                "-c",
+                str(src),
+                "-o",
+                str(obj),
+            ],
+            check=True,
+        )
+    ext = load(
+        name="kvevict_cuda_emulated",
+        sources=[str(bindings)],
+        extra_include_paths=[str(cuda_ops.CSRC)],
+        extra_ldflags=[str(obj), "-pthread"],
+        build_directory=str(out),
+    )
 
     class Emulated:  # the reference's signatures, on CPU tensors
         gather_paged = staticmethod(lambda *a: tuple(ext.gather_paged(*a, 0)))
@@ -202,8 +221,13 @@ def check_scatter(ops, case: int, layout: str, dtype: torch.dtype):
     # per-slot state [slots, H] moved the same way: same dtype and converted
     nb, bs = views(base)[0].shape[:2]
     g = torch.Generator().manual_seed(case)
-    for state_dtype, src in ((torch.float32, s), (torch.int32, pos.int()), (torch.int32, pos), (torch.int64, pos.int()),
-                             (torch.float32, pos)):
+    for state_dtype, src in (
+        (torch.float32, s),
+        (torch.int32, pos.int()),
+        (torch.int32, pos),
+        (torch.int64, pos.int()),
+        (torch.float32, pos),
+    ):
         state = torch.randint(-1000, 1000, (nb * bs, H), generator=g).to(state_dtype).to(K.device)
         want, got = state.clone(), state.clone()
         ref.scatter_paged(want.view(nb, bs, H), src, idx, cu, cu_keep, bt, rows, dst_start)
@@ -279,11 +303,32 @@ def test_wheel_ships_the_sources(tmp_path):
     """A non-editable install can build the extension: the wheel carries ``csrc/`` (through the
     ``kernels/csrc`` link), byte for byte."""
     root = Path(__file__).resolve().parents[1]
-    subprocess.run([sys.executable, "-m", "pip", "wheel", "--no-deps", "--no-build-isolation", "-q", str(root),
-                    "-w", str(tmp_path)], check=True, timeout=600, capture_output=True)
+    subprocess.run(
+        [
+            sys.executable,
+            "-m",
+            "pip",
+            "wheel",
+            "--no-deps",
+            "--no-build-isolation",
+            "-q",
+            str(root),
+            "-w",
+            str(tmp_path),
+        ],
+        check=True,
+        timeout=600,
+        capture_output=True,
+    )
     (wheel,) = tmp_path.glob("vllm_kvevict-*.whl")
     with zipfile.ZipFile(wheel) as z:
-        for name in ("kvevict_kernels.cu", "kvevict_kernels.h", "bindings.cpp", "emulate/cuda_runtime.h",
-                     "emulate/cuda_bf16.h", "emulate/cuda_fp16.h"):
+        for name in (
+            "kvevict_kernels.cu",
+            "kvevict_kernels.h",
+            "bindings.cpp",
+            "emulate/cuda_runtime.h",
+            "emulate/cuda_bf16.h",
+            "emulate/cuda_fp16.h",
+        ):
             assert z.read(f"vllm_kvevict/kernels/csrc/{name}") == (root / "csrc" / name).read_bytes(), name
     assert cuda_ops.CSRC.resolve() == (root / "csrc").resolve()

@@ -15,9 +15,19 @@ def _write(path, records):
 
 
 def _rank(rank, heads, kept_by_head, req="r-0", L=128):
-    return [{"req_id": req, "start": True, "num_tokens": 300, "rank": rank},
-            {"req_id": req, "layer": 0, "e_prev": 0, "e_new": 32, "L": L, "rank": rank, "heads": heads,
-             "kept": [kept_by_head[h] for h in heads]}]
+    return [
+        {"req_id": req, "start": True, "num_tokens": 300, "rank": rank},
+        {
+            "req_id": req,
+            "layer": 0,
+            "e_prev": 0,
+            "e_new": 32,
+            "L": L,
+            "rank": rank,
+            "heads": heads,
+            "kept": [kept_by_head[h] for h in heads],
+        },
+    ]
 
 
 KEPT = {0: [1, 2, 5], 1: [0, 3, 4], 2: [2, 3, 4], 3: [0, 1, 2]}

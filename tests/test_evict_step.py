@@ -14,12 +14,12 @@ import os
 import pytest
 import torch
 
-from vllm_kvevict.backends.plan import StepPlan
 from vllm_kvevict.backends import cpu_layout as cpu_cache
 from vllm_kvevict.backends import flash_layout as flash_cache
 from vllm_kvevict.backends.evict import RowWork, evict_step
-from vllm_kvevict.policies import POLICIES as POLICY_CLASSES
+from vllm_kvevict.backends.plan import StepPlan
 from vllm_kvevict.config import parse_config
+from vllm_kvevict.policies import POLICIES as POLICY_CLASSES
 from vllm_kvevict.request import RequestState, resolve
 
 CUDA = torch.cuda.is_available()
@@ -36,26 +36,39 @@ def _setup(layout: str, dtype: torch.dtype):
     g = torch.Generator().manual_seed(7)
     NB = 60
     cache = torch.zeros(NB, H, BS, 2 * D, dtype=dtype)
-    table = (torch.randperm(NB - 1, generator=g)[:6 * ROWS] + 1).reshape(ROWS, 6)
+    table = (torch.randperm(NB - 1, generator=g)[: 6 * ROWS] + 1).reshape(ROWS, 6)
     slot_pos = torch.zeros(NB * BS, H, dtype=torch.int32)
-    write = (lambda s, K, V: flash_cache.write_tokens(cache, s, K, V)) if layout == "flash" else \
-        (lambda s, K, V: cpu_cache.write_tokens(cache, layout, s, K, V))
+    write = (
+        (lambda s, K, V: flash_cache.write_tokens(cache, s, K, V))
+        if layout == "flash"
+        else (lambda s, K, V: cpu_cache.write_tokens(cache, layout, s, K, V))
+    )
     for r, L in enumerate(LENS):
         i = torch.arange(L)
         slots = table[r][i // BS] * BS + i % BS
         write(slots, torch.randn(L, H, D, generator=g).to(dtype), torch.randn(L, H, D, generator=g).to(dtype))
         slot_pos[slots] = i.to(torch.int32)[:, None]  # a real layout: each head holds [e_prev, L) in order
-        slot_pos[slots[:E_PREV[r]]] = -1  # evicted earlier (never read)
-    state = {"h2o": torch.rand(NB * BS, H, generator=g),
-             "lsh_code": torch.randint(0, 2**16, (NB * BS, H), generator=g),
-             "lsh_victim": torch.full((NB * BS, H), -1, dtype=torch.int64)}
+        slot_pos[slots[: E_PREV[r]]] = -1  # evicted earlier (never read)
+    state = {
+        "h2o": torch.rand(NB * BS, H, generator=g),
+        "lsh_code": torch.randint(0, 2**16, (NB * BS, H), generator=g),
+        "lsh_victim": torch.full((NB * BS, H), -1, dtype=torch.int64),
+    }
     qsl = [0]
-    for L in LENS:
+    for _ in LENS:
         qsl.append(qsl[-1] + 8)  # every row: this step's last 8 tokens
-    plan = StepPlan(L_prev=[L - 8 for L in LENS], e_prev=E_PREV, e_new=E_NEW, seq_lens=LENS, block_table=table,
-                    slot_mapping=torch.tensor([]), positions=torch.cat([torch.arange(L - 8, L) for L in LENS]),
-                    req_ids=list("abcdefghi"), query_start_loc=qsl,
-                    states=[RequestState(resolve(parse_config({}), None, BS)) for _ in LENS])
+    plan = StepPlan(
+        L_prev=[L - 8 for L in LENS],
+        e_prev=E_PREV,
+        e_new=E_NEW,
+        seq_lens=LENS,
+        block_table=table,
+        slot_mapping=torch.tensor([]),
+        positions=torch.cat([torch.arange(L - 8, L) for L in LENS]),
+        req_ids=list("abcdefghi"),
+        query_start_loc=qsl,
+        states=[RequestState(resolve(parse_config({}), None, BS)) for _ in LENS],
+    )
     Q = torch.randn(HQ, qsl[-1], D, generator=g)
     W_O = torch.randn(HQ, D, 96, generator=g)
     work = []
@@ -63,9 +76,16 @@ def _setup(layout: str, dtype: torch.dtype):
         cls = POLICY_CLASSES[name]
         pol = cls(cls.Params(recent_ratio=0.1, heavy_ratio=0.1, threshold=0.0) if name == "kvmerger" else None)
         L = LENS[r]
-        extra = {"L": L, "budget": L - E_NEW[r], "Q": Q[:, qsl[r]:qsl[r + 1]], "q_pos": torch.arange(L - 8, L),
-                 "Q_window": torch.randn(HQ, 32, D, generator=g), "w_pos": torch.arange(L - 32, L), "W_O": W_O,
-                 "scale": D ** -0.5}
+        extra = {
+            "L": L,
+            "budget": L - E_NEW[r],
+            "Q": Q[:, qsl[r] : qsl[r + 1]],
+            "q_pos": torch.arange(L - 8, L),
+            "Q_window": torch.randn(HQ, 32, D, generator=g),
+            "w_pos": torch.arange(L - 32, L),
+            "W_O": W_O,
+            "scale": D**-0.5,
+        }
         work.append(RowWork(r, pol, E_NEW[r] > E_PREV[r], extra))
     return cache, write, slot_pos, state, plan, work
 
@@ -75,16 +95,30 @@ def _run(layout: str, dtype, use_views: bool = True):
     if layout == "flash":
         gather, views = (lambda b, o: flash_cache.gather_tokens(cache, b, o)), flash_cache.cache_views(cache)
     else:
-        gather, views = (lambda b, o: cpu_cache.gather_tokens(cache, layout, b, o)), cpu_cache.cache_views(cache, layout)
+        gather, views = (
+            (lambda b, o: cpu_cache.gather_tokens(cache, layout, b, o)),
+            cpu_cache.cache_views(cache, layout),
+        )
         assert views is not None
-    kept = evict_step(plan, work, BS, gather=gather, write=write, slot_pos=slot_pos, slot_state=state, G=HQ // H,
-                      views=views if use_views else None)
+    kept = evict_step(
+        plan,
+        work,
+        BS,
+        gather=gather,
+        write=write,
+        slot_pos=slot_pos,
+        slot_state=state,
+        G=HQ // H,
+        views=views if use_views else None,
+    )
     return cache, slot_pos, state, kept, plan
 
 
 @pytest.mark.parametrize("kernels", ["torch", "triton"])
-@pytest.mark.parametrize("layout,dtype", [("flash", torch.float32), ("flash", torch.bfloat16),
-                                          ("vec", torch.float32), ("vec16", torch.bfloat16)])
+@pytest.mark.parametrize(
+    "layout,dtype",
+    [("flash", torch.float32), ("flash", torch.bfloat16), ("vec", torch.float32), ("vec16", torch.bfloat16)],
+)
 def test_views_path_equals_slot_path(monkeypatch, layout, dtype, kernels):
     if kernels == "triton" and not CUDA and os.environ.get("TRITON_INTERPRET") != "1":
         pytest.skip("Triton on CPU needs TRITON_INTERPRET=1 from the start")

@@ -18,9 +18,18 @@ FAULTY_ROW = 6  # snapkv: scored after the observing rows 1, 3 and 5 (h2o, lshe,
 
 def _step(cache, slot_pos, state, plan):
     def step(items):
-        return evict_step(plan, items, BS, gather=lambda b, o: flash_cache.gather_tokens(cache, b, o),
-                          write=lambda s, K, V: flash_cache.write_tokens(cache, s, K, V), slot_pos=slot_pos,
-                          slot_state=state, G=HQ // H, views=flash_cache.cache_views(cache))
+        return evict_step(
+            plan,
+            items,
+            BS,
+            gather=lambda b, o: flash_cache.gather_tokens(cache, b, o),
+            write=lambda s, K, V: flash_cache.write_tokens(cache, s, K, V),
+            slot_pos=slot_pos,
+            slot_state=state,
+            G=HQ // H,
+            views=flash_cache.cache_views(cache),
+        )
+
     return step
 
 

@@ -5,10 +5,10 @@ from __future__ import annotations
 import pytest
 import torch
 
-from vllm_kvevict.backends.plan import StepPlan, shift_block_table
 from vllm_kvevict.backends import cpu_layout as cpu_cache
 from vllm_kvevict.backends import flash_layout as flash_cache
 from vllm_kvevict.backends.evict import RowWork, evict_step
+from vllm_kvevict.backends.plan import StepPlan, shift_block_table
 from vllm_kvevict.policies import get_policy
 
 
@@ -67,14 +67,27 @@ def test_compact_step_keeps_policy_choice_right_aligned():
         slot_pos[slots] = i.to(torch.int32)[:, None]
         truth.append((K, V))
     # r0: window [0, 30) -> keep [16, 30) (14 tokens); r1: [8, 20) -> keep [16, 20) (4 tokens)
-    plan = StepPlan(L_prev=[24, 19], e_prev=[0, 8], e_new=[16, 16], seq_lens=lens, block_table=tables,
-                    slot_mapping=torch.tensor([]), positions=torch.tensor([]), req_ids=["a", "b"], states=[],
-                    query_start_loc=[0, 0, 0])
+    plan = StepPlan(
+        L_prev=[24, 19],
+        e_prev=[0, 8],
+        e_new=[16, 16],
+        seq_lens=lens,
+        block_table=tables,
+        slot_mapping=torch.tensor([]),
+        positions=torch.tensor([]),
+        req_ids=["a", "b"],
+        states=[],
+        query_start_loc=[0, 0, 0],
+    )
     pol = get_policy("keydiff")
     kept = evict_step(
-        plan, [RowWork(r, pol, True, {}) for r in plan.compact_rows], bs,
+        plan,
+        [RowWork(r, pol, True, {}) for r in plan.compact_rows],
+        bs,
         gather=lambda b, o: flash_cache.gather_tokens(cache, b, o),
-        write=lambda s, K, V: flash_cache.write_tokens(cache, s, K, V), slot_pos=slot_pos, slot_state={},
+        write=lambda s, K, V: flash_cache.write_tokens(cache, s, K, V),
+        slot_pos=slot_pos,
+        slot_state={},
     )
     for r, (K, V) in enumerate(truth):
         lo, L = plan.e_prev[r], lens[r]

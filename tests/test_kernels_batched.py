@@ -71,7 +71,7 @@ def test_reference_matches_policy_loop(case):
     assert torch.equal(idx, per_row_loop(K, pos, cu, torch.minimum(keep, cu[1:] - cu[:-1])))
     for r in range(len(lens)):  # one row alone (its own code path) selects the same
         a, b, ka, kb = int(cu[r]), int(cu[r + 1]), int(cu_keep[r]), int(cu_keep[r + 1])
-        one, _ = ref.select_topk(scores[a:b], pos[a:b], torch.tensor([0, b - a], device=DEV), keep[r:r + 1])
+        one, _ = ref.select_topk(scores[a:b], pos[a:b], torch.tensor([0, b - a], device=DEV), keep[r : r + 1])
         assert torch.equal(one, idx[ka:kb])
 
 
@@ -153,6 +153,7 @@ def test_triton_select_extreme_scores(tri):
 
 # -- the engine's step: batched rows against the per-row path ---------------------------------------
 
+
 def _step(monkeypatch, batched: bool, kernels: str):
     from vllm_kvevict.backends import flash_layout as flash_cache
     from vllm_kvevict.backends.evict import RowWork, evict_step
@@ -173,15 +174,32 @@ def _step(monkeypatch, batched: bool, kernels: str):
     state = {"h2o": torch.rand(NB * bs, H, generator=g)}  # another policy's state moves with the tokens
     tables = torch.randperm(NB - 1, generator=g)[:36].reshape(6, 6) + 1
     lens, e_prev, e_new = [90, 40, 70, 33, 64, 80], [16, 0, 32, 0, 0, 48], [48, 16, 48, 16, 32, 64]
-    plan = StepPlan(L_prev=[0] * 6, e_prev=e_prev, e_new=e_new, seq_lens=lens, block_table=tables,
-                    slot_mapping=torch.tensor([]), positions=torch.tensor([]), req_ids=list("abcdef"), states=[],
-                    query_start_loc=[0] * 7)
+    plan = StepPlan(
+        L_prev=[0] * 6,
+        e_prev=e_prev,
+        e_new=e_new,
+        seq_lens=lens,
+        block_table=tables,
+        slot_mapping=torch.tensor([]),
+        positions=torch.tensor([]),
+        req_ids=list("abcdef"),
+        states=[],
+        query_start_loc=[0] * 7,
+    )
     kd, kn, sl, rnd = (get_policy(p) for p in ("keydiff", "knorm", "streamingllm", "random"))
     pols = [kd, kn, kd, sl, rnd, kd]
     work = [RowWork(r, p, True, {"L": lens[r]}) for r, p in enumerate(pols)]
-    kept = evict_step(plan, work, bs, gather=lambda b, o: flash_cache.gather_tokens(cache, b, o),
-                      write=lambda s, K, V: flash_cache.write_tokens(cache, s, K, V), slot_pos=slot_pos,
-                      slot_state=state, layer=3, G=2)
+    kept = evict_step(
+        plan,
+        work,
+        bs,
+        gather=lambda b, o: flash_cache.gather_tokens(cache, b, o),
+        write=lambda s, K, V: flash_cache.write_tokens(cache, s, K, V),
+        slot_pos=slot_pos,
+        slot_state=state,
+        layer=3,
+        G=2,
+    )
     assert calls == ([6] if batched else [])  # one selection for every row, whatever its policy
     return cache, slot_pos, state["h2o"], kept
 
@@ -220,7 +238,10 @@ def ragged_attention_case(case: int):
     cu_q = ref.cu_from_lengths(torch.tensor([m for m, _ in shape]))
     cu_k = ref.cu_from_lengths(torch.tensor([n for _, n in shape]))
     return [x.to(DEV) for x in (torch.cat(Q), torch.cat(K), torch.cat(q_pos), torch.cat(k_pos), cu_q, cu_k)] + [
-        Hq // H, D ** -0.5, cap]
+        Hq // H,
+        D**-0.5,
+        cap,
+    ]
 
 
 @pytest.mark.parametrize("case", range(len(ATTN_CASES)))
@@ -231,12 +252,12 @@ def test_column_sums_rows_are_attention_probs(case):
     got = ref.column_sums(Q, K, q_pos, k_pos, cu_q, cu_k, G, scale, cap)
     cq, ck = cu_q.tolist(), cu_k.tolist()
     for r in range(len(cq) - 1):
-        q, k, kp = Q[cq[r]:cq[r + 1]], K[ck[r]:ck[r + 1]], k_pos[ck[r]:ck[r + 1]]
-        p = ref.attention_probs(q.transpose(0, 1), k.transpose(0, 1), q_pos[cq[r]:cq[r + 1]], kp.T, G, scale, cap)
-        torch.testing.assert_close(got[ck[r]:ck[r + 1]], p.sum(dim=1).T, atol=1e-5, rtol=1e-5)
+        q, k, kp = Q[cq[r] : cq[r + 1]], K[ck[r] : ck[r + 1]], k_pos[ck[r] : ck[r + 1]]
+        p = ref.attention_probs(q.transpose(0, 1), k.transpose(0, 1), q_pos[cq[r] : cq[r + 1]], kp.T, G, scale, cap)
+        torch.testing.assert_close(got[ck[r] : ck[r + 1]], p.sum(dim=1).T, atol=1e-5, rtol=1e-5)
         if k.shape[0]:
-            sees = (q_pos[cq[r]:cq[r + 1]][None, :] >= kp.min(dim=0).values[:, None]).repeat_interleave(G, 0)
-            torch.testing.assert_close(got[ck[r]:ck[r + 1]].sum(0), sees.sum(-1).float(), atol=1e-3, rtol=1e-4)
+            sees = (q_pos[cq[r] : cq[r + 1]][None, :] >= kp.min(dim=0).values[:, None]).repeat_interleave(G, 0)
+            torch.testing.assert_close(got[ck[r] : ck[r + 1]].sum(0), sees.sum(-1).float(), atol=1e-3, rtol=1e-4)
     if case == 3:
         assert not got[: ck[1]].any()
 

@@ -7,19 +7,17 @@ Codes and distances must match exactly; norms within float32 (or 16-bit input) t
 
 from __future__ import annotations
 
-import os
 from dataclasses import replace
 
 import numpy as np
 import pytest
 import torch
 
+from tests.policy_reference import build, make_policy
 from vllm_kvevict.kernels import ops
 from vllm_kvevict.kernels import reference as ref
 from vllm_kvevict.policies import lshe as lshe_mod
 from vllm_kvevict.policies.lshe import _projection
-
-from tests.policy_reference import build, make_policy
 
 CUDA = torch.cuda.is_available()
 DEV = "cuda" if CUDA else "cpu"
@@ -34,6 +32,7 @@ def kernels_param(request, monkeypatch, name):
 
 
 # -- the previous formulas (before the fused ops), from scratch ---------------------------------------
+
 
 def old_simhash(x, R):
     """Packed codes of ``x [..., d]``: ``x.float() @ R.T >= 0``, bits weighted by powers of two."""
@@ -52,7 +51,7 @@ def old_lshe_observe(view, p, row_chunk=256):
     R = _projection(p.seed, view.layer, p.bits, view.K.shape[-1])
     code, victim = view.state["lsh_code"], view.state["lsh_victim"]
     m, n = view.q_pos.shape[0], view.pos.shape[1]
-    code[:, n - m:] = old_simhash(view.K[:, n - m:], R)
+    code[:, n - m :] = old_simhash(view.K[:, n - m :], R)
     H, G = view.num_heads, view.G
     for c0 in range(0, m, row_chunk):
         c1 = min(m, c0 + row_chunk)
@@ -61,9 +60,10 @@ def old_lshe_observe(view, p, row_chunk=256):
             s_q = old_signs(old_simhash(view.Q[:, c0:c1], R), p.bits).reshape(H, G, c1 - c0, p.bits).sum(dim=1)
             dist = (G * p.bits - s_q @ s_k.transpose(1, 2)) / 2
         else:
-            dist = (p.bits - s_k[:, n - m + c0:n - m + c1] @ s_k.transpose(1, 2)) / 2
-        ref.lshe_victims(dist.round().long(), view.pos, victim, view.q_pos[c0:c1], view.budget, p.sink_tokens,
-                         p.recent_tokens)
+            dist = (p.bits - s_k[:, n - m + c0 : n - m + c1] @ s_k.transpose(1, 2)) / 2
+        ref.lshe_victims(
+            dist.round().long(), view.pos, victim, view.q_pos[c0:c1], view.budget, p.sink_tokens, p.recent_tokens
+        )
 
 
 def old_projected_value_norms(V, W_O, G):
@@ -76,6 +76,7 @@ def old_projected_value_norms(V, W_O, G):
 
 
 # -- specifications --------------------------------------------------------------------------------
+
 
 def spec_hamming(q_codes, k_codes, G):
     """``[H, m, n]``: numpy XOR and popcount on the codes as unsigned 64-bit words, summed over the group."""
@@ -96,11 +97,12 @@ def spec_projected(V, W_O, G):
 def random_codes(g, shape, bits):
     """Uniform ``bits``-bit codes (``bits = 64``: any int64, negatives included)."""
     if bits == 64:
-        return torch.randint(-2**63, 2**63 - 1, shape, generator=g, dtype=torch.int64)
+        return torch.randint(-(2**63), 2**63 - 1, shape, generator=g, dtype=torch.int64)
     return torch.randint(0, 2**bits, shape, generator=g, dtype=torch.int64)
 
 
 # -- SimHash codes ---------------------------------------------------------------------------------
+
 
 @pytest.mark.parametrize("dtype", [torch.float32, torch.float16, torch.bfloat16])
 @pytest.mark.parametrize("bits", [8, 16, 62])
@@ -148,10 +150,14 @@ def test_triton_simhash_codes(tri, case, dtype):
 def test_simhash_ties_set_the_bit(tri):
     """A dot that is exactly 0 (small integers: exact in any order), or -0.0, sets its bit in both."""
     R = torch.tensor([[1.0, -1.0, 0.0, 0.0], [2.0, 1.0, -3.0, 1.0], [0.0, 0.0, 0.0, 1.0], [1.0, 1.0, 1.0, 1.0]])
-    x = torch.tensor([[1.0, 1.0, 1.0, 0.0],     # dots 0, 0, 0, 3
-                      [0.0, 0.0, 0.0, 0.0],     # all 0
-                      [-0.0, -0.0, -0.0, -0.0],  # all -0.0 (or 0.0)
-                      [-1.0, 0.0, 0.0, -1.0]])  # dots -1, -3, -1, -2
+    x = torch.tensor(
+        [
+            [1.0, 1.0, 1.0, 0.0],  # dots 0, 0, 0, 3
+            [0.0, 0.0, 0.0, 0.0],  # all 0
+            [-0.0, -0.0, -0.0, -0.0],  # all -0.0 (or 0.0)
+            [-1.0, 0.0, 0.0, -1.0],
+        ]
+    )  # dots -1, -3, -1, -2
     want = torch.tensor([0b1111, 0b1111, 0b1111, 0b0000])
     assert torch.equal(ref.simhash_codes(x, R), want)
     assert torch.equal(tri.simhash_codes(x.to(DEV), R.to(DEV)).cpu(), want)
@@ -242,6 +248,7 @@ def test_projected_value_norms_reference_chunks_tokens(monkeypatch):
 
 # -- the policies: outputs unchanged ---------------------------------------------------------------
 
+
 @pytest.mark.parametrize("kernels", ["torch", "triton"])
 @pytest.mark.parametrize("hash_mode", ["query", "key"])
 @pytest.mark.parametrize("bits,G,d", [(8, 1, 64), (16, 2, 128), (62, 4, 64)])
@@ -281,4 +288,3 @@ def test_criticalkv_unchanged(request, monkeypatch, kernels, G, d):
     monkeypatch.setattr(ops, "projected_value_norms", old_projected_value_norms)
     torch.testing.assert_close(scores, pol.score(view), rtol=1e-6 if kernels == "torch" else 1e-4, atol=1e-7)
     assert torch.equal(kept, pol.evict(view, 25)[0])
-

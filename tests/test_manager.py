@@ -30,10 +30,17 @@ def kv():
     mgr.install_scheduler_hooks()
     base = FullAttentionSpec(block_size=BS, num_kv_heads=2, head_size=64, dtype=torch.float32)
     spec = mgr.KVEvictSpec.from_spec(base, parse_config({"policy": "keydiff", "budget": BUDGET}), CHUNK)
-    config = KVCacheConfig(num_blocks=NUM_BLOCKS, kv_cache_tensors=[],
-                           kv_cache_groups=[KVCacheGroupSpec(["layer.0"], spec)])
-    return KVCacheManager(config, max_model_len=MAX_LEN, scheduler_block_size=BS, hash_block_size=BS,
-                          max_in_flight_tokens=CHUNK, enable_caching=False)
+    config = KVCacheConfig(
+        num_blocks=NUM_BLOCKS, kv_cache_tensors=[], kv_cache_groups=[KVCacheGroupSpec(["layer.0"], spec)]
+    )
+    return KVCacheManager(
+        config,
+        max_model_len=MAX_LEN,
+        scheduler_block_size=BS,
+        hash_block_size=BS,
+        max_in_flight_tokens=CHUNK,
+        enable_caching=False,
+    )
 
 
 def _request(rid: str, n: int, xargs: dict | None = None) -> Request:
@@ -59,8 +66,9 @@ def _admission(kv, req: Request) -> int:
     request's settings resolved as the ``allocate_slots`` hook resolves them."""
     _single(kv).state_of(req)
     try:
-        return _single(kv).get_num_blocks_to_allocate(req.request_id, req.num_tokens, [], 0, 0, req.num_tokens,
-                                                      apply_admission_cap=True)
+        return _single(kv).get_num_blocks_to_allocate(
+            req.request_id, req.num_tokens, [], 0, 0, req.num_tokens, apply_admission_cap=True
+        )
     finally:
         ENGINE.end(req.request_id)
 
@@ -68,7 +76,9 @@ def _admission(kv, req: Request) -> int:
 def test_admission_reserves_the_requests_own_window(kv):
     server_bound = window_bound_blocks(WindowConfig(BUDGET, BS), CHUNK)
     assert _admission(kv, _request("a", 2000)) == server_bound
-    assert _admission(kv, _request("b", 2000, {"kvevict_budget": 400})) == window_bound_blocks(WindowConfig(400, BS), CHUNK)
+    assert _admission(kv, _request("b", 2000, {"kvevict_budget": 400})) == window_bound_blocks(
+        WindowConfig(400, BS), CHUNK
+    )
     assert _admission(kv, _request("c", 2000, {"kvevict_enabled": False})) == 2000 // BS + 1  # whole prompt
     assert _admission(kv, _request("d", 2000, {"kvevict_policy": "criticalkv"})) == 2000 // BS + 1  # once
     assert _admission(kv, _request("e", 100)) == 4  # a short prompt needs only itself
@@ -150,10 +160,17 @@ def test_metrics_follow_the_windows(tmp_path, monkeypatch):
     monkeypatch.setattr(mgr, "_metrics_owner", None)
     base = FullAttentionSpec(block_size=BS, num_kv_heads=2, head_size=64, dtype=torch.float32)
     spec = mgr.KVEvictSpec.from_spec(base, parse_config({"policy": "keydiff", "budget": BUDGET}), CHUNK)
-    config = KVCacheConfig(num_blocks=NUM_BLOCKS, kv_cache_tensors=[],
-                           kv_cache_groups=[KVCacheGroupSpec(["layer.0"], spec)])
-    kv = KVCacheManager(config, max_model_len=MAX_LEN, scheduler_block_size=BS, hash_block_size=BS,
-                        max_in_flight_tokens=CHUNK, enable_caching=False)
+    config = KVCacheConfig(
+        num_blocks=NUM_BLOCKS, kv_cache_tensors=[], kv_cache_groups=[KVCacheGroupSpec(["layer.0"], spec)]
+    )
+    kv = KVCacheManager(
+        config,
+        max_model_len=MAX_LEN,
+        scheduler_block_size=BS,
+        hash_block_size=BS,
+        max_in_flight_tokens=CHUNK,
+        enable_caching=False,
+    )
     m = _single(kv)
     rec = m._metrics
     assert rec is not None
@@ -192,14 +209,25 @@ def test_a_cut_hit_stays_consistent_across_kv_cache_groups():
     init_none_hash(get_hash_fn_by_name("sha256"))
     hasher = get_request_block_hasher(BS, get_hash_fn_by_name("sha256"))
     budget, window, num_blocks = 2048, 128, 100
-    full = mgr.KVEvictSpec.from_spec(FullAttentionSpec(block_size=BS, num_kv_heads=2, head_size=64,
-                                                       dtype=torch.float32),
-                                     parse_config({"policy": "keydiff", "budget": budget}), CHUNK)
+    full = mgr.KVEvictSpec.from_spec(
+        FullAttentionSpec(block_size=BS, num_kv_heads=2, head_size=64, dtype=torch.float32),
+        parse_config({"policy": "keydiff", "budget": budget}),
+        CHUNK,
+    )
     swa = SlidingWindowSpec(block_size=BS, num_kv_heads=2, head_size=64, dtype=torch.float32, sliding_window=window)
-    config = KVCacheConfig(num_blocks=num_blocks, kv_cache_tensors=[], kv_cache_groups=[
-        KVCacheGroupSpec(["layer.0"], full), KVCacheGroupSpec(["layer.1"], swa)])
-    kv = KVCacheManager(config, max_model_len=MAX_LEN, scheduler_block_size=BS, hash_block_size=BS,
-                        max_in_flight_tokens=CHUNK, enable_caching=True)
+    config = KVCacheConfig(
+        num_blocks=num_blocks,
+        kv_cache_tensors=[],
+        kv_cache_groups=[KVCacheGroupSpec(["layer.0"], full), KVCacheGroupSpec(["layer.1"], swa)],
+    )
+    kv = KVCacheManager(
+        config,
+        max_model_len=MAX_LEN,
+        scheduler_block_size=BS,
+        hash_block_size=BS,
+        max_in_flight_tokens=CHUNK,
+        enable_caching=True,
+    )
     prompt = list(range(3, 3 + 2000))
 
     def request(rid, tokens, xargs):
@@ -219,7 +247,7 @@ def test_a_cut_hit_stays_consistent_across_kv_cache_groups():
     assert ENGINE.get("mg-b").shared == n  # the engine core's hold rule uses the hit the request really got
     full_hit, swa_hit = blocks.blocks
     assert len(full_hit) == len(swa_hit) == n // BS
-    in_window = swa_hit[-(window // BS):]
+    in_window = swa_hit[-(window // BS) :]
     assert not any(blk.is_null for blk in in_window), "the sliding-window group's hit must end with real blocks"
     assert uncut[1][n // BS - 1].is_null  # what truncating the uncut lookup would have handed over
     ENGINE.end("mg-b")
@@ -236,14 +264,27 @@ def test_hashing_does_not_wait_for_processed_tokens():
     mgr.register_spec()
     mgr.install_scheduler_hooks()
     init_none_hash(get_hash_fn_by_name("sha256"))
-    spec = mgr.KVEvictSpec.from_spec(FullAttentionSpec(block_size=BS, num_kv_heads=2, head_size=64,
-                                                       dtype=torch.float32),
-                                     parse_config({"policy": "keydiff", "budget": BUDGET}), 2 * 192)
+    spec = mgr.KVEvictSpec.from_spec(
+        FullAttentionSpec(block_size=BS, num_kv_heads=2, head_size=64, dtype=torch.float32),
+        parse_config({"policy": "keydiff", "budget": BUDGET}),
+        2 * 192,
+    )
     config = KVCacheConfig(num_blocks=NUM_BLOCKS, kv_cache_tensors=[], kv_cache_groups=[KVCacheGroupSpec(["l"], spec)])
-    kv = KVCacheManager(config, max_model_len=MAX_LEN, scheduler_block_size=BS, hash_block_size=BS,
-                        max_in_flight_tokens=2 * 192, enable_caching=True)
-    req = Request("jump", list(range(3, 403)), SamplingParams(max_tokens=4), None,
-                  block_hasher=get_request_block_hasher(BS, get_hash_fn_by_name("sha256")))
+    kv = KVCacheManager(
+        config,
+        max_model_len=MAX_LEN,
+        scheduler_block_size=BS,
+        hash_block_size=BS,
+        max_in_flight_tokens=2 * 192,
+        enable_caching=True,
+    )
+    req = Request(
+        "jump",
+        list(range(3, 403)),
+        SamplingParams(max_tokens=4),
+        None,
+        block_hasher=get_request_block_hasher(BS, get_hash_fn_by_name("sha256")),
+    )
 
     def cached() -> int:
         return sum(1 for b in kv.block_pool.blocks if b.block_hash is not None)

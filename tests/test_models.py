@@ -30,7 +30,12 @@ def test_tiny_model(tiny_model):
 def test_smollm2_checkpoint(smollm2_model):
     cfg = json.loads((smollm2_model / "config.json").read_text())
     assert cfg["architectures"] == ["LlamaForCausalLM"]
-    assert (cfg["num_hidden_layers"], cfg["num_attention_heads"], cfg["num_key_value_heads"], cfg["head_dim"]) == (30, 9, 3, 64)
+    assert (cfg["num_hidden_layers"], cfg["num_attention_heads"], cfg["num_key_value_heads"], cfg["head_dim"]) == (
+        30,
+        9,
+        3,
+        64,
+    )
     assert "quantization_config" not in cfg and cfg["dtype"] == "float32"
     from transformers import AutoTokenizer
 
@@ -44,7 +49,9 @@ def test_smollm2_checkpoint(smollm2_model):
 def test_print_path_cli(smollm2_model):
     out = subprocess.run(
         [sys.executable, "-m", "vllm_kvevict.testing.models", "smollm2", "--print-path"],
-        check=True, capture_output=True, text=True,
+        check=True,
+        capture_output=True,
+        text=True,
     ).stdout
     assert out == f"{smollm2_model}\n"
     assert smollm2_path(build=False) == smollm2_model

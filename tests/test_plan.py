@@ -24,15 +24,25 @@ def _cm(seq_lens: list[int], query_lens: list[int]):
     n, T = len(seq_lens), sum(query_lens)
     qsl = torch.tensor([0, *torch.tensor(query_lens).cumsum(0).tolist()], dtype=torch.int32)
     return SimpleNamespace(
-        num_reqs=n, num_actual_tokens=T, seq_lens=torch.tensor(seq_lens, dtype=torch.int32),
-        query_start_loc_cpu=qsl, block_table_tensor=torch.zeros(n, 16, dtype=torch.int32),
-        slot_mapping=torch.arange(T), positions=torch.arange(T),
+        num_reqs=n,
+        num_actual_tokens=T,
+        seq_lens=torch.tensor(seq_lens, dtype=torch.int32),
+        query_start_loc_cpu=qsl,
+        block_table_tensor=torch.zeros(n, 16, dtype=torch.int32),
+        slot_mapping=torch.arange(T),
+        positions=torch.arange(T),
     )
 
 
 def _step(req_ids, prompt_lens, extra_args, dummy=False) -> RunnerStep:
-    return RunnerStep(req_ids=req_ids, prompt_lens=prompt_lens, num_tokens=prompt_lens, extra_args=extra_args,
-                      live=frozenset(req_ids), dummy=dummy)
+    return RunnerStep(
+        req_ids=req_ids,
+        prompt_lens=prompt_lens,
+        num_tokens=prompt_lens,
+        extra_args=extra_args,
+        live=frozenset(req_ids),
+        dummy=dummy,
+    )
 
 
 def test_each_row_plans_with_its_own_configuration():

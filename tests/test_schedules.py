@@ -61,8 +61,13 @@ SERVER = {"policy": "keydiff", "budget": 48}
 #: eviction off, a policy with per-slot state (no hits), a ``once`` policy, a policy with a query
 #: window, a ``once`` trigger
 OVERRIDES = [
-    {}, {"kvevict_budget": 32}, {"kvevict_budget": 96}, {"kvevict_enabled": False},
-    {"kvevict_policy": "h2o"}, {"kvevict_policy": "criticalkv"}, {"kvevict_policy": "snapkv"},
+    {},
+    {"kvevict_budget": 32},
+    {"kvevict_budget": 96},
+    {"kvevict_enabled": False},
+    {"kvevict_policy": "h2o"},
+    {"kvevict_policy": "criticalkv"},
+    {"kvevict_policy": "snapkv"},
     {"kvevict_trigger": "once"},
 ]
 
@@ -78,11 +83,19 @@ def vllm_config():
     model = ModelConfig(model=str(tiny_path()), skip_tokenizer_init=True, max_model_len=MAX_LEN, dtype="float32")
 
     def make(max_batched: int, max_seqs: int, reserve_full_isl: bool) -> VllmConfig:
-        sched = SchedulerConfig(max_num_seqs=max_seqs, max_num_batched_tokens=max_batched, max_model_len=MAX_LEN,
-                                enable_chunked_prefill=True, is_encoder_decoder=False,
-                                scheduler_reserve_full_isl=reserve_full_isl)
-        return VllmConfig(scheduler_config=sched, model_config=model,
-                          cache_config=CacheConfig(block_size=BS, enable_prefix_caching=True))
+        sched = SchedulerConfig(
+            max_num_seqs=max_seqs,
+            max_num_batched_tokens=max_batched,
+            max_model_len=MAX_LEN,
+            enable_chunked_prefill=True,
+            is_encoder_decoder=False,
+            scheduler_reserve_full_isl=reserve_full_isl,
+        )
+        return VllmConfig(
+            scheduler_config=sched,
+            model_config=model,
+            cache_config=CacheConfig(block_size=BS, enable_prefix_caching=True),
+        )
 
     init_none_hash(get_hash_fn_by_name("sha256"))
     return make
@@ -183,13 +196,23 @@ class StandInWorker:
         for n in n_sched:
             qsl.append(qsl[-1] + n)
         # The workers' own planning code decides every window (and each attempt's shared prefix).
-        cm = SimpleNamespace(num_reqs=len(rids), seq_lens=torch.tensor(seq), query_start_loc_cpu=torch.tensor(qsl),
-                             num_actual_tokens=qsl[-1], block_table_tensor=torch.zeros(len(rids), 1),
-                             slot_mapping=torch.zeros(qsl[-1]), positions=None)
-        step = RunnerStep(req_ids=rids, prompt_lens=[len(self.prompts[r]) for r in rids],
-                          num_tokens=[len(self.attempts[r].tokens) for r in rids],
-                          extra_args=[self.extra_args[r] for r in rids], live=frozenset(self.attempts),
-                          starts=frozenset(starts))
+        cm = SimpleNamespace(
+            num_reqs=len(rids),
+            seq_lens=torch.tensor(seq),
+            query_start_loc_cpu=torch.tensor(qsl),
+            num_actual_tokens=qsl[-1],
+            block_table_tensor=torch.zeros(len(rids), 1),
+            slot_mapping=torch.zeros(qsl[-1]),
+            positions=None,
+        )
+        step = RunnerStep(
+            req_ids=rids,
+            prompt_lens=[len(self.prompts[r]) for r in rids],
+            num_tokens=[len(self.attempts[r].tokens) for r in rids],
+            extra_args=[self.extra_args[r] for r in rids],
+            live=frozenset(self.attempts),
+            starts=frozenset(starts),
+        )
         plan = worker_plan.plan_step(cm, self.server_config, BS, step)
         sampled: list[list[int]] = []
         for r, rid in enumerate(rids):
@@ -226,8 +249,9 @@ class StandInWorker:
                 sampled.append([tok])
             else:
                 sampled.append([])
-        return ModelRunnerOutput(req_ids=rids, req_id_to_index={r: i for i, r in enumerate(rids)},
-                                 sampled_token_ids=sampled)
+        return ModelRunnerOutput(
+            req_ids=rids, req_id_to_index={r: i for i, r in enumerate(rids)}, sampled_token_ids=sampled
+        )
 
     def allocated(self, out) -> None:
         """Blocks handed out afresh in the step just scheduled (not a hit's blocks): vLLM dropped
@@ -235,7 +259,7 @@ class StandInWorker:
         (the same hash again when the same tokens are recomputed into them)."""
         fresh: list[int] = []
         for new in out.scheduled_new_reqs:
-            fresh += new.block_ids[0][new.num_computed_tokens // BS:]
+            fresh += new.block_ids[0][new.num_computed_tokens // BS :]
         cached = out.scheduled_cached_reqs
         for i, rid in enumerate(cached.req_ids):
             ids = cached.new_block_ids[i]
@@ -283,8 +307,9 @@ class StandInWorker:
                 continue
             for o in range(BS):
                 if self.slots.get((block.block_id, o)) != ("pure", want[o]):
-                    self._fail(f"block {block.block_id} is cached but slot {o} holds "
-                               f"{self.slots.get((block.block_id, o))}")
+                    self._fail(
+                        f"block {block.block_id} is cached but slot {o} holds {self.slots.get((block.block_id, o))}"
+                    )
                     break
 
 
@@ -320,15 +345,28 @@ class Mix:
 @st.composite
 def mixes(draw):
     reqs = []
-    for i in range(draw(st.integers(3, 9))):
-        reqs.append(Req(source=draw(st.sampled_from(["doc0", "doc1", "new", "turn"])), base=draw(st.integers(BS, 400)),
-                        own=draw(st.integers(1, 200)), max_tokens=draw(st.sampled_from([1, 1, 2, 5, 17, 40, 100])),
-                        eos=draw(st.sampled_from([0.0, 0.0, 0.05, 0.5, 1.0])),
-                        override=draw(st.integers(0, len(OVERRIDES) - 1)),
-                        abort=draw(st.one_of(st.none(), st.integers(0, 12))), arrive=draw(st.integers(0, 30))))
-    return Mix(async_scheduling=draw(st.booleans()), max_batched=draw(st.sampled_from([32, 48, 64, 128, 256])),
-               max_seqs=draw(st.integers(2, 6)), pool_blocks=draw(st.integers(24, 80)), requests=tuple(reqs),
-               seed=draw(st.integers(0, 2**16)), reserve_full_isl=draw(st.booleans()))
+    for _i in range(draw(st.integers(3, 9))):
+        reqs.append(
+            Req(
+                source=draw(st.sampled_from(["doc0", "doc1", "new", "turn"])),
+                base=draw(st.integers(BS, 400)),
+                own=draw(st.integers(1, 200)),
+                max_tokens=draw(st.sampled_from([1, 1, 2, 5, 17, 40, 100])),
+                eos=draw(st.sampled_from([0.0, 0.0, 0.05, 0.5, 1.0])),
+                override=draw(st.integers(0, len(OVERRIDES) - 1)),
+                abort=draw(st.one_of(st.none(), st.integers(0, 12))),
+                arrive=draw(st.integers(0, 30)),
+            )
+        )
+    return Mix(
+        async_scheduling=draw(st.booleans()),
+        max_batched=draw(st.sampled_from([32, 48, 64, 128, 256])),
+        max_seqs=draw(st.integers(2, 6)),
+        pool_blocks=draw(st.integers(24, 80)),
+        requests=tuple(reqs),
+        seed=draw(st.integers(0, 2**16)),
+        reserve_full_isl=draw(st.booleans()),
+    )
 
 
 def run_mix(make_config, mix: Mix) -> StandInWorker:
@@ -339,10 +377,12 @@ def run_mix(make_config, mix: Mix) -> StandInWorker:
     config.cache_config.num_gpu_blocks = mix.pool_blocks
     in_flight = mix.max_batched * (2 if mix.async_scheduling else 1)
     server = parse_config(SERVER)
-    spec = mgr.KVEvictSpec.from_spec(FullAttentionSpec(block_size=BS, num_kv_heads=2, head_size=8,
-                                                       dtype=torch.float32), server, in_flight)
-    kv_config = KVCacheConfig(num_blocks=mix.pool_blocks, kv_cache_tensors=[],
-                              kv_cache_groups=[KVCacheGroupSpec(["layer.0"], spec)])
+    spec = mgr.KVEvictSpec.from_spec(
+        FullAttentionSpec(block_size=BS, num_kv_heads=2, head_size=8, dtype=torch.float32), server, in_flight
+    )
+    kv_config = KVCacheConfig(
+        num_blocks=mix.pool_blocks, kv_cache_tensors=[], kv_cache_groups=[KVCacheGroupSpec(["layer.0"], spec)]
+    )
     from vllm.v1.structured_output import StructuredOutputManager
 
     cls = AsyncScheduler if mix.async_scheduling else Scheduler
@@ -365,7 +405,7 @@ def run_mix(make_config, mix: Mix) -> StandInWorker:
         ds = _prefix_digests(req.all_token_ids)
         for j, h in enumerate(req.block_hashes):
             if (j + 1) * BS <= len(ds):
-                digests[_block_key(h)] = ds[j * BS:(j + 1) * BS]
+                digests[_block_key(h)] = ds[j * BS : (j + 1) * BS]
 
     def fits(prompt: list[int], max_tokens: int, xargs) -> bool:
         window = resolve(server, xargs, BS).window
@@ -443,8 +483,13 @@ def run_mix(make_config, mix: Mix) -> StandInWorker:
 
 
 #: ``SCHEDULE_EXAMPLES=3000`` for a longer exploration (derandomized: the same mixes every run)
-@settings(max_examples=int(os.environ.get("SCHEDULE_EXAMPLES", "300")), deadline=None, derandomize=True,
-          database=None, suppress_health_check=[HealthCheck.too_slow, HealthCheck.data_too_large])
+@settings(
+    max_examples=int(os.environ.get("SCHEDULE_EXAMPLES", "300")),
+    deadline=None,
+    derandomize=True,
+    database=None,
+    suppress_health_check=[HealthCheck.too_slow, HealthCheck.data_too_large],
+)
 @given(mix=mixes())
 def test_cached_blocks_are_exact_under_random_schedules(vllm_config, mix):
     worker = run_mix(vllm_config, mix)
@@ -463,26 +508,44 @@ def _r(source, base, own, max_tokens, eos, override, abort=None, arrive=0) -> Re
 #: token budgets: ``core_allocates`` watches for it in every mix; tests/test_manager.py drives it
 #: on the manager directly.)
 PATHS = {
-    "finished (length) before the core saw it compact": Mix(False, 256, 4, 60, (
-        _r("doc0", 200, 8, 1, 0.0, 0), _r("doc0", 200, 20, 3, 0.0, 3, arrive=3))),
-    "finished (stop) before the core saw it compact": Mix(False, 256, 4, 60, (
-        _r("doc0", 200, 8, 20, 1.0, 0), _r("doc0", 200, 20, 3, 0.0, 3, arrive=3))),
-    "aborted before the core saw it compact": Mix(False, 256, 4, 60, (
-        _r("doc0", 200, 8, 20, 0.0, 0, abort=1), _r("doc0", 200, 20, 3, 0.0, 3, arrive=3))),
+    "finished (length) before the core saw it compact": Mix(
+        False, 256, 4, 60, (_r("doc0", 200, 8, 1, 0.0, 0), _r("doc0", 200, 20, 3, 0.0, 3, arrive=3))
+    ),
+    "finished (stop) before the core saw it compact": Mix(
+        False, 256, 4, 60, (_r("doc0", 200, 8, 20, 1.0, 0), _r("doc0", 200, 20, 3, 0.0, 3, arrive=3))
+    ),
+    "aborted before the core saw it compact": Mix(
+        False, 256, 4, 60, (_r("doc0", 200, 8, 20, 0.0, 0, abort=1), _r("doc0", 200, 20, 3, 0.0, 3, arrive=3))
+    ),
     # r0 (eviction off) decodes into a new block in the step after r1's one-step prefill compacted;
     # the pool is full, so FCFS preempts r1 before it is scheduled again
-    "preempted before the core saw it compact": Mix(False, 256, 4, 19, (
-        _r("new", 0, 160, 100, 0.0, 3), _r("doc0", 96, 4, 20, 0.0, 1, arrive=17),
-        _r("doc0", 96, 30, 2, 0.0, 3, arrive=40))),
+    "preempted before the core saw it compact": Mix(
+        False,
+        256,
+        4,
+        19,
+        (
+            _r("new", 0, 160, 100, 0.0, 3),
+            _r("doc0", 96, 4, 20, 0.0, 1, arrive=17),
+            _r("doc0", 96, 30, 2, 0.0, 3, arrive=40),
+        ),
+    ),
 }
 # The same under async scheduling (the next step is scheduled before the compacting step's output).
-PATHS.update({f"{k} (async)": dataclasses.replace(m, async_scheduling=True) for k, m in list(PATHS.items())
-              if not k.startswith("preempted")})
+PATHS.update(
+    {
+        f"{k} (async)": dataclasses.replace(m, async_scheduling=True)
+        for k, m in list(PATHS.items())
+        if not k.startswith("preempted")
+    }
+)
 
 
 @pytest.mark.parametrize("path", sorted(PATHS))
 def test_each_schedule_dependent_path(vllm_config, path):
     """Each path by name: the mix goes through it, and every cached block is still exact."""
     worker = run_mix(vllm_config, PATHS[path])
-    assert path.removesuffix(" (async)") in worker.paths, f"the mix no longer goes through this path ({sorted(worker.paths)})"
+    assert path.removesuffix(" (async)") in worker.paths, (
+        f"the mix no longer goes through this path ({sorted(worker.paths)})"
+    )
     assert not worker.violations, "\n".join(worker.violations[:10])

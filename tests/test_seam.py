@@ -38,8 +38,12 @@ def _imports_of(src: str, pkg: str) -> list[str]:
                 base = ".".join(parts + ([base] if base else []))
             out.append(base)
             out += [f"{base}.{a.name}" for a in node.names]
-        elif isinstance(node, ast.Call) and getattr(node.func, "attr", getattr(node.func, "id", "")) in (
-                "import_module", "__import__") and node.args and isinstance(node.args[0], ast.Constant):
+        elif (
+            isinstance(node, ast.Call)
+            and getattr(node.func, "attr", getattr(node.func, "id", "")) in ("import_module", "__import__")
+            and node.args
+            and isinstance(node.args[0], ast.Constant)
+        ):
             out.append(str(node.args[0].value))
     return out
 
@@ -49,20 +53,29 @@ def _is_vllm(name: str) -> bool:
 
 
 def test_only_the_seam_imports_vllm():
-    offenders = {rel: sorted({n for n in _imports(p) if _is_vllm(n)}) for rel, p in _modules().items()
-                 if not rel.startswith("vllm_compat/")}
+    offenders = {
+        rel: sorted({n for n in _imports(p) if _is_vllm(n)})
+        for rel, p in _modules().items()
+        if not rel.startswith("vllm_compat/")
+    }
     offenders = {k: v for k, v in offenders.items() if v}
     assert not offenders, f"vLLM imported outside vllm_kvevict/vllm_compat/: {offenders}"
 
 
 def test_the_rule_catches_an_import():
     """The check above sees an import of vLLM however it is written."""
-    src = ("import vllm.config\nfrom vllm.v1 import x\nfrom vllm import _custom_ops\n"
-           "def f():\n    import vllm\n    importlib.import_module('vllm.a')\n")
+    src = (
+        "import vllm.config\nfrom vllm.v1 import x\nfrom vllm import _custom_ops\n"
+        "def f():\n    import vllm\n    importlib.import_module('vllm.a')\n"
+    )
     found = {n for n in _imports_of(src, "vllm_kvevict.backends") if _is_vllm(n)}
     assert {"vllm.config", "vllm.v1", "vllm", "vllm._custom_ops", "vllm.a"} <= found
     assert _imports_of("from . import plan\nfrom ..kernels import ops\n", "vllm_kvevict.backends") == [
-        "vllm_kvevict.backends", "vllm_kvevict.backends.plan", "vllm_kvevict.kernels", "vllm_kvevict.kernels.ops"]
+        "vllm_kvevict.backends",
+        "vllm_kvevict.backends.plan",
+        "vllm_kvevict.kernels",
+        "vllm_kvevict.kernels.ops",
+    ]
 
 
 LOWER = {  # package -> what it may import from vllm_kvevict (arrows point down)
@@ -178,6 +191,7 @@ def test_wrap_method_is_idempotent_and_reversible():
         def wrapper(self, *a):
             calls.append(a)
             return orig(self, *a)
+
         return wrapper
 
     assert patching.wrap_method(_Child, "method", make, "test")  # inherited
@@ -189,6 +203,7 @@ def test_wrap_method_is_idempotent_and_reversible():
     def make_cm(orig):
         def wrapper(cls, x):
             return ("wrapped", *orig(cls, x))
+
         return wrapper
 
     patching.wrap_method(_Child, "cm", make_cm, "test")
@@ -208,10 +223,18 @@ def test_register_patches_through_the_seam():
 
     plugin.register()
     recorded = {(p.cls.__name__, p.name) for p in patching.patches()}
-    assert {("CpuPlatform", "get_attn_backend_cls"), ("CpuPlatform", "check_and_update_config"),
-            ("KVCacheManager", "get_computed_blocks"), ("KVCacheManager", "allocate_slots"),
-            ("KVCacheManager", "free"), ("KVCacheManager", "pop_blocks_for_free"),
-            ("InputProcessor", "process_inputs")} <= recorded
+    assert {
+        ("CpuPlatform", "get_attn_backend_cls"),
+        ("CpuPlatform", "check_and_update_config"),
+        ("KVCacheManager", "get_computed_blocks"),
+        ("KVCacheManager", "allocate_slots"),
+        ("KVCacheManager", "free"),
+        ("KVCacheManager", "pop_blocks_for_free"),
+        ("InputProcessor", "process_inputs"),
+    } <= recorded
     for p in patching.patches():
-        assert getattr(p.cls, p.name).__kvevict_purpose__ == p.purpose if not isinstance(
-            p.cls.__dict__[p.name], classmethod) else p.cls.__dict__[p.name].__func__.__kvevict_purpose__
+        assert (
+            getattr(p.cls, p.name).__kvevict_purpose__ == p.purpose
+            if not isinstance(p.cls.__dict__[p.name], classmethod)
+            else p.cls.__dict__[p.name].__func__.__kvevict_purpose__
+        )

@@ -66,15 +66,34 @@ def test_quality_report_budget_keys_table_and_plot(tmp_path):
     rows = []
     for task, score in (("niah_single", 1.0), ("common_words", 0.5)):
         for ln in (1000, 2000):
-            rows.append({"task": task, "length": ln, "config": "none", "budget_key": "-", "budget": None,
-                         "prompt_tokens": ln, "score": score})
+            rows.append(
+                {
+                    "task": task,
+                    "length": ln,
+                    "config": "none",
+                    "budget_key": "-",
+                    "budget": None,
+                    "prompt_tokens": ln,
+                    "score": score,
+                }
+            )
             for key, b in (("0.25", ln // 4), ("300tok", 300)):
-                rows.append({"task": task, "length": ln, "config": "keydiff", "budget_key": key, "budget": b,
-                             "prompt_tokens": ln, "score": score / 2})
+                rows.append(
+                    {
+                        "task": task,
+                        "length": ln,
+                        "config": "keydiff",
+                        "budget_key": key,
+                        "budget": b,
+                        "prompt_tokens": ln,
+                        "score": score / 2,
+                    }
+                )
     assert quality.budget_keys([0.25], [300]) == ["0.25", "300tok"]
     assert quality._budget("300tok", 1234) == 300 and quality._budget("0.25", 1000) == 250
-    r = quality.summarize(rows, ["keydiff"], ["0.25", "300tok"], ["niah_single", "common_words"], [1000, 2000], 2,
-                          [1], [])
+    r = quality.summarize(
+        rows, ["keydiff"], ["0.25", "300tok"], ["niah_single", "common_words"], [1000, 2000], 2, [1], []
+    )
     assert r["summary"] == {"none": {"-": 0.75}, "keydiff": {"0.25": 0.375, "300tok": 0.375}}
     assert r["kept_fraction"]["keydiff"] == {"0.25": 0.25, "300tok": pytest.approx((0.3 + 0.15) / 2)}
     assert r["per_task"]["common_words"]["keydiff"]["300tok"] == 0.25

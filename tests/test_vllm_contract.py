@@ -70,8 +70,13 @@ def test_scheduler_side_methods():
     _starts_with(KVCacheCoordinator.find_longest_cache_hit, "self", "block_hashes", "max_cache_hit_length")
     _starts_with(KVCacheManager.free, "self", "request")
     _starts_with(KVCacheManager.pop_blocks_for_free, "self", "request")
-    _starts_with(FullAttentionManager.remove_skipped_blocks, "self", "request_id", "processed_computed_tokens",
-                 "num_prompt_tokens")
+    _starts_with(
+        FullAttentionManager.remove_skipped_blocks,
+        "self",
+        "request_id",
+        "processed_computed_tokens",
+        "num_prompt_tokens",
+    )
     _starts_with(FullAttentionManager.get_num_blocks_to_allocate, "self", "request_id", "num_tokens")
     assert "apply_admission_cap" in _params(FullAttentionManager.get_num_blocks_to_allocate)
     _starts_with(FullAttentionManager.allocate_new_blocks, "self", "request_id", "num_tokens")
@@ -114,4 +119,4 @@ def test_model_runner_v2_choice_is_a_config_property():
     from vllm.config import VllmConfig
 
     assert isinstance(inspect.getattr_static(VllmConfig, "use_v2_model_runner"), property)
-    assert callable(getattr(VllmConfig, "_get_v1_model_runner_unsupported_features"))
+    assert callable(VllmConfig._get_v1_model_runner_unsupported_features)

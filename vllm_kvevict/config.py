@@ -19,7 +19,7 @@ from pydantic import BaseModel, BeforeValidator, ConfigDict, Field, ValidationEr
 
 from vllm_kvevict import envs
 from vllm_kvevict.policies import POLICIES, PolicyParams
-from vllm_kvevict.window import WindowConfig
+from vllm_kvevict.window import Trigger, WindowConfig
 
 ENV_VAR = "KVEVICT_CONFIG"
 ADDITIONAL_CONFIG_KEY = "kvevict"
@@ -64,8 +64,12 @@ class RecallConfig(BaseModel):
     model_config = ConfigDict(extra="forbid", frozen=True, strict=True, allow_inf_nan=False)
 
     enabled: bool = Field(False, description="keep evicted tokens and recall the best of them at the prompt's end")
-    cap: int = Field(4096, ge=0, le=MAX_BUDGET,
-                     description="evicted tokens kept per request, layer and KV head (the lowest-scored go first)")
+    cap: int = Field(
+        4096,
+        ge=0,
+        le=MAX_BUDGET,
+        description="evicted tokens kept per request, layer and KV head (the lowest-scored go first)",
+    )
     window: int = Field(32, ge=1, le=MAX_RECALL_WINDOW, description="the prompt's last queries that score the recall")
     # Wider than SnapKV's 7: a recalled token helps only with its neighbours (a 7-digit number is 8
     # tokens in SmolLM2's tokenizer, after the key the question matches); measured in docs/policies.md.
@@ -134,14 +138,17 @@ class KVEvictConfig(_build_model()):  # type: ignore[misc]
         return self.enabled and self.policy != "none"
 
     @property
-    def effective_trigger(self) -> str:
+    def effective_trigger(self) -> Trigger:
         return self.trigger or POLICIES[self.policy].default_trigger
 
     def window(self, block_size: int) -> WindowConfig:
         """The physical-window parameters for a KV cache with this block size."""
         return WindowConfig(
-            budget=self.budget, block_size=block_size, trigger=self.effective_trigger,
-            decode=POLICIES[self.policy].evicts_during_decode, enabled=self.eviction_active,
+            budget=self.budget,
+            block_size=block_size,
+            trigger=self.effective_trigger,
+            decode=POLICIES[self.policy].evicts_during_decode,
+            enabled=self.eviction_active,
         )
 
     def summary(self) -> str:
@@ -211,7 +218,8 @@ def allowed_range(loc: list[str]) -> str:
         if flat and all(isinstance(a, str) or a is type(None) for a in flat):
             return "one of " + ", ".join("null" if a is type(None) else json.dumps(a) for a in flat)
         return ""
-    lo = hi = None
+    lo: Any = None
+    hi: Any = None
     lo_open = hi_open = False
     for m in info.metadata:
         if isinstance(m, at.Ge):
@@ -224,8 +232,10 @@ def allowed_range(loc: list[str]) -> str:
             hi, hi_open = m.lt, True
     if lo is None and hi is None:
         return kind
-    return f"{kind} in {'(' if lo_open else '['}{lo if lo is not None else '-inf'}, " \
-           f"{hi if hi is not None else 'inf'}{')' if hi_open else ']'}"
+    return (
+        f"{kind} in {'(' if lo_open else '['}{lo if lo is not None else '-inf'}, "
+        f"{hi if hi is not None else 'inf'}{')' if hi_open else ']'}"
+    )
 
 
 def _config_key(loc: list[str]) -> str:
@@ -297,7 +307,11 @@ def raw_config(additional_config: Any) -> tuple[dict[str, Any] | None, str]:
         raise KVEvictConfigError(
             f"invalid kvevict configuration (--additional-config): 'kvevict' must be a JSON object, got {json.dumps(extra)}"
         )
-    sources = [s for s, d in ((ENV_VAR, env if envs.is_set(ENV_VAR) else None), ("--additional-config", extra)) if d is not None]
+    sources = [
+        s
+        for s, d in ((ENV_VAR, env if envs.is_set(ENV_VAR) else None), ("--additional-config", extra))
+        if d is not None
+    ]
     if not sources:
         return None, "defaults"
     return _merge(env, extra or {}), " + ".join(sources)
@@ -324,9 +338,12 @@ def config_from_json(data_json: str) -> KVEvictConfig:
 
 #: request key -> configuration field
 REQUEST_KEYS = {
-    "kvevict_policy": "policy", "kvevict_budget": "budget", "kvevict_enabled": "enabled",
+    "kvevict_policy": "policy",
+    "kvevict_budget": "budget",
+    "kvevict_enabled": "enabled",
     "kvevict_params": "params",  # an object: parameters of the request's policy (its config sub-object)
-    "kvevict_trigger": "trigger", "kvevict_recall": "recall",  # recall: on or off (its parameters: the server's)
+    "kvevict_trigger": "trigger",
+    "kvevict_recall": "recall",  # recall: on or off (its parameters: the server's)
 }
 _FIELD_TO_KEY = {v: k for k, v in REQUEST_KEYS.items()}
 
@@ -408,7 +425,9 @@ class _Overrides(BaseModel):
             except (TypeError, ValueError, RecursionError):
                 raise ValueError("must be a JSON object of the policy's parameters") from None
             if size > MAX_PARAMS_CHARS or depth > MAX_PARAMS_DEPTH:
-                raise ValueError(f"at most {MAX_PARAMS_CHARS} characters of JSON, nested at most {MAX_PARAMS_DEPTH} deep")
+                raise ValueError(
+                    f"at most {MAX_PARAMS_CHARS} characters of JSON, nested at most {MAX_PARAMS_DEPTH} deep"
+                )
         return v
 
 

@@ -227,7 +227,7 @@ class Collector:
             per_rank = name == "fallbacks"
             fam = CounterMetricFamily(PREFIX + name, help_text, labels=["policy", "rank"] if per_rank else ["policy"])
             sums: dict[tuple, float] = {}
-            for _role, rank, _alive_, values in files:
+            for _role, rank, _alive, values in files:
                 for i, policy in enumerate(POLICY_LABELS):
                     key = (policy, str(rank)) if per_rank else (policy,)
                     sums[key] = sums.get(key, 0.0) + float(values[LAYOUT.counters[name] + i])
@@ -242,8 +242,8 @@ class Collector:
         fam = HistogramMetricFamily(PREFIX + name, help_text, labels=["rank"])
         b, n = LAYOUT.buckets, len(BUCKETS)
         by_rank: dict[int, np.ndarray] = {}
-        for _role, rank, _alive_, values in files:  # only workers time steps; the rest add zeros
-            by_rank[rank] = by_rank.get(rank, 0) + values[b:b + n + 3]
+        for _role, rank, _alive, values in files:  # only workers time steps; the rest add zeros
+            by_rank[rank] = by_rank.get(rank, 0) + values[b : b + n + 3]
         for rank, h in sorted(by_rank.items()):
             if not h[n + 2]:
                 continue

@@ -53,7 +53,8 @@ def check_config(vllm_config) -> None:
     else:
         logger.warning(
             "kvevict: a kvevict configuration was given (%s) but the attention backend is not "
-            "kvevict; pass --attention-backend kvevict to evict", source
+            "kvevict; pass --attention-backend kvevict to evict",
+            source,
         )
 
 
@@ -77,8 +78,10 @@ def _refuse_unsafe_combinations(vllm_config, cfg) -> None:
         _refuse("speculative decoding (--speculative-config)", "draft and verified tokens would need their own windows")
     cache = vllm_config.cache_config
     if getattr(vllm_config, "kv_transfer_config", None) is not None or getattr(cache, "kv_offloading_size", None):
-        _refuse("a KV transfer or offloading connector (--kv-transfer-config, --kv-offloading-size)",
-                "compaction rewrites blocks the connector would copy")
+        _refuse(
+            "a KV transfer or offloading connector (--kv-transfer-config, --kv-offloading-size)",
+            "compaction rewrites blocks the connector would copy",
+        )
     # The per-step hook that gives the workers each request's own window is in the V1 model runner.
     refusal = vllm_runner.require_v1_runner(vllm_config, logger)
     if refusal is not None:
@@ -104,7 +107,8 @@ def check_request(vllm_config, params):
     if "kvevict_budget" in settings.keys and settings.budget > max_len:
         raise RequestConfigError(
             f"kvevict_budget: {settings.budget} is above this server's max_model_len "
-            f"(allowed: an integer in [{settings.params.min_budget()}, {max_len}])", "kvevict_budget",
+            f"(allowed: an integer in [{settings.params.min_budget()}, {max_len}])",
+            "kvevict_budget",
         )
 
     def fits(request) -> None:
@@ -112,17 +116,24 @@ def check_request(vllm_config, params):
         if sp is None:
             return
         tokens = request.prompt_token_ids
-        prompt_len = len(tokens) if tokens is not None else int(getattr(request, "prompt_embeds").shape[0])
+        prompt_len = len(tokens) if tokens is not None else int(request.prompt_embeds.shape[0])
         # The key that made the window unbounded or large: the one a 400 names.
-        key = next((k for k in ("kvevict_enabled", "kvevict_policy", "kvevict_params", "kvevict_budget")
-                    if k in settings.keys), None)
+        key = next(
+            (
+                k
+                for k in ("kvevict_enabled", "kvevict_policy", "kvevict_params", "kvevict_budget")
+                if k in settings.keys
+            ),
+            None,
+        )
         check_fits_pool(vllm_config, settings, prompt_len, sp.max_tokens, key)
 
     return fits
 
 
-def check_fits_pool(vllm_config, settings: RequestSettings, prompt_len: int, max_tokens: int | None,
-                    key: str | None) -> None:
+def check_fits_pool(
+    vllm_config, settings: RequestSettings, prompt_len: int, max_tokens: int | None, key: str | None
+) -> None:
     """Refuse (HTTP 400) a request that could hold more KV blocks than the whole pool: one whose
     override turns eviction off, picks a ``once`` policy or a large budget, with a prompt plus
     output longer than the KV cache. Admitted, it could never finish and would preempt everyone
@@ -139,13 +150,18 @@ def check_fits_pool(vllm_config, settings: RequestSettings, prompt_len: int, max
     window = settings.window
     peak = peak_blocks(prompt_len, total, window, vllm_config.max_in_flight_tokens)
     if peak > usable:
-        why = ("with eviction off" if not window.enabled else
-               f"with trigger {window.trigger}" if window.trigger != "chunked" or not window.decode else
-               f"with budget {settings.budget}")
+        why = (
+            "with eviction off"
+            if not window.enabled
+            else f"with trigger {window.trigger}"
+            if window.trigger != "chunked" or not window.decode
+            else f"with budget {settings.budget}"
+        )
         raise RequestConfigError(
             f"{key or 'max_tokens'}: this request could hold {peak} KV blocks ({prompt_len} prompt + up to "
             f"{total - prompt_len} output tokens {why}) but the KV cache has {usable}; shorten the prompt or "
-            f"max_tokens, or keep eviction on with a smaller budget", key or "max_tokens",
+            f"max_tokens, or keep eviction on with a smaller budget",
+            key or "max_tokens",
         )
 
 
@@ -154,8 +170,9 @@ def _choose_cuda_base(device_capability, attn_selector_config) -> str:
 
     path, reasons = choose_base(device_capability, attn_selector_config)
     if reasons:
-        logger.info("kvevict: FLASH_ATTN refused this configuration (%s); using the TRITON_ATTN base",
-                    "; ".join(reasons))
+        logger.info(
+            "kvevict: FLASH_ATTN refused this configuration (%s); using the TRITON_ATTN base", "; ".join(reasons)
+        )
     return path
 
 

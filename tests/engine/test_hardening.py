@@ -36,16 +36,32 @@ BUDGET, BS, CHUNK, POOL = 96, 32, 64, 16  # 16 usable blocks = 512 tokens; max_m
 
 def _args(chunk: int, pool: int) -> list[str]:
     cfg = {"kvevict": {"policy": "keydiff", "budget": BUDGET}}
-    return ["--attention-backend", "kvevict", *CPU_SERVER_ARGS, "--num-gpu-blocks-override", str(pool + 1),
-            "--max-model-len", "8192", "--max-num-batched-tokens", str(chunk), "--max-num-seqs", "4",
-            "--additional-config", json.dumps(cfg), "--enable-log-requests"]
+    return [
+        "--attention-backend",
+        "kvevict",
+        *CPU_SERVER_ARGS,
+        "--num-gpu-blocks-override",
+        str(pool + 1),
+        "--max-model-len",
+        "8192",
+        "--max-num-batched-tokens",
+        str(chunk),
+        "--max-num-seqs",
+        "4",
+        "--additional-config",
+        json.dumps(cfg),
+        "--enable-log-requests",
+    ]
 
 
 @pytest.fixture(scope="module")
 def server(gqa_model, tmp_path_factory):
     base = tmp_path_factory.mktemp("hardening")
-    env = {"KVEVICT_DUMP_DIR": str(base / "dump"), "KVEVICT_TEST_FAULT": "snapkv,tova@prepare",
-           "VLLM_SERVER_DEV_MODE": "1"}
+    env = {
+        "KVEVICT_DUMP_DIR": str(base / "dump"),
+        "KVEVICT_TEST_FAULT": "snapkv,tova@prepare",
+        "VLLM_SERVER_DEV_MODE": "1",
+    }
     with VLLMServer(gqa_model, _args(CHUNK, POOL), log_path=base / "server.log", env=env) as srv:
         srv.dump_dir = base / "dump"
         yield srv
@@ -54,25 +70,43 @@ def server(gqa_model, tmp_path_factory):
 def _post(srv: VLLMServer, body: dict) -> requests.Response:
     # NaN and Infinity are sent as such (Python's JSON writes them; clients in the wild do too).
     data = json.dumps({"model": srv.served_model_name, **body}, allow_nan=True)
-    return requests.post(srv.base_url + "/v1/completions", data=data, timeout=300,
-                         headers={"Content-Type": "application/json"})
+    return requests.post(
+        srv.base_url + "/v1/completions", data=data, timeout=300, headers={"Content-Type": "application/json"}
+    )
 
 
 def _assert_idle(srv: VLLMServer) -> None:
     """Nothing running or waiting and the whole pool free, from vLLM's own gauges."""
+
     def idle() -> bool:
         m = srv.metrics()
-        return (m.get("vllm:num_requests_running") == 0 and m.get("vllm:num_requests_waiting") == 0
-                and m.get("vllm:kv_cache_usage_perc") == 0)
+        return (
+            m.get("vllm:num_requests_running") == 0
+            and m.get("vllm:num_requests_waiting") == 0
+            and m.get("vllm:kv_cache_usage_perc") == 0
+        )
+
     wait_until(idle, 60, "an idle engine with every KV block free")
 
 
-@settings(max_examples=30, deadline=None, derandomize=True, database=None,
-          suppress_health_check=[HealthCheck.too_slow, HealthCheck.function_scoped_fixture])
+@settings(
+    max_examples=30,
+    deadline=None,
+    derandomize=True,
+    database=None,
+    suppress_health_check=[HealthCheck.too_slow, HealthCheck.function_scoped_fixture],
+)
 @given(xargs=overrides(), prompt_len=st.integers(1, 700), max_tokens=st.integers(1, 6))
 def test_arbitrary_xargs_are_served_or_refused_with_400(server, hf_model, xargs, prompt_len, max_tokens):
-    r = _post(server, {"prompt": make_prompt(prompt_len, prompt_len, hf_model.config.vocab_size),
-                       "max_tokens": max_tokens, "temperature": 0, "vllm_xargs": xargs})
+    r = _post(
+        server,
+        {
+            "prompt": make_prompt(prompt_len, prompt_len, hf_model.config.vocab_size),
+            "max_tokens": max_tokens,
+            "temperature": 0,
+            "vllm_xargs": xargs,
+        },
+    )
     assert r.status_code in (200, 400), (r.status_code, r.text[:500], xargs)
     if r.status_code == 400:
         message = r.json()["error"]["message"]
@@ -89,13 +123,18 @@ def test_fault_in_one_request_is_isolated(server, hf_model):
     vocab = hf_model.config.vocab_size
     # Two faulty requests: snapkv's scoring raises inside the eviction step; tova's row preparation
     # (queries, W_O) raises before it, as a policy needing W_O would on a model without one.
-    specs = [(300, 41, None), (450, 42, {"kvevict_policy": "snapkv"}), (380, 43, None),
-             (260, 44, {"kvevict_policy": "tova"})]
+    specs = [
+        (300, 41, None),
+        (450, 42, {"kvevict_policy": "snapkv"}),
+        (380, 43, None),
+        (260, 44, {"kvevict_policy": "tova"}),
+    ]
 
     def run(specs):
         with ThreadPoolExecutor(len(specs)) as pool:
             futures = server.admit_together(
-                pool, [partial(complete, server, make_prompt(n, s, vocab), 24, x) for n, s, x in specs])
+                pool, [partial(complete, server, make_prompt(n, s, vocab), 24, x) for n, s, x in specs]
+            )
             return [f.result() for f in futures]
 
     outs = run(specs)
@@ -119,8 +158,11 @@ def test_fault_in_one_request_is_isolated(server, hf_model):
 
 def test_request_that_cannot_fit_the_pool_is_refused(server):
     long_prompt = make_prompt(600, 51, 500)  # 19 blocks > 16 in the pool
-    for xargs, key in [({"kvevict_enabled": False}, "kvevict_enabled"), ({"kvevict_policy": "criticalkv"}, "kvevict_policy"),
-                       ({"kvevict_budget": 4000}, "kvevict_budget")]:
+    for xargs, key in [
+        ({"kvevict_enabled": False}, "kvevict_enabled"),
+        ({"kvevict_policy": "criticalkv"}, "kvevict_policy"),
+        ({"kvevict_budget": 4000}, "kvevict_budget"),
+    ]:
         r = _post(server, {"prompt": long_prompt, "max_tokens": 8, "vllm_xargs": xargs})
         assert r.status_code == 400, r.text
         message = r.json()["error"]["message"]
@@ -128,7 +170,9 @@ def test_request_that_cannot_fit_the_pool_is_refused(server):
     # The same prompt with eviction on runs: its window stays bounded.
     assert _post(server, {"prompt": long_prompt, "max_tokens": 8}).status_code == 200
     # Eviction off is fine for a request that fits.
-    r = _post(server, {"prompt": make_prompt(200, 52, 500), "max_tokens": 100, "vllm_xargs": {"kvevict_enabled": False}})
+    r = _post(
+        server, {"prompt": make_prompt(200, 52, 500), "max_tokens": 100, "vllm_xargs": {"kvevict_enabled": False}}
+    )
     assert r.status_code == 200, r.text
 
 
@@ -140,7 +184,8 @@ def test_unbounded_override_does_not_starve_others(server, hf_model):
     small = [(500, 62 + i, 32, None) for i in range(3)]  # evicting: at most 6 blocks each
     with ThreadPoolExecutor(4) as pool:
         futures = server.admit_together(
-            pool, [partial(complete, server, make_prompt(n, s, vocab), m, x) for n, s, m, x in [big, *small]])
+            pool, [partial(complete, server, make_prompt(n, s, vocab), m, x) for n, s, m, x in [big, *small]]
+        )
         outs = [f.result(timeout=900) for f in futures]
     assert [len(o["tokens"]) for o in outs] == [64, 32, 32, 32]
     line = released_line(server, outs[0]["id"])
@@ -161,8 +206,13 @@ def test_seeded_sampling_over_chunks(server, one_chunk_server):
     generator with set_offset, which CPU generators do not have. With the plugin, the request is
     served, reproducible, and its random stream is exactly that of the same request prefilled in
     one chunk (no discarded draw leaks into it)."""
-    body = {"prompt": make_prompt(300, 71, 500), "max_tokens": 16, "temperature": 1.0, "seed": 1234,
-            "vllm_xargs": {"kvevict_enabled": False}}  # exact attention: logits equal across chunkings
+    body = {
+        "prompt": make_prompt(300, 71, 500),
+        "max_tokens": 16,
+        "temperature": 1.0,
+        "seed": 1234,
+        "vllm_xargs": {"kvevict_enabled": False},
+    }  # exact attention: logits equal across chunkings
     first, second = _post(server, body), _post(server, body)
     assert first.status_code == second.status_code == 200, first.text
     assert first.json()["choices"][0]["text"] == second.json()["choices"][0]["text"]

@@ -38,16 +38,34 @@ def server(gqa_model, tmp_path_factory):
     base = tmp_path_factory.mktemp("memory")
     cfg = {"kvevict": {"policy": "keydiff", "budget": BUDGET}}
     args = [
-        "--attention-backend", "kvevict", *CPU_SERVER_ARGS, "--num-gpu-blocks-override", str(POOL + 1),
+        "--attention-backend",
+        "kvevict",
+        *CPU_SERVER_ARGS,
+        "--num-gpu-blocks-override",
+        str(POOL + 1),
         # Admit on the first chunk only (vLLM's default reserves the whole window bound per request,
         # which avoids preemption altogether); over-admission makes vLLM preempt, as under load.
-        "--no-scheduler-reserve-full-isl", "--max-model-len", "32768",
-        "--max-num-batched-tokens", str(CHUNK), "--max-num-seqs", "4", "--additional-config", json.dumps(cfg),
+        "--no-scheduler-reserve-full-isl",
+        "--max-model-len",
+        "32768",
+        "--max-num-batched-tokens",
+        str(CHUNK),
+        "--max-num-seqs",
+        "4",
+        "--additional-config",
+        json.dumps(cfg),
         "--enable-log-requests",  # admit_together counts the requests that reached the engine
     ]
-    srv = VLLMServer(gqa_model, args, log_path=base / "server.log",
-                     env={"KVEVICT_DUMP_DIR": str(base / "dump"), "VLLM_SERVER_DEV_MODE": "1",
-                          "KVEVICT_TEST_HOLD": str(base / "hold")})
+    srv = VLLMServer(
+        gqa_model,
+        args,
+        log_path=base / "server.log",
+        env={
+            "KVEVICT_DUMP_DIR": str(base / "dump"),
+            "VLLM_SERVER_DEV_MODE": "1",
+            "KVEVICT_TEST_HOLD": str(base / "hold"),
+        },
+    )
     with srv:
         srv.dump_dir = base / "dump"
         yield srv
@@ -60,6 +78,7 @@ def _released(srv: VLLMServer) -> list[tuple]:
 def released_line(srv: VLLMServer, request_id: str, timeout: float = 60.0) -> tuple:
     """The last release line of a request, once the engine core has logged it (it frees the request
     right after the last output reaches the client: wait for it, never sleep)."""
+
     def lines():
         return [r for r in _released(srv) if r[0].startswith(request_id + "-")]
 
@@ -85,8 +104,9 @@ def test_mixed_run_returns_every_block(server, hf_model):
     preemptions_before = server.metrics().get("vllm:num_preemptions_total", 0.0)
     # 1. A client that disconnects mid-prefill (30000 tokens take ~470 steps of 64): the worker holds
     #    a step once eviction has moved the window, so the prefill cannot finish first.
-    rid = server.abort_mid_prefill({"model": server.served_model_name,
-                                    "prompt": make_prompt(ABORTED_PROMPT, 21, vocab), "max_tokens": 4})
+    rid = server.abort_mid_prefill(
+        {"model": server.served_model_name, "prompt": make_prompt(ABORTED_PROMPT, 21, vocab), "max_tokens": 4}
+    )
     # vLLM frees the aborted request; wait until it has logged the release.
     full_prefill_frees = (ABORTED_PROMPT - BUDGET) // BS
     aborted = released_line(server, rid, 120)
@@ -97,8 +117,11 @@ def test_mixed_run_returns_every_block(server, hf_model):
         futures = server.admit_together(pool, [partial(complete, server, make_prompt(*a, vocab), 64) for a in specs])
         outs = [f.result() for f in futures]
     assert all(len(o["tokens"]) == 64 for o in outs)
-    wait_until(lambda: server.metrics().get("vllm:num_preemptions_total", 0.0) > preemptions_before, 60,
-               "a preemption counted in /metrics")
+    wait_until(
+        lambda: server.metrics().get("vllm:num_preemptions_total", 0.0) > preemptions_before,
+        60,
+        "a preemption counted in /metrics",
+    )
     # Preempted requests were recomputed and still equal the reference (per attempt).
     attempts = load_attempts(server.dump_dir)
     recomputed = [o for o in outs if len(check_against_reference(hf_model, o, attempts)) > 1]

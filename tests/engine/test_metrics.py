@@ -37,8 +37,17 @@ REQUESTS = [  # prompt length, seed, vllm_xargs, policy label
 def run(gqa_model, hf_model, tmp_path_factory):
     base = tmp_path_factory.mktemp("metrics")
     cfg = {"kvevict": {"policy": "keydiff", "budget": BUDGET}}
-    args = ["--attention-backend", "kvevict", *CPU_SERVER_ARGS, "--max-model-len", "4096",
-            "--max-num-batched-tokens", str(CHUNK), "--additional-config", json.dumps(cfg)]
+    args = [
+        "--attention-backend",
+        "kvevict",
+        *CPU_SERVER_ARGS,
+        "--max-model-len",
+        "4096",
+        "--max-num-batched-tokens",
+        str(CHUNK),
+        "--additional-config",
+        json.dumps(cfg),
+    ]
     env = {"KVEVICT_DUMP_DIR": str(base / "dump"), "KVEVICT_TEST_FAULT": "tova"}
     with VLLMServer(gqa_model, args, log_path=base / "server.log", env=env) as srv:
         before = _scrape(srv)
@@ -47,8 +56,13 @@ def run(gqa_model, hf_model, tmp_path_factory):
         # Each request's release line is logged right after its last output: wait for all of them.
         wait_until(lambda: len(RELEASED.findall(srv.log())) >= len(REQUESTS), 60, "every release line")
         wait_until(lambda: _value(_scrape(srv), "kvevict:window_blocks_held") == 0, 60, "no evicting request held")
-        yield {"before": before, "after": _scrape(srv), "outs": outs, "log": srv.log(),
-               "attempts": load_attempts(base / "dump")}
+        yield {
+            "before": before,
+            "after": _scrape(srv),
+            "outs": outs,
+            "log": srv.log(),
+            "attempts": load_attempts(base / "dump"),
+        }
 
 
 def _scrape(srv: VLLMServer) -> dict:
@@ -68,9 +82,15 @@ def test_metrics_are_on_vllms_endpoint(run):
     after = run["after"]
     names = {n for n, _ in after}
     assert "vllm:num_requests_running" in names  # vLLM's own are still there
-    for name in ("kvevict:tokens_evicted_total", "kvevict:blocks_freed_total", "kvevict:compactions_total",
-                 "kvevict:fallbacks_total", "kvevict:eviction_seconds_count", "kvevict:window_blocks_held",
-                 "kvevict:window_blocks_bound"):
+    for name in (
+        "kvevict:tokens_evicted_total",
+        "kvevict:blocks_freed_total",
+        "kvevict:compactions_total",
+        "kvevict:fallbacks_total",
+        "kvevict:eviction_seconds_count",
+        "kvevict:window_blocks_held",
+        "kvevict:window_blocks_bound",
+    ):
         assert name in names, name
 
 
@@ -82,11 +102,13 @@ def test_blocks_freed_equal_the_release_lines(run):
     assert freed_by_policy.get("none", 0) == 0
     b, a = run["before"], run["after"]
     for policy in ("keydiff", "snapkv", "tova"):
-        freed = _value(a, "kvevict:blocks_freed_total", policy=policy) - _value(b, "kvevict:blocks_freed_total",
-                                                                                  policy=policy)
+        freed = _value(a, "kvevict:blocks_freed_total", policy=policy) - _value(
+            b, "kvevict:blocks_freed_total", policy=policy
+        )
         assert freed == freed_by_policy[policy], policy
         tokens = _value(a, "kvevict:tokens_evicted_total", policy=policy) - _value(
-            b, "kvevict:tokens_evicted_total", policy=policy)
+            b, "kvevict:tokens_evicted_total", policy=policy
+        )
         assert tokens == freed * BS
 
 
@@ -102,8 +124,9 @@ def test_one_compaction_per_window_move(run):
             assert not attempt.events
     b, a = run["before"], run["after"]
     for policy, n in moves.items():
-        counted = _value(a, "kvevict:compactions_total", policy=policy) - _value(b, "kvevict:compactions_total",
-                                                                                  policy=policy)
+        counted = _value(a, "kvevict:compactions_total", policy=policy) - _value(
+            b, "kvevict:compactions_total", policy=policy
+        )
         assert counted == n > 0, policy
 
 

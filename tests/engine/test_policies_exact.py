@@ -27,18 +27,41 @@ MAX_TOKENS = 40  # crosses a decode-time compaction for the policies that evict 
 SERVER = {"policy": "keydiff", "budget": BUDGET}
 
 CASES = [
-    ("snapkv", None), ("snapkv", {"pooling": "max"}), ("tova", None), ("h2o", None), ("h2o", {"recent_tokens": 8}),
-    ("knorm", None), ("random", {"seed": 3}), ("criticalkv", None), ("criticalkv", {"base": "h2o"}),
-    ("kvmerger", None), ("kvmerger", {"threshold": 0.0}), ("lshe", None), ("lshe", {"hash": "key", "bits": 8}),
-    ("caote", None), ("caote", {"base": "tova"}), ("caote", {"base": "snapkv"}), ("fastcaote", None),
+    ("snapkv", None),
+    ("snapkv", {"pooling": "max"}),
+    ("tova", None),
+    ("h2o", None),
+    ("h2o", {"recent_tokens": 8}),
+    ("knorm", None),
+    ("random", {"seed": 3}),
+    ("criticalkv", None),
+    ("criticalkv", {"base": "h2o"}),
+    ("kvmerger", None),
+    ("kvmerger", {"threshold": 0.0}),
+    ("lshe", None),
+    ("lshe", {"hash": "key", "bits": 8}),
+    ("caote", None),
+    ("caote", {"base": "tova"}),
+    ("caote", {"base": "snapkv"}),
+    ("fastcaote", None),
 ]
 
 
 def test_every_policy_equals_reference(gqa_model, hf_model, tmp_path, server_log):
     dump = tmp_path / "dump"
-    args = ["--attention-backend", "kvevict", *CPU_SERVER_ARGS, "--max-model-len", "2048",
-            "--max-num-batched-tokens", "64", "--max-num-seqs", "4",
-            "--additional-config", json.dumps({"kvevict": SERVER})]
+    args = [
+        "--attention-backend",
+        "kvevict",
+        *CPU_SERVER_ARGS,
+        "--max-model-len",
+        "2048",
+        "--max-num-batched-tokens",
+        "64",
+        "--max-num-seqs",
+        "4",
+        "--additional-config",
+        json.dumps({"kvevict": SERVER}),
+    ]
     vocab = hf_model.config.vocab_size
     server = parse_config({**SERVER})
 

@@ -39,10 +39,23 @@ OFF = {"kvevict_enabled": False}
 @pytest.fixture(scope="module")
 def server(gqa_model, tmp_path_factory):
     base = tmp_path_factory.mktemp("prefix-preemption")
-    args = ["--attention-backend", "kvevict", *CPU_SERVER_ARGS, "--num-gpu-blocks-override", str(POOL + 1),
-            "--max-model-len", "448", "--max-num-batched-tokens", "256", "--max-num-seqs", "4",
-            "--enable-prompt-tokens-details", "--enable-log-requests",
-            "--additional-config", json.dumps({"kvevict": {"policy": "keydiff", "budget": BUDGET}})]
+    args = [
+        "--attention-backend",
+        "kvevict",
+        *CPU_SERVER_ARGS,
+        "--num-gpu-blocks-override",
+        str(POOL + 1),
+        "--max-model-len",
+        "448",
+        "--max-num-batched-tokens",
+        "256",
+        "--max-num-seqs",
+        "4",
+        "--enable-prompt-tokens-details",
+        "--enable-log-requests",
+        "--additional-config",
+        json.dumps({"kvevict": {"policy": "keydiff", "budget": BUDGET}}),
+    ]
     env = {"KVEVICT_DUMP_DIR": str(base / "dump"), "VLLM_SERVER_DEV_MODE": "1"}
     with VLLMServer(gqa_model, args, log_path=base / "server.log", env=env) as srv:
         srv.dump_dir = base / "dump"

@@ -19,11 +19,29 @@ def test_keydiff_quarter_budget_keeps_retrieval(smollm2_model, server_log, tmp_p
     from transformers import AutoTokenizer
 
     cfg = {"kvevict": {"policy": "keydiff", "budget": 768}}  # every request sets its own budget
-    args = ["--attention-backend", "kvevict", *CPU_BASE_ARGS, "--kv-cache-memory-bytes", "2G",
-            "--max-model-len", "4096", "--no-enable-prefix-caching", "--additional-config", json.dumps(cfg)]
+    args = [
+        "--attention-backend",
+        "kvevict",
+        *CPU_BASE_ARGS,
+        "--kv-cache-memory-bytes",
+        "2G",
+        "--max-model-len",
+        "4096",
+        "--no-enable-prefix-caching",
+        "--additional-config",
+        json.dumps(cfg),
+    ]
     with VLLMServer(smollm2_model, args, log_path=server_log("quality")) as srv:
-        result = run_quality(srv.base_url, srv.served_model_name, AutoTokenizer.from_pretrained(smollm2_model),
-                             ["keydiff", "streamingllm"], budget_ratios=[0.25], length=3000, n_depths=5, seeds=[1, 2])
+        result = run_quality(
+            srv.base_url,
+            srv.served_model_name,
+            AutoTokenizer.from_pretrained(smollm2_model),
+            ["keydiff", "streamingllm"],
+            budget_ratios=[0.25],
+            length=3000,
+            n_depths=5,
+            seeds=[1, 2],
+        )
     (tmp_path / "quality.json").write_text(json.dumps(result, indent=1))
     print("\n" + format_table(result))
     s = result["summary"]

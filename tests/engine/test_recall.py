@@ -34,10 +34,23 @@ BOUND = window_bound_blocks(WindowConfig(BUDGET, BS), CHUNK)
 def server(gqa_model, tmp_path_factory):
     base = tmp_path_factory.mktemp("recall")
     cfg = {"kvevict": {"policy": "keydiff", "budget": BUDGET, "recall": {"enabled": True, "cap": CAP, "window": 16}}}
-    args = ["--attention-backend", "kvevict", *CPU_SERVER_ARGS, "--max-model-len", "32768",
-            "--num-gpu-blocks-override", str(POOL + 1), "--no-scheduler-reserve-full-isl",
-            "--max-num-batched-tokens", str(CHUNK), "--max-num-seqs", "4", "--additional-config", json.dumps(cfg),
-            "--enable-log-requests"]
+    args = [
+        "--attention-backend",
+        "kvevict",
+        *CPU_SERVER_ARGS,
+        "--max-model-len",
+        "32768",
+        "--num-gpu-blocks-override",
+        str(POOL + 1),
+        "--no-scheduler-reserve-full-isl",
+        "--max-num-batched-tokens",
+        str(CHUNK),
+        "--max-num-seqs",
+        "4",
+        "--additional-config",
+        json.dumps(cfg),
+        "--enable-log-requests",
+    ]
     env = {"KVEVICT_DUMP_DIR": str(base / "dump"), "VLLM_SERVER_DEV_MODE": "1", "KVEVICT_TEST_HOLD": str(base / "hold")}
     with VLLMServer(gqa_model, args, log_path=base / "server.log", env=env) as srv:
         srv.dump_dir = base / "dump"
@@ -67,14 +80,18 @@ def test_recall_equals_the_replay_and_brings_tokens_back(server, hf_model):
     attempt."""
     vocab = hf_model.config.vocab_size
     preempted = server.metrics().get("vllm:num_preemptions_total", 0.0)
-    specs = [(700, 1, None), (520, 2, None), (610, 3, {"kvevict_policy": "snapkv"}),
-             (450, 4, {"kvevict_recall": False})]
+    specs = [
+        (700, 1, None),
+        (520, 2, None),
+        (610, 3, {"kvevict_policy": "snapkv"}),
+        (450, 4, {"kvevict_recall": False}),
+    ]
     with ThreadPoolExecutor(len(specs)) as pool:
         calls = [partial(complete, server, make_prompt(n, seed, vocab), 48, xargs) for n, seed, xargs in specs]
         outs = [f.result() for f in server.admit_together(pool, calls)]
     attempts = load_attempts(server.dump_dir)
     recalled = []
-    for (n, _, xargs), out in zip(specs, outs):
+    for (n, _, _xargs), out in zip(specs, outs):
         atts = check_against_reference(hf_model, out, attempts)
         recalled.append(max(_recalled(att, n) for att in atts))
     assert recalled[0] > 0 and recalled[1] > 0 and recalled[2] > 0, recalled
@@ -114,8 +131,9 @@ def test_tier_is_emptied_on_finish_and_abort(server, hf_model):
 
     # a client that disconnects mid-prefill (held once eviction has moved its window, so its tier
     # holds tokens): its tier goes with it
-    rid = server.abort_mid_prefill({"model": server.served_model_name, "prompt": make_prompt(20000, 8, vocab),
-                                    "max_tokens": 4})
+    rid = server.abort_mid_prefill(
+        {"model": server.served_model_name, "prompt": make_prompt(20000, 8, vocab), "max_tokens": 4}
+    )
     freed = released_line(server, rid, 120)[1]
     assert 0 < freed < (20000 - BUDGET) // BS - 2, f"not released mid-prefill: {freed} blocks freed"
     out = complete(server, make_prompt(900, 6, vocab), 8)

@@ -27,8 +27,17 @@ BS, MAX_TOKENS = 32, 40
 def server(gqa_model, tmp_path_factory):
     base = tmp_path_factory.mktemp("requests")
     cfg = {"kvevict": {"policy": "streamingllm", "budget": 80}}
-    args = ["--attention-backend", "kvevict", *CPU_SERVER_ARGS, "--max-model-len", "4096",
-            "--max-num-batched-tokens", "64", "--additional-config", json.dumps(cfg)]
+    args = [
+        "--attention-backend",
+        "kvevict",
+        *CPU_SERVER_ARGS,
+        "--max-model-len",
+        "4096",
+        "--max-num-batched-tokens",
+        "64",
+        "--additional-config",
+        json.dumps(cfg),
+    ]
     with VLLMServer(gqa_model, args, log_path=base / "server.log", env={"KVEVICT_DUMP_DIR": str(base / "dump")}) as srv:
         srv.dump_dir = base / "dump"
         yield srv
@@ -50,8 +59,9 @@ def test_overrides_apply_on_both_sides(server, hf_model):
     assert _kept_counts(server, default) <= set(range(80, 80 + BS))
     assert _freed(server, default) == (P + MAX_TOKENS - 1 - 80) // BS
 
-    own = complete(server, make_prompt(P, 32, vocab), MAX_TOKENS,
-                   xargs={"kvevict_policy": "keydiff", "kvevict_budget": 128})
+    own = complete(
+        server, make_prompt(P, 32, vocab), MAX_TOKENS, xargs={"kvevict_policy": "keydiff", "kvevict_budget": 128}
+    )
     assert _kept_counts(server, own) <= set(range(128, 128 + BS))
     assert _freed(server, own) == (P + MAX_TOKENS - 1 - 128) // BS
     check_against_reference(hf_model, own, load_attempts(server.dump_dir))
@@ -61,12 +71,18 @@ def test_overrides_apply_on_both_sides(server, hf_model):
     assert _freed(server, off) == 0
 
 
-@pytest.mark.parametrize("xargs, message", [
-    ({"kvevict_budget": 3}, "kvevict_budget: budget 3 is below the minimum 5 for policy 'streamingllm'"),
-    ({"kvevict_policy": "h3o"}, "kvevict_policy: unknown policy 'h3o'; allowed values: caote, criticalkv, fastcaote, h2o, keydiff, knorm, kvmerger, lshe, none, random, snapkv, streamingllm, tova"),
-    ({"kvevict_enabled": "perhaps"}, "kvevict_enabled: Input should be a valid boolean"),
-    ({"kvevict_budgte": 64}, "unknown request key 'kvevict_budgte'; allowed keys: kvevict_budget, kvevict_enabled"),
-])
+@pytest.mark.parametrize(
+    "xargs, message",
+    [
+        ({"kvevict_budget": 3}, "kvevict_budget: budget 3 is below the minimum 5 for policy 'streamingllm'"),
+        (
+            {"kvevict_policy": "h3o"},
+            "kvevict_policy: unknown policy 'h3o'; allowed values: caote, criticalkv, fastcaote, h2o, keydiff, knorm, kvmerger, lshe, none, random, snapkv, streamingllm, tova",
+        ),
+        ({"kvevict_enabled": "perhaps"}, "kvevict_enabled: Input should be a valid boolean"),
+        ({"kvevict_budgte": 64}, "unknown request key 'kvevict_budgte'; allowed keys: kvevict_budget, kvevict_enabled"),
+    ],
+)
 def test_bad_override_is_http_400_and_server_keeps_serving(server, hf_model, xargs, message):
     with pytest.raises(openai.BadRequestError) as ei:
         complete(server, make_prompt(50, 34, hf_model.config.vocab_size), 4, xargs=xargs)

@@ -42,18 +42,32 @@ pytestmark = [pytest.mark.engine, pytest.mark.timeout(2400)]
 SEED, N = 20261123, 220
 BS, CHUNK, POOL, BUDGET, MAX_LEN = 32, 128, 24, 128, 4096  # 24 usable blocks = 768 tokens < max_model_len
 POOL_TOKENS = POOL * BS
-WORDS = ("alpha bravo charlie delta echo foxtrot golf hotel india juliet kilo lima mike november oscar papa "
-         "quebec romeo sierra tango uniform victor whiskey xray yankee zulu").split()
+WORDS = (
+    "alpha bravo charlie delta echo foxtrot golf hotel india juliet kilo lima mike november oscar papa "
+    "quebec romeo sierra tango uniform victor whiskey xray yankee zulu"
+).split()
 
 
 @pytest.fixture(scope="module")
 def server(gqa_model, tmp_path_factory):
     base = tmp_path_factory.mktemp("soak")
     cfg = {"kvevict": {"policy": "keydiff", "budget": BUDGET}}
-    args = ["--attention-backend", "kvevict", *CPU_SERVER_ARGS, "--num-gpu-blocks-override", str(POOL + 1),
-            "--max-model-len", str(MAX_LEN), "--max-num-batched-tokens", str(CHUNK), "--max-num-seqs", "8",
-            "--no-scheduler-reserve-full-isl",  # admit on the first chunk: preemption under load, as in production
-            "--additional-config", json.dumps(cfg)]
+    args = [
+        "--attention-backend",
+        "kvevict",
+        *CPU_SERVER_ARGS,
+        "--num-gpu-blocks-override",
+        str(POOL + 1),
+        "--max-model-len",
+        str(MAX_LEN),
+        "--max-num-batched-tokens",
+        str(CHUNK),
+        "--max-num-seqs",
+        "8",
+        "--no-scheduler-reserve-full-isl",  # admit on the first chunk: preemption under load, as in production
+        "--additional-config",
+        json.dumps(cfg),
+    ]
     with VLLMServer(gqa_model, args, log_path=base / "server.log", env={"KVEVICT_DUMP_DIR": str(base / "dump")}) as srv:
         srv.dump_dir = base / "dump"
         yield srv
@@ -63,12 +77,19 @@ def _params(rng: random.Random, policy: str) -> dict:
     """Valid parameters for a policy, varied."""
     return {
         "streamingllm": lambda: {"sink_tokens": rng.randint(0, 8)},
-        "snapkv": lambda: {"window": rng.choice([8, 16, 32]), "kernel": rng.choice([1, 3, 5, 7]),
-                           "pooling": rng.choice(["avg", "max"])},
+        "snapkv": lambda: {
+            "window": rng.choice([8, 16, 32]),
+            "kernel": rng.choice([1, 3, 5, 7]),
+            "pooling": rng.choice(["avg", "max"]),
+        },
         "h2o": lambda: {"recent_tokens": rng.randint(0, 16)},
         "knorm": lambda: {"sink_tokens": rng.randint(0, 4), "recent_tokens": rng.randint(0, 16)},
         "random": lambda: {"seed": rng.randint(0, 2**31 - 1)},
-        "lshe": lambda: {"bits": rng.randint(4, 32), "seed": rng.randint(0, 1000), "hash": rng.choice(["query", "key"])},
+        "lshe": lambda: {
+            "bits": rng.randint(4, 32),
+            "seed": rng.randint(0, 1000),
+            "hash": rng.choice(["query", "key"]),
+        },
         "kvmerger": lambda: {"threshold": rng.uniform(0.3, 0.9), "sigma": rng.uniform(0.5, 10)},
         "criticalkv": lambda: {"alpha": rng.uniform(0, 1), "base": rng.choice(["snapkv", "tova", "h2o"])},
         "caote": lambda: {"base": rng.choice(["h2o", "tova", "snapkv"])},
@@ -83,17 +104,31 @@ def _plan(rng: random.Random, i: int) -> dict:
     """One request of the mix: what to send and what must come back."""
     kind = rng.choices(["ok", "bad", "disconnect_early", "disconnect_mid"], [76, 12, 6, 6])[0]
     if kind == "bad":
-        bad = rng.choice([
-            {"vllm_xargs": {"kvevict_budget": -3}}, {"vllm_xargs": {"kvevict_policy": "h3o"}},
-            {"vllm_xargs": {"kvevict_params": "{not json"}}, {"vllm_xargs": {"kvevict_enabled": 7}},
-            {"vllm_xargs": {"kvevict_policy": "random", "kvevict_params": json.dumps({"seed": 2**70})}},
-            {"vllm_xargs": {"kvevict_budgte": 5}}, {"max_tokens": -1}, {"temperature": -2},
-            {"vllm_xargs": {"kvevict_enabled": False}, "prompt_len": POOL_TOKENS + 200},  # cannot fit the pool
-            {"prompt_len": MAX_LEN + 10},  # longer than max_model_len
-        ])
-        return {"kind": "bad", "chat": False, "stream": False, "n": 1, "max_tokens": bad.get("max_tokens", 4),
-                "prompt_len": bad.get("prompt_len", rng.randint(10, 200)), "temperature": bad.get("temperature", 0),
-                "xargs": bad.get("vllm_xargs", {}), "seed": None}
+        bad = rng.choice(
+            [
+                {"vllm_xargs": {"kvevict_budget": -3}},
+                {"vllm_xargs": {"kvevict_policy": "h3o"}},
+                {"vllm_xargs": {"kvevict_params": "{not json"}},
+                {"vllm_xargs": {"kvevict_enabled": 7}},
+                {"vllm_xargs": {"kvevict_policy": "random", "kvevict_params": json.dumps({"seed": 2**70})}},
+                {"vllm_xargs": {"kvevict_budgte": 5}},
+                {"max_tokens": -1},
+                {"temperature": -2},
+                {"vllm_xargs": {"kvevict_enabled": False}, "prompt_len": POOL_TOKENS + 200},  # cannot fit the pool
+                {"prompt_len": MAX_LEN + 10},  # longer than max_model_len
+            ]
+        )
+        return {
+            "kind": "bad",
+            "chat": False,
+            "stream": False,
+            "n": 1,
+            "max_tokens": bad.get("max_tokens", 4),
+            "prompt_len": bad.get("prompt_len", rng.randint(10, 200)),
+            "temperature": bad.get("temperature", 0),
+            "xargs": bad.get("vllm_xargs", {}),
+            "seed": None,
+        }
     xargs: dict = {}
     roll = rng.random()
     max_tokens = rng.randint(1, 48)
@@ -121,15 +156,28 @@ def _plan(rng: random.Random, i: int) -> dict:
     sampled = rng.random() < 0.35
     stream = rng.random() < 0.4
     chat = rng.random() < 0.3 and not unbounded  # a chat prompt's token count is only known after templating
-    return {"kind": kind, "chat": chat, "stream": stream or kind != "ok",
-            "n": 2 if sampled and rng.random() < 0.4 else 1, "max_tokens": max_tokens, "prompt_len": prompt_len,
-            "temperature": 0.8 if sampled else 0, "seed": rng.randint(0, 10**6) if sampled else None,
-            "xargs": xargs}
+    return {
+        "kind": kind,
+        "chat": chat,
+        "stream": stream or kind != "ok",
+        "n": 2 if sampled and rng.random() < 0.4 else 1,
+        "max_tokens": max_tokens,
+        "prompt_len": prompt_len,
+        "temperature": 0.8 if sampled else 0,
+        "seed": rng.randint(0, 10**6) if sampled else None,
+        "xargs": xargs,
+    }
 
 
 def _body(srv: VLLMServer, p: dict, rng: random.Random) -> tuple[str, dict]:
-    body = {"model": srv.served_model_name, "max_tokens": p["max_tokens"], "temperature": p["temperature"],
-            "n": p["n"], "stream": p["stream"], "ignore_eos": True}
+    body = {
+        "model": srv.served_model_name,
+        "max_tokens": p["max_tokens"],
+        "temperature": p["temperature"],
+        "n": p["n"],
+        "stream": p["stream"],
+        "ignore_eos": True,
+    }
     if p["seed"] is not None:
         body["seed"] = p["seed"]
     if p["xargs"]:
@@ -152,8 +200,11 @@ def _disconnect_early(srv: VLLMServer, path: str, body: dict) -> None:
     """Send the request and close the connection before any byte of the answer is read."""
     data = json.dumps(body).encode()
     with socket.create_connection(("127.0.0.1", srv.port), timeout=30) as s:
-        s.sendall(f"POST {path} HTTP/1.1\r\nHost: 127.0.0.1\r\nContent-Type: application/json\r\n"
-                  f"Content-Length: {len(data)}\r\n\r\n".encode() + data)
+        s.sendall(
+            f"POST {path} HTTP/1.1\r\nHost: 127.0.0.1\r\nContent-Type: application/json\r\n"
+            f"Content-Length: {len(data)}\r\n\r\n".encode()
+            + data
+        )
 
 
 def _send(srv: VLLMServer, p: dict, seed: int) -> dict:
@@ -166,8 +217,11 @@ def _send(srv: VLLMServer, p: dict, seed: int) -> dict:
     r = requests.post(url, json=body, stream=body["stream"], timeout=1200)
     out: dict = {"status": r.status_code}
     if r.status_code != 200:
-        out["message"] = (r.json().get("error", {}) or {}).get("message", "") if r.headers.get(
-            "content-type", "").startswith("application/json") else r.text[:200]
+        out["message"] = (
+            (r.json().get("error", {}) or {}).get("message", "")
+            if r.headers.get("content-type", "").startswith("application/json")
+            else r.text[:200]
+        )
         return out
     if p["kind"] == "disconnect_mid":
         for i, _ in enumerate(r.iter_lines()):
@@ -183,8 +237,12 @@ def _send(srv: VLLMServer, p: dict, seed: int) -> dict:
         out["choices"] = len(js["choices"])
         if _traced(p):
             lp = js["choices"][0]["logprobs"]
-            out.update(id=js["id"], prompt=body["prompt"], logprobs=lp["token_logprobs"],
-                       tokens=[int(t.removeprefix("token_id:")) for t in lp["tokens"]])
+            out.update(
+                id=js["id"],
+                prompt=body["prompt"],
+                logprobs=lp["token_logprobs"],
+                tokens=[int(t.removeprefix("token_id:")) for t in lp["tokens"]],
+            )
     return out
 
 
@@ -213,11 +271,17 @@ def test_soak(server, hf_model, tmp_path):
 
     def idle() -> bool:
         m = server.metrics()
-        return (m.get("vllm:num_requests_running") == 0 and m.get("vllm:num_requests_waiting") == 0
-                and m.get("vllm:kv_cache_usage_perc") == 0)
+        return (
+            m.get("vllm:num_requests_running") == 0
+            and m.get("vllm:num_requests_waiting") == 0
+            and m.get("vllm:kv_cache_usage_perc") == 0
+        )
+
     wait_until(idle, 300, "nothing running or waiting and the whole KV pool free after the soak")
     after = server.metrics()
-    figures["preemptions"] = int(after.get("vllm:num_preemptions_total", 0) - before.get("vllm:num_preemptions_total", 0))
+    figures["preemptions"] = int(
+        after.get("vllm:num_preemptions_total", 0) - before.get("vllm:num_preemptions_total", 0)
+    )
     assert figures["preemptions"] > 0, "the pool was meant to be small enough to preempt"
 
     # Greedy completions under load equal the transformers replay of the tokens they kept (every
@@ -227,11 +291,12 @@ def test_soak(server, hf_model, tmp_path):
     traced = [(p, r) for p, r in zip(plans, results) if _traced(p) and r.get("status") == 200]
     sample = [(p, r) for p, r in traced if p["prompt_len"] <= 1200][:12]
     assert len(sample) >= 6, len(sample)
-    for p, r in sample:
-        check_against_reference(hf_model, r, attempts, expect_compaction=any(
-            a.events for a in attempts_for(attempts, r["id"])))
+    for _p, r in sample:
+        check_against_reference(
+            hf_model, r, attempts, expect_compaction=any(a.events for a in attempts_for(attempts, r["id"]))
+        )
     figures["preempted_in_sample"] = sum(len(attempts_for(attempts, r["id"])) > 1 for _, r in sample)
-    for p, r in sample:
+    for _p, r in sample:
         alone = complete(server, r["prompt"], p["max_tokens"], p["xargs"] or None)
         attempts = load_attempts(server.dump_dir)
         load_att, alone_att = attempts_for(attempts, r["id"]), attempts_for(attempts, alone["id"])

@@ -12,50 +12,66 @@ pytestmark = [pytest.mark.engine, pytest.mark.timeout(300)]
 
 CASES = {  # name: (--additional-config, KVEVICT_CONFIG, extra vllm args, the one line)
     "unknown_key": (
-        {"kvevict": {"budgett": 64}}, None, [],
+        {"kvevict": {"budgett": 64}},
+        None,
+        [],
         "invalid kvevict configuration (--additional-config): unknown key 'kvevict.budgett'; "
         "allowed keys: budget, caote, criticalkv, enabled, fastcaote, h2o, knorm, kvmerger, lshe, policy, random, "
         "recall, snapkv, streamingllm, trigger",
     ),
     "wrong_type": (
-        {"kvevict": {"budget": "lots"}}, None, [],
+        {"kvevict": {"budget": "lots"}},
+        None,
+        [],
         "invalid kvevict configuration (--additional-config): kvevict.budget: Input should be a valid integer "
         '(got "lots"; allowed: an integer in [1, 1073741824])',
     ),
     "budget_below_minimum": (
-        {"kvevict": {"policy": "streamingllm", "budget": 3}}, None, [],
+        {"kvevict": {"policy": "streamingllm", "budget": 3}},
+        None,
+        [],
         "invalid kvevict configuration (--additional-config): kvevict.budget: budget 3 is below the minimum 5 "
         "for policy 'streamingllm' (its protected sink/recent tokens plus one)",
     ),
     "unknown_policy": (
-        {"kvevict": {"policy": "h3o", "budget": 64}}, None, [],
+        {"kvevict": {"policy": "h3o", "budget": 64}},
+        None,
+        [],
         "invalid kvevict configuration (--additional-config): kvevict.policy: unknown policy 'h3o'; "
         "allowed values: caote, criticalkv, fastcaote, h2o, keydiff, knorm, kvmerger, lshe, none, random, snapkv, "
         "streamingllm, tova",
     ),
     "env_wrong_type": (
-        None, {"enabled": "perhaps"}, [],
+        None,
+        {"enabled": "perhaps"},
+        [],
         "invalid kvevict configuration (KVEVICT_CONFIG): kvevict.enabled: Input should be a valid boolean "
         '(got "perhaps"; allowed: true or false)',
     ),
     "fp8_kv_cache": (
-        {"kvevict": {"policy": "keydiff", "budget": 64}}, None, ["--kv-cache-dtype", "fp8"],
+        {"kvevict": {"policy": "keydiff", "budget": 64}},
+        None,
+        ["--kv-cache-dtype", "fp8"],
         "invalid kvevict configuration: --kv-cache-dtype fp8 is not supported with eviction; allowed: auto",
     ),
     "speculative_decoding": (
-        {"kvevict": {"policy": "keydiff", "budget": 64}}, None,
+        {"kvevict": {"policy": "keydiff", "budget": 64}},
+        None,
         ["--speculative-config", json.dumps({"method": "ngram", "num_speculative_tokens": 2, "prompt_lookup_max": 3})],
         "invalid kvevict configuration: speculative decoding (--speculative-config) is not supported with eviction "
         "(draft and verified tokens would need their own windows)",
     ),
     "kv_connector": (
-        {"kvevict": {"policy": "keydiff", "budget": 64}}, None,
+        {"kvevict": {"policy": "keydiff", "budget": 64}},
+        None,
         ["--kv-transfer-config", json.dumps({"kv_connector": "ExampleConnector", "kv_role": "kv_both"})],
         "invalid kvevict configuration: a KV transfer or offloading connector (--kv-transfer-config, "
         "--kv-offloading-size) is not supported with eviction (compaction rewrites blocks the connector would copy)",
     ),
     "model_runner_v2": (
-        {"kvevict": {"policy": "keydiff", "budget": 64}}, None, ["ENV:VLLM_USE_V2_MODEL_RUNNER=1"],
+        {"kvevict": {"policy": "keydiff", "budget": 64}},
+        None,
+        ["ENV:VLLM_USE_V2_MODEL_RUNNER=1"],
         "invalid kvevict configuration: VLLM_USE_V2_MODEL_RUNNER=1 is not supported with eviction (the plugin's "
         "per-step hook is in vLLM's V1 model runner; unset it or set VLLM_USE_V2_MODEL_RUNNER=0)",
     ),

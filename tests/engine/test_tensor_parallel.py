@@ -22,7 +22,8 @@ from vllm_kvevict.testing.hf_reference import attempts_for, load_attempts
 from vllm_kvevict.testing.server import VLLMServer
 
 pytestmark = [
-    pytest.mark.engine, pytest.mark.timeout(900),
+    pytest.mark.engine,
+    pytest.mark.timeout(900),
     pytest.mark.skipif(len(os.sched_getaffinity(0)) < 2, reason="tensor parallel size 2 needs two cores"),
 ]
 
@@ -42,9 +43,21 @@ def _cpus() -> list[int]:
 def _run(model, tp: int, base, vocab: int) -> tuple[list[dict], dict]:
     dump = base / f"dump-tp{tp}"
     cfg = {"kvevict": {"policy": "keydiff", "budget": BUDGET}}
-    args = ["--attention-backend", "kvevict", *CPU_SERVER_ARGS, "--tensor-parallel-size", str(tp),
-            "--max-num-batched-tokens", str(CHUNK), "--max-model-len", "2048", "--max-num-seqs", "1",
-            "--additional-config", json.dumps(cfg)]
+    args = [
+        "--attention-backend",
+        "kvevict",
+        *CPU_SERVER_ARGS,
+        "--tensor-parallel-size",
+        str(tp),
+        "--max-num-batched-tokens",
+        str(CHUNK),
+        "--max-model-len",
+        "2048",
+        "--max-num-seqs",
+        "1",
+        "--additional-config",
+        json.dumps(cfg),
+    ]
     env = {"KVEVICT_DUMP_DIR": str(dump)}
     if tp > 1:  # one core per rank (vLLM binds by NUMA node otherwise, and this machine has one)
         env["VLLM_CPU_OMP_THREADS_BIND"] = "|".join(map(str, _cpus()[:tp]))
@@ -63,8 +76,11 @@ def runs(gqa_model, hf_model, tmp_path_factory):
 def test_two_ranks_each_hold_one_kv_head(runs):
     _, tp2 = runs[2]
     assert "tensor_parallel_size=2" in tp2["log"]
-    workers = {line.split("pid ")[1].split(";")[0] for line in tp2["log"].splitlines()
-               if "kvevict: attention backend" in line and " in pid " in line}
+    workers = {
+        line.split("pid ")[1].split(";")[0]
+        for line in tp2["log"].splitlines()
+        if "kvevict: attention backend" in line and " in pid " in line
+    }
     assert len(workers) == 2, workers  # the backend runs in both ranks' processes
 
 

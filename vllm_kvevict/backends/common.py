@@ -35,6 +35,7 @@ from vllm_kvevict.vllm_compat import distributed as vllm_distributed
 from vllm_kvevict.vllm_compat import kv_cache as vllm_kv_cache
 from vllm_kvevict.vllm_compat import runner as vllm_runner
 
+
 def _dump(records: list[dict]) -> None:
     """``KVEVICT_DUMP_DIR`` (debugging, tests): every compaction's kept positions, as JSON lines."""
     import json
@@ -48,12 +49,21 @@ def _dump(records: list[dict]) -> None:
 def _dump_kept(plan, rows: list[int], layer: int, kept: list[torch.Tensor], heads: list[int]) -> None:
     """``kept[h]``: the positions KV head ``heads[h]`` of the model kept (this rank's heads)."""
     rank = vllm_distributed.tensor_parallel()[0]
-    _dump([
-        {"req_id": plan.req_ids[r] if plan.req_ids else None, "layer": layer, "e_prev": plan.e_prev[r],
-         "e_new": plan.e_new[r], "L": plan.seq_lens[r], "rank": rank, "heads": heads,
-         "kept": pos.transpose(0, 1).tolist()}
-        for r, pos in zip(rows, kept)
-    ])
+    _dump(
+        [
+            {
+                "req_id": plan.req_ids[r] if plan.req_ids else None,
+                "layer": layer,
+                "e_prev": plan.e_prev[r],
+                "e_new": plan.e_new[r],
+                "L": plan.seq_lens[r],
+                "rank": rank,
+                "heads": heads,
+                "kept": pos.transpose(0, 1).tolist(),
+            }
+            for r, pos in zip(rows, kept)
+        ]
+    )
 
 
 def _dump_starts(plan, ctx) -> None:
@@ -62,11 +72,19 @@ def _dump_starts(plan, ctx) -> None:
     if ctx is None or ctx.dummy:
         return
     rank = vllm_distributed.tensor_parallel()[0]
-    _dump([
-        {"req_id": plan.req_ids[r], "start": True, "num_tokens": ctx.num_tokens[r], "rank": rank,
-         "shared": plan.L_prev[r]}
-        for r in range(len(plan.seq_lens)) if plan.req_ids[r] in ctx.starts
-    ])
+    _dump(
+        [
+            {
+                "req_id": plan.req_ids[r],
+                "start": True,
+                "num_tokens": ctx.num_tokens[r],
+                "rank": rank,
+                "shared": plan.L_prev[r],
+            }
+            for r in range(len(plan.seq_lens))
+            if plan.req_ids[r] in ctx.starts
+        ]
+    )
 
 
 # The worker's VllmConfig, seen while the model is built (inside vLLM's config context).
@@ -82,8 +100,10 @@ def _current_config() -> KVEvictConfig:
 
 def _end_step(rec: metrics.Recorder) -> None:
     """After every model step: the recall tiers' size (every request and layer of this worker)."""
-    rec.set("recall_tier_tokens", sum(ls.tier.tokens for st in WORKER.states() for ls in st.layers.values()
-                                      if ls.tier is not None))
+    rec.set(
+        "recall_tier_tokens",
+        sum(ls.tier.tokens for st in WORKER.states() for ls in st.layers.values() if ls.tier is not None),
+    )
     rec.end_step()
 
 
@@ -138,9 +158,13 @@ class KVEvictBuilderMixin:
         fault.hold_if_asked(plan)
         if profiling.enabled():
             qsl = plan.query_start_loc
-            profiling.note(rows=len(plan.seq_lens), tokens=qsl[-1], compact_rows=len(plan.compact_rows),
-                           max_query=max(b - a for a, b in zip(qsl, qsl[1:])), policies=sorted(
-                               {st.settings.policy_name for st in plan.states if st.settings.evicts}))
+            profiling.note(
+                rows=len(plan.seq_lens),
+                tokens=qsl[-1],
+                compact_rows=len(plan.compact_rows),
+                max_query=max(b - a for a, b in zip(qsl, qsl[1:])),
+                policies=sorted({st.settings.policy_name for st in plan.states if st.settings.evicts}),
+            )
         cm = shifted_metadata(common_attn_metadata, plan, self.kvevict_block_size)
         # Cascade attention reads a prefix shared by every row through row 0's *logical* block
         # table; a row whose table was shifted past its evicted blocks no longer starts there.
@@ -189,8 +213,10 @@ class KVEvictImplMixin:
         plan = getattr(attn_metadata, "kvevict_plan", None)
         if plan is not None:
             rec = _worker_metrics()
-            with profiling.timed("evict_s", query.device), (
-                    rec.eviction_timer(query.device) if rec is not None else contextlib.nullcontext()):
+            with (
+                profiling.timed("evict_s", query.device),
+                rec.eviction_timer(query.device) if rec is not None else contextlib.nullcontext(),
+            ):
                 self._kvevict_after_attention(layer, query, kv_cache, plan)
         return out
 
@@ -249,11 +275,15 @@ class KVEvictImplMixin:
         if not compacts and not policy.observes and not w:
             return None
         qsl, L = plan.query_start_loc, plan.seq_lens[r]
-        Q = query[qsl[r]:qsl[r + 1]].transpose(0, 1)  # [H_q, m, d]
-        extra = {"L": L, "budget": plan.states[r].settings.budget, "scale": self.scale,
-                 "softcap": getattr(self, "logits_soft_cap", None) or None}
+        Q = query[qsl[r] : qsl[r + 1]].transpose(0, 1)  # [H_q, m, d]
+        extra = {
+            "L": L,
+            "budget": plan.states[r].settings.budget,
+            "scale": self.scale,
+            "softcap": getattr(self, "logits_soft_cap", None) or None,
+        }
         if policy.needs_queries:
-            extra.update(Q=Q, q_pos=plan.positions[qsl[r]:qsl[r + 1]].long())
+            extra.update(Q=Q, q_pos=plan.positions[qsl[r] : qsl[r + 1]].long())
         if w:
             Qw = self._query_window(plan, r, Q, w, layer)
             extra.update(Q_window=Qw, w_pos=torch.arange(L - Qw.shape[1], L, device=Qw.device))
@@ -273,14 +303,18 @@ class KVEvictImplMixin:
         qsl = plan.query_start_loc
         for r, (st, policy) in enumerate(zip(plan.states, policies)):
             recall = st.settings.recall
-            if (policy is None or not recall.enabled or not policy.default_selection
-                    or plan.L_prev[r] >= plan.prompt_lens[r]):
+            if (
+                policy is None
+                or not recall.enabled
+                or not policy.default_selection
+                or plan.L_prev[r] >= plan.prompt_lens[r]
+            ):
                 continue
             rows.add(r)
-            Q = query[qsl[r]:qsl[r + 1]].transpose(0, 1)  # [H_q, m, d]
+            Q = query[qsl[r] : qsl[r + 1]].transpose(0, 1)  # [H_q, m, d]
             ls = self._layer_state(plan, r, layer)
             buf = Q if ls.recall_queries is None else torch.cat([ls.recall_queries, Q], dim=1)
-            ls.recall_queries = buf[:, -recall.window:].clone()
+            ls.recall_queries = buf[:, -recall.window :].clone()
         return rows
 
     def _recall(self, layer, kv_cache, plan, r: int, G: int) -> torch.Tensor | None:
@@ -305,8 +339,16 @@ class KVEvictImplMixin:
             V = torch.cat([V_w, tier.V.to(V_w.dtype)])
             pos = torch.cat([pos_w, tier.pos])
             q_pos = torch.arange(L - Qw.shape[1], L, device=K.device)
-            scores = recall_scores(Qw.float(), q_pos, K.float(), pos, G, self.scale,
-                                   getattr(self, "logits_soft_cap", None) or None, cfg.recall.kernel)
+            scores = recall_scores(
+                Qw.float(),
+                q_pos,
+                K.float(),
+                pos,
+                G,
+                self.scale,
+                getattr(self, "logits_soft_cap", None) or None,
+                cfg.recall.kernel,
+            )
             idx = select_recalled(scores, pos, L - e, L - Qw.shape[1])  # [keep, H]
             state = {}
             for k, t in self._kvevict_slot_state.items():
@@ -314,8 +356,12 @@ class KVEvictImplMixin:
                 state[k] = torch.cat([t[slots], old.to(t.dtype)])[idx, h]
             K_sel, V_sel, pos_sel = K[idx, h], V[idx, h], pos[idx, h]
         except Exception as err:  # noqa: BLE001 - recall must never kill the engine either
-            logger.warning("kvevict: request %s: recall failed (%s: %s); it keeps what its policy kept",
-                           rid, type(err).__name__, str(err)[:200])
+            logger.warning(
+                "kvevict: request %s: recall failed (%s: %s); it keeps what its policy kept",
+                rid,
+                type(err).__name__,
+                str(err)[:200],
+            )
             return None
         self._kvevict_write(layer, kv_cache, slots, K_sel, V_sel)
         rec = _worker_metrics()
@@ -363,10 +409,16 @@ class KVEvictImplMixin:
 
         def step(items: list[RowWork]) -> list[torch.Tensor]:
             return evict_step(
-                plan, items, bs,
+                plan,
+                items,
+                bs,
                 gather=lambda b, o: self._kvevict_gather(layer, kv_cache, b, o),
                 write=lambda s, K, V: self._kvevict_write(layer, kv_cache, s, K, V),
-                slot_pos=slot_pos, slot_state=self._kvevict_slot_state, layer=layer_idx, G=G, views=views,
+                slot_pos=slot_pos,
+                slot_state=self._kvevict_slot_state,
+                layer=layer_idx,
+                G=G,
+                views=views,
                 evicted=evicted if recall_rows else None,
             )
 
@@ -385,8 +437,13 @@ class KVEvictImplMixin:
             ls.tier.add(TierEntry(K, V, pos, score, state), plan.states[r].settings.recall.cap)
         if profiling.enabled():  # the tiers at their fullest: before this step's recalls take them
             key = getattr(layer, "layer_name", None) or id(self)
-            profiling.add(tier_bytes=sum(st.layers[key].tier.nbytes for st in WORKER.states()
-                                         if key in st.layers and st.layers[key].tier is not None))
+            profiling.add(
+                tier_bytes=sum(
+                    st.layers[key].tier.nbytes
+                    for st in WORKER.states()
+                    if key in st.layers and st.layers[key].tier is not None
+                )
+            )
         for r in sorted(recall_rows):
             if plan.completes_prompt(r):
                 with profiling.timed("recall_s", kv_cache.device):
@@ -400,13 +457,19 @@ class KVEvictImplMixin:
             for r in rows:
                 rid = plan.req_ids[r] if plan.req_ids else f"row {r}"
                 logger.debug(
-                    "kvevict: %s compacted [%d, %d) -> [%d, %d) (%s)", rid, plan.e_prev[r], plan.seq_lens[r],
-                    plan.e_new[r], plan.seq_lens[r], plan.states[r].settings.policy_name,
+                    "kvevict: %s compacted [%d, %d) -> [%d, %d) (%s)",
+                    rid,
+                    plan.e_prev[r],
+                    plan.seq_lens[r],
+                    plan.e_new[r],
+                    plan.seq_lens[r],
+                    plan.states[r].settings.policy_name,
                 )
 
 
-def make_backend(module: str, prefix: str, base: vllm_attention.BaseBackend, layout: type,
-                 cudagraph_support=None) -> tuple[type, type, type]:
+def make_backend(
+    module: str, prefix: str, base: vllm_attention.BaseBackend, layout: type, cudagraph_support=None
+) -> tuple[type, type, type]:
     """The kvevict backend, impl and metadata builder over one of vLLM's backends: ``layout``
     reads and writes tokens of that backend's cache (``_kvevict_gather``, ``_kvevict_write``,
     ``_kvevict_views``); ``cudagraph_support`` overrides the builder's. Named
@@ -428,6 +491,9 @@ def make_backend(module: str, prefix: str, base: vllm_attention.BaseBackend, lay
     if cudagraph_support is not None:
         builder_ns["_cudagraph_support"] = cudagraph_support
     builder = named(f"KVEvict{prefix}MetadataBuilder", (KVEvictBuilderMixin, base.builder), builder_ns)
-    backend = named(f"KVEvict{prefix}Backend", (KVEvictBackendMixin, base.backend), {
-        "get_impl_cls": staticmethod(lambda: impl), "get_builder_cls": staticmethod(lambda: builder)})
+    backend = named(
+        f"KVEvict{prefix}Backend",
+        (KVEvictBackendMixin, base.backend),
+        {"get_impl_cls": staticmethod(lambda: impl), "get_builder_cls": staticmethod(lambda: builder)},
+    )
     return backend, impl, builder

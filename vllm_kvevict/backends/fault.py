@@ -75,8 +75,13 @@ def fall_back(state: RequestState | None, req_id: str | None, policy: Policy, er
     rec = metrics.recorder("worker", vllm_distributed.tensor_parallel()[0])
     if rec is not None:
         rec.inc("fallbacks", name)
-    logger.warning("kvevict: request %s: policy %s failed (%s: %s); it keeps the newest tokens from now on",
-                   req_id or "?", name, type(err).__name__, str(err)[:200])
+    logger.warning(
+        "kvevict: request %s: policy %s failed (%s: %s); it keeps the newest tokens from now on",
+        req_id or "?",
+        name,
+        type(err).__name__,
+        str(err)[:200],
+    )
 
 
 def isolate(plan, work: list, step: Callable[[list], list[torch.Tensor]], err: BaseException):
@@ -92,8 +97,12 @@ def isolate(plan, work: list, step: Callable[[list], list[torch.Tensor]], err: B
         try:
             out = step([w])
         except Exception as row_err:  # noqa: BLE001
-            fall_back(plan.states[w.row] if plan.states else None, plan.req_ids[w.row] if plan.req_ids else None,
-                      w.policy, row_err)
+            fall_back(
+                plan.states[w.row] if plan.states else None,
+                plan.req_ids[w.row] if plan.req_ids else None,
+                w.policy,
+                row_err,
+            )
             # The safe policy reads nothing but keys and positions: none of the row's extras (queries,
             # W_O, ...) go with it, whatever broke the policy cannot break it; what it drops is
             # still handed to the recall tier.
@@ -115,12 +124,18 @@ def maybe_faulty(policy: Policy) -> Policy:
     names = envs.KVEVICT_TEST_FAULT
     cls = type(policy)
     if policy.name in names:
+
         def fail(*_args, **_kwargs):
             raise _InjectedFault(f"fault injected into {policy.name} by {TEST_FAULT_ENV}")
 
-        methods = {"score": fail, "observe": fail, **({"evict": fail} if cls.evict is not Policy.evict else {}),
-                   **({"score_ragged": fail} if cls.score_ragged is not Policy.score_ragged else {})}
+        methods = {
+            "score": fail,
+            "observe": fail,
+            **({"evict": fail} if cls.evict is not Policy.evict else {}),
+            **({"score_ragged": fail} if cls.score_ragged is not Policy.score_ragged else {}),
+        }
     elif f"{policy.name}@prepare" in names:
+
         def fail_prepare(_self):
             raise _InjectedFault(f"fault injected into the preparation of {policy.name} by {TEST_FAULT_ENV}")
 

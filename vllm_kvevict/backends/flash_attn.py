@@ -36,7 +36,8 @@ from vllm_kvevict.vllm_compat.attention import FLASH_ATTN, AttentionCGSupport
 
 # Host-planned windows and data-dependent compaction: no full CUDA graphs (see the module doc).
 KVEvictFlashAttentionBackend, KVEvictFlashAttentionImpl, KVEvictFlashAttentionMetadataBuilder = make_backend(
-    __name__, "FlashAttention", FLASH_ATTN, FlashLayoutMixin, cudagraph_support=AttentionCGSupport.NEVER)
+    __name__, "FlashAttention", FLASH_ATTN, FlashLayoutMixin, cudagraph_support=AttentionCGSupport.NEVER
+)
 
 
 def choose_base(device_capability, attn_selector_config) -> tuple[str, list[str]]:
@@ -54,7 +55,8 @@ def choose_base(device_capability, attn_selector_config) -> tuple[str, list[str]
         return FLASH_PATH, []
     try:
         reasons = KVEvictFlashAttentionBackend.validate_configuration(
-            device_capability=device_capability, **attn_selector_config._asdict())
+            device_capability=device_capability, **attn_selector_config._asdict()
+        )
     except (ImportError, OSError) as e:
         reasons = [f"{type(e).__name__}: {e}"]
     return (TRITON_PATH, list(reasons)) if reasons else (FLASH_PATH, [])

@@ -86,9 +86,14 @@ def plan_step(cm, server_config, block_size: int, step: RunnerStep | None) -> St
     qsl = cm.query_start_loc_cpu[: n + 1].tolist()
     L_prev = [seq_lens[r] - (qsl[r + 1] - qsl[r]) for r in range(n)]
     T = cm.num_actual_tokens
-    common = dict(seq_lens=seq_lens, block_table=cm.block_table_tensor[:n], slot_mapping=cm.slot_mapping[:T],
-                  positions=cm.positions[:T] if cm.positions is not None else None, query_start_loc=qsl,
-                  L_prev=L_prev)
+    common = dict(
+        seq_lens=seq_lens,
+        block_table=cm.block_table_tensor[:n],
+        slot_mapping=cm.slot_mapping[:T],
+        positions=cm.positions[:T] if cm.positions is not None else None,
+        query_start_loc=qsl,
+        L_prev=L_prev,
+    )
     if step is not None and step.dummy:
         return StepPlan(e_prev=[0] * n, e_new=[0] * n, req_ids=None, states=[], **common)
     if step is None or len(step.req_ids) < n:
@@ -97,11 +102,18 @@ def plan_step(cm, server_config, block_size: int, step: RunnerStep | None) -> St
             "lengths or per-request configuration); this model runner is not supported"
         )
     states = request_states(step, L_prev, server_config, block_size)
-    steps = [step_window(L_prev[r], seq_lens[r], step.prompt_lens[r], st.settings.window, st.shared)
-             for r, st in enumerate(states)]
+    steps = [
+        step_window(L_prev[r], seq_lens[r], step.prompt_lens[r], st.settings.window, st.shared)
+        for r, st in enumerate(states)
+    ]
     return StepPlan(
-        e_prev=[s.e_prev for s in steps], e_new=[s.e_new for s in steps], req_ids=step.req_ids[:n],
-        states=states, prompt_lens=step.prompt_lens[:n], starts=step.starts, **common,
+        e_prev=[s.e_prev for s in steps],
+        e_new=[s.e_new for s in steps],
+        req_ids=step.req_ids[:n],
+        states=states,
+        prompt_lens=step.prompt_lens[:n],
+        starts=step.starts,
+        **common,
     )
 
 

@@ -50,7 +50,9 @@ class TierEntry:
 
     def map(self, fn) -> TierEntry:
         """The same tokens with ``fn`` applied to every tensor (K, V, positions, scores, state)."""
-        return TierEntry(fn(self.K), fn(self.V), fn(self.pos), fn(self.score), {k: fn(v) for k, v in self.state.items()})
+        return TierEntry(
+            fn(self.K), fn(self.V), fn(self.pos), fn(self.score), {k: fn(v) for k, v in self.state.items()}
+        )
 
 
 class Tier:
@@ -97,6 +99,7 @@ class Tier:
 def _to_host(e: TierEntry) -> TierEntry:
     """``e`` copied into pinned host memory, ordered on the current stream; ``copy`` is the event
     that says it has landed."""
+
     def pin(t: torch.Tensor) -> torch.Tensor:
         return torch.empty(t.shape, dtype=t.dtype, pin_memory=True).copy_(t, non_blocking=True)
 
@@ -118,8 +121,10 @@ def _merge(chunks: list[TierEntry], cap: int) -> TierEntry | None:
         e = chunks[0]
     else:
         keys = [k for k in chunks[0].state if all(k in c.state for c in chunks)]
-        e = TierEntry(*(torch.cat([getattr(c, f) for c in chunks]) for f in ("K", "V", "pos", "score")),
-                      {k: torch.cat([c.state[k] for c in chunks]) for k in keys})
+        e = TierEntry(
+            *(torch.cat([getattr(c, f) for c in chunks]) for f in ("K", "V", "pos", "score")),
+            {k: torch.cat([c.state[k] for c in chunks]) for k in keys},
+        )
     return _best(e, cap) if e.tokens > cap else e
 
 
@@ -131,8 +136,16 @@ def _best(e: TierEntry, cap: int) -> TierEntry:
     return e.map(lambda t: t[idx, h])
 
 
-def recall_scores(Q: torch.Tensor, q_pos: torch.Tensor, K: torch.Tensor, pos: torch.Tensor, G: int, scale: float,
-                  softcap: float | None, kernel: int) -> torch.Tensor:
+def recall_scores(
+    Q: torch.Tensor,
+    q_pos: torch.Tensor,
+    K: torch.Tensor,
+    pos: torch.Tensor,
+    G: int,
+    scale: float,
+    softcap: float | None,
+    kernel: int,
+) -> torch.Tensor:
     """``[n, H]`` float32: what the queries ``Q [H_q, w, d]`` (at ``q_pos [w]``) pay each candidate
     ``K [n, H, d]`` (at ``pos [n, H]``), softmax over the candidates, causal by position, summed
     over the queries and averaged over each KV head's query group, then max-pooled over the
@@ -140,8 +153,9 @@ def recall_scores(Q: torch.Tensor, q_pos: torch.Tensor, K: torch.Tensor, pos: to
     :func:`~vllm_kvevict.kernels.ops.column_sums` (never ``[H, w, n]`` at once)."""
     dev = K.device
     one = lambda n: torch.tensor([0, n], device=dev)  # noqa: E731 - a single row
-    A = ops.column_sums(Q.transpose(0, 1), K, q_pos.to(dev), pos, one(Q.shape[1]), one(K.shape[0]), G, scale,
-                        softcap)  # [n, H_q]
+    A = ops.column_sums(
+        Q.transpose(0, 1), K, q_pos.to(dev), pos, one(Q.shape[1]), one(K.shape[0]), G, scale, softcap
+    )  # [n, H_q]
     s = A.view(A.shape[0], -1, G).mean(-1)  # [n, H]
     if kernel > 1 and s.shape[0] > 1:
         order = torch.argsort(pos, dim=0, stable=True)  # [n, H]: candidates by position, per head

@@ -11,4 +11,5 @@ from vllm_kvevict.backends.flash_layout import FlashLayoutMixin
 from vllm_kvevict.vllm_compat.attention import TRITON_ATTN, AttentionCGSupport
 
 KVEvictTritonAttentionBackend, KVEvictTritonAttentionImpl, KVEvictTritonAttentionMetadataBuilder = make_backend(
-    __name__, "TritonAttention", TRITON_ATTN, FlashLayoutMixin, cudagraph_support=AttentionCGSupport.NEVER)
+    __name__, "TritonAttention", TRITON_ATTN, FlashLayoutMixin, cudagraph_support=AttentionCGSupport.NEVER
+)

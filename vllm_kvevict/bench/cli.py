@@ -21,58 +21,170 @@ import sys
 from pathlib import Path
 
 ALL_TASKS = "niah_single,niah_multikey,niah_multivalue,niah_multiquery,kv_retrieval,variable_tracking,common_words"
-ALL_POLICIES = ("keydiff,streamingllm,snapkv,tova,h2o,knorm,random,criticalkv,kvmerger,lshe,caote,caote:base=tova,"
-                "caote:base=snapkv,fastcaote,fastcaote:base=tova,fastcaote:base=snapkv")
+ALL_POLICIES = (
+    "keydiff,streamingllm,snapkv,tova,h2o,knorm,random,criticalkv,kvmerger,lshe,caote,caote:base=tova,"
+    "caote:base=snapkv,fastcaote,fastcaote:base=tova,fastcaote:base=snapkv"
+)
 
 # CriticalKV evicts once, at the prompt's end, by default (nothing to recall then): chunked here, as
 # every other policy. KVMerger merges what it drops into what it keeps: nothing to recall either.
-_RECALL_POLICIES = ("keydiff", "snapkv", "tova", "h2o", "streamingllm", "knorm", "random", "criticalkv:trigger=chunked",
-                    "lshe", "caote", "fastcaote")
-RECALL_CONFIGS = ",".join([*_RECALL_POLICIES, "kvmerger",
-                           *(f"{p}{';' if ':' in p else ':'}recall=true" for p in _RECALL_POLICIES)])
+_RECALL_POLICIES = (
+    "keydiff",
+    "snapkv",
+    "tova",
+    "h2o",
+    "streamingllm",
+    "knorm",
+    "random",
+    "criticalkv:trigger=chunked",
+    "lshe",
+    "caote",
+    "fastcaote",
+)
+RECALL_CONFIGS = ",".join(
+    [*_RECALL_POLICIES, "kvmerger", *(f"{p}{';' if ':' in p else ':'}recall=true" for p in _RECALL_POLICIES)]
+)
 
 PRESETS = {
     "quality": {
-        "smoke": {"configs": "keydiff,streamingllm", "budget_ratios": "0.25", "budgets": "", "tasks": "niah_single",
-                  "length": "1000", "depths": 2, "seeds": "1"},
-        "full": {"configs": "keydiff,snapkv,streamingllm", "budget_ratios": "0.25,0.5", "budgets": "",
-                 "tasks": ALL_TASKS, "length": "1000,2000", "depths": 2, "seeds": "1"},
+        "smoke": {
+            "configs": "keydiff,streamingllm",
+            "budget_ratios": "0.25",
+            "budgets": "",
+            "tasks": "niah_single",
+            "length": "1000",
+            "depths": 2,
+            "seeds": "1",
+        },
+        "full": {
+            "configs": "keydiff,snapkv,streamingllm",
+            "budget_ratios": "0.25,0.5",
+            "budgets": "",
+            "tasks": ALL_TASKS,
+            "length": "1000,2000",
+            "depths": 2,
+            "seeds": "1",
+        },
         # every policy with and without recall on varied-haystack needles (docs/policies.md, "Recall")
-        "recall": {"configs": RECALL_CONFIGS, "budget_ratios": "0.1,0.25,0.5", "budgets": "",
-                   "tasks": "niah_single_varied,niah_multikey", "length": "3200", "depths": 3, "seeds": "1"},
+        "recall": {
+            "configs": RECALL_CONFIGS,
+            "budget_ratios": "0.1,0.25,0.5",
+            "budgets": "",
+            "tasks": "niah_single_varied,niah_multikey",
+            "length": "3200",
+            "depths": 3,
+            "seeds": "1",
+        },
         # every policy on the two needle tasks: the table of docs/policies.md
-        "policies": {"configs": ALL_POLICIES, "budget_ratios": "0.1,0.25", "budgets": "",
-                     "tasks": "niah_single,niah_multikey", "length": "2000", "depths": 4, "seeds": "1"},
+        "policies": {
+            "configs": ALL_POLICIES,
+            "budget_ratios": "0.1,0.25",
+            "budgets": "",
+            "tasks": "niah_single,niah_multikey",
+            "length": "2000",
+            "depths": 4,
+            "seeds": "1",
+        },
     },
     "throughput": {
-        "smoke": {"num_requests": 4, "prompt_len": 512, "output_len": 32, "kv_prompts": 1, "budget_ratios": "0.25",
-                  "policy": "keydiff", "max_num_batched_tokens": 256},
+        "smoke": {
+            "num_requests": 4,
+            "prompt_len": 512,
+            "output_len": 32,
+            "kv_prompts": 1,
+            "budget_ratios": "0.25",
+            "policy": "keydiff",
+            "max_num_batched_tokens": 256,
+        },
         # decode-heavy and KV-limited: stock vLLM has room for one whole sequence
-        "full": {"num_requests": 8, "prompt_len": 512, "output_len": 1024, "kv_prompts": 1,
-                 "budget_ratios": "0.25,0.5", "policy": "keydiff", "max_num_batched_tokens": 256},
+        "full": {
+            "num_requests": 8,
+            "prompt_len": 512,
+            "output_len": 1024,
+            "kv_prompts": 1,
+            "budget_ratios": "0.25,0.5",
+            "policy": "keydiff",
+            "max_num_batched_tokens": 256,
+        },
         # prefill-heavy: long prompts, short answers, room for four sequences
-        "prefill": {"num_requests": 16, "prompt_len": 2000, "output_len": 128, "kv_prompts": 4,
-                    "budget_ratios": "0.25", "policy": "keydiff", "max_num_batched_tokens": 512},
+        "prefill": {
+            "num_requests": 16,
+            "prompt_len": 2000,
+            "output_len": 128,
+            "kv_prompts": 4,
+            "budget_ratios": "0.25",
+            "policy": "keydiff",
+            "max_num_batched_tokens": 512,
+        },
         # the same with and without the recall tier
-        "recall": {"num_requests": 16, "prompt_len": 2000, "output_len": 128, "kv_prompts": 4,
-                   "budget_ratios": "0.25", "policy": "keydiff", "max_num_batched_tokens": 512, "recall": True},
+        "recall": {
+            "num_requests": 16,
+            "prompt_len": 2000,
+            "output_len": 128,
+            "kv_prompts": 4,
+            "budget_ratios": "0.25",
+            "policy": "keydiff",
+            "max_num_batched_tokens": 512,
+            "recall": True,
+        },
     },
     "overhead": {
-        "smoke": {"policies": "keydiff,snapkv,keydiff:recall=true", "prompt_len": 1024, "output_len": 8, "budget": 256,
-                  "chunk": 256},
-        "full": {"policies": "keydiff,streamingllm,snapkv,tova,h2o,knorm,random,criticalkv,kvmerger,lshe,caote,"
-                             "fastcaote", "prompt_len": 2048, "output_len": 64, "budget": 512, "chunk": 256},
-        "recall": {"policies": "keydiff,keydiff:recall=true,tova,tova:recall=true,snapkv,snapkv:recall=true",
-                   "prompt_len": 2048, "output_len": 64, "budget": 512, "chunk": 256},
+        "smoke": {
+            "policies": "keydiff,snapkv,keydiff:recall=true",
+            "prompt_len": 1024,
+            "output_len": 8,
+            "budget": 256,
+            "chunk": 256,
+        },
+        "full": {
+            "policies": "keydiff,streamingllm,snapkv,tova,h2o,knorm,random,criticalkv,kvmerger,lshe,caote,fastcaote",
+            "prompt_len": 2048,
+            "output_len": 64,
+            "budget": 512,
+            "chunk": 256,
+        },
+        "recall": {
+            "policies": "keydiff,keydiff:recall=true,tova,tova:recall=true,snapkv,snapkv:recall=true",
+            "prompt_len": 2048,
+            "output_len": 64,
+            "budget": 512,
+            "chunk": 256,
+        },
     },
     "prefix": {
-        "smoke": {"policy": "keydiff", "budget": 256, "chunk": 1024, "kv_blocks": 160, "max_model_len": 2048,
-                  "prefix_len": 800, "suffix_len": 32, "num_prompts": 4, "shared_output_len": 8, "concurrency": 2,
-                  "conversations": 2, "turns": 3, "user_len": 160, "turn_output_len": 16},
+        "smoke": {
+            "policy": "keydiff",
+            "budget": 256,
+            "chunk": 1024,
+            "kv_blocks": 160,
+            "max_model_len": 2048,
+            "prefix_len": 800,
+            "suffix_len": 32,
+            "num_prompts": 4,
+            "shared_output_len": 8,
+            "concurrency": 2,
+            "conversations": 2,
+            "turns": 3,
+            "user_len": 160,
+            "turn_output_len": 16,
+        },
         # a 3000-token document or system prompt; chats whose history grows to several budgets
-        "full": {"policy": "keydiff", "budget": 512, "chunk": 2048, "kv_blocks": 480, "max_model_len": 8192,
-                 "prefix_len": 3000, "suffix_len": 100, "num_prompts": 24, "shared_output_len": 32,
-                 "concurrency": 4, "conversations": 4, "turns": 6, "user_len": 400, "turn_output_len": 48},
+        "full": {
+            "policy": "keydiff",
+            "budget": 512,
+            "chunk": 2048,
+            "kv_blocks": 480,
+            "max_model_len": 8192,
+            "prefix_len": 3000,
+            "suffix_len": 100,
+            "num_prompts": 24,
+            "shared_output_len": 32,
+            "concurrency": 4,
+            "conversations": 4,
+            "turns": 6,
+            "user_len": 400,
+            "turn_output_len": 48,
+        },
     },
     "memory": {
         "smoke": {"prompt_len": 1024, "output_len": 64, "budget": 256, "policy": "keydiff", "chunk": 256},
@@ -118,15 +230,28 @@ def cmd_quality(args) -> int:
 
     _fill(args, "quality")
     configs = [c.replace(";", ",") for c in args.configs.split(",")]
-    ns = argparse.Namespace(base_url=args.base_url, model=args.served_model_name, tokenizer=args.tokenizer,
-                            model_path=args.model, server_args=args.server_args)
+    ns = argparse.Namespace(
+        base_url=args.base_url,
+        model=args.served_model_name,
+        tokenizer=args.tokenizer,
+        model_path=args.model,
+        server_args=args.server_args,
+    )
     if not args.base_url and not args.model:
         ns.model_path = _model_path(args)
     with quality.serve_or_connect(ns) as (base_url, model, tok):
         report = quality.run_quality(
-            base_url, model, AutoTokenizer.from_pretrained(tok), configs, _floats(args.budget_ratios),
-            [int(x) for x in str(args.length).split(",")], args.depths, [int(s) for s in str(args.seeds).split(",")],
-            args.tasks.split(","), concurrency=args.concurrency, progress=True,
+            base_url,
+            model,
+            AutoTokenizer.from_pretrained(tok),
+            configs,
+            _floats(args.budget_ratios),
+            [int(x) for x in str(args.length).split(",")],
+            args.depths,
+            [int(s) for s in str(args.seeds).split(",")],
+            args.tasks.split(","),
+            concurrency=args.concurrency,
+            progress=True,
             budgets=[int(b) for b in str(args.budgets).split(",") if b],
         )
     return _finish(args, "quality", quality, report)
@@ -137,8 +262,16 @@ def cmd_throughput(args) -> int:
 
     _fill(args, "throughput")
     report = throughput.run_throughput(
-        _model_path(args), args.num_requests, args.prompt_len, args.output_len, args.kv_prompts,
-        _floats(args.budget_ratios), args.policy, args.max_num_batched_tokens, args.out, progress=True,
+        _model_path(args),
+        args.num_requests,
+        args.prompt_len,
+        args.output_len,
+        args.kv_prompts,
+        _floats(args.budget_ratios),
+        args.policy,
+        args.max_num_batched_tokens,
+        args.out,
+        progress=True,
         recall=bool(args.recall),
     )
     return _finish(args, "throughput", throughput, report)
@@ -149,7 +282,13 @@ def cmd_memory(args) -> int:
 
     _fill(args, "memory")
     report = memory.run_memory(
-        _model_path(args), args.prompt_len, args.output_len, args.budget, args.policy, args.chunk, args.out,
+        _model_path(args),
+        args.prompt_len,
+        args.output_len,
+        args.budget,
+        args.policy,
+        args.chunk,
+        args.out,
         progress=True,
     )
     return _finish(args, "memory", memory, report)
@@ -161,8 +300,14 @@ def cmd_overhead(args) -> int:
     _fill(args, "overhead")
     Path(args.out).mkdir(parents=True, exist_ok=True)
     report = overhead.run_overhead(
-        _model_path(args), args.policies.split(","), args.prompt_len, args.output_len, args.budget, args.chunk,
-        args.out, progress=True,
+        _model_path(args),
+        args.policies.split(","),
+        args.prompt_len,
+        args.output_len,
+        args.budget,
+        args.chunk,
+        args.out,
+        progress=True,
     )
     return _finish(args, "overhead", overhead, report)
 
@@ -172,16 +317,31 @@ def cmd_prefix(args) -> int:
 
     _fill(args, "prefix")
     report = prefix.run_prefix(
-        _model_path(args), args.policy, args.budget, args.chunk, args.kv_blocks, args.max_model_len,
-        args.prefix_len, args.suffix_len, args.num_prompts, args.shared_output_len, args.concurrency,
-        args.conversations, args.turns, args.user_len, args.turn_output_len, args.out, progress=True,
+        _model_path(args),
+        args.policy,
+        args.budget,
+        args.chunk,
+        args.kv_blocks,
+        args.max_model_len,
+        args.prefix_len,
+        args.suffix_len,
+        args.num_prompts,
+        args.shared_output_len,
+        args.concurrency,
+        args.conversations,
+        args.turns,
+        args.user_len,
+        args.turn_output_len,
+        args.out,
+        progress=True,
     )
     return _finish(args, "prefix", prefix, report)
 
 
 def build_parser() -> argparse.ArgumentParser:
-    ap = argparse.ArgumentParser(prog="kvevict-bench", description=__doc__.split("\n\n")[0],
-                                 formatter_class=argparse.RawDescriptionHelpFormatter)
+    ap = argparse.ArgumentParser(
+        prog="kvevict-bench", description=__doc__.split("\n\n")[0], formatter_class=argparse.RawDescriptionHelpFormatter
+    )
     sub = ap.add_subparsers(dest="command", required=True)
 
     def common(p, command):
@@ -207,8 +367,15 @@ def build_parser() -> argparse.ArgumentParser:
 
     t = sub.add_parser("throughput", help="stock vLLM vs kvevict at equal KV memory")
     common(t, "throughput")
-    for name, typ in (("num-requests", int), ("prompt-len", int), ("output-len", int), ("kv-prompts", int),
-                      ("budget-ratios", str), ("policy", str), ("max-num-batched-tokens", int)):
+    for name, typ in (
+        ("num-requests", int),
+        ("prompt-len", int),
+        ("output-len", int),
+        ("kv-prompts", int),
+        ("budget-ratios", str),
+        ("policy", str),
+        ("max-num-batched-tokens", int),
+    ):
         t.add_argument(f"--{name}", type=typ, default=None)
     t.add_argument("--recall", action="store_true", default=None, help="also each budget with the recall tier on")
     t.set_defaults(func=cmd_throughput)
@@ -227,10 +394,22 @@ def build_parser() -> argparse.ArgumentParser:
 
     x = sub.add_parser("prefix", help="prefix caching with eviction: shared prefixes and multi-turn chat vs stock")
     common(x, "prefix")
-    for name, typ in (("policy", str), ("budget", int), ("chunk", int), ("kv-blocks", int), ("max-model-len", int),
-                      ("prefix-len", int), ("suffix-len", int), ("num-prompts", int), ("shared-output-len", int),
-                      ("concurrency", int), ("conversations", int), ("turns", int), ("user-len", int),
-                      ("turn-output-len", int)):
+    for name, typ in (
+        ("policy", str),
+        ("budget", int),
+        ("chunk", int),
+        ("kv-blocks", int),
+        ("max-model-len", int),
+        ("prefix-len", int),
+        ("suffix-len", int),
+        ("num-prompts", int),
+        ("shared-output-len", int),
+        ("concurrency", int),
+        ("conversations", int),
+        ("turns", int),
+        ("user-len", int),
+        ("turn-output-len", int),
+    ):
         x.add_argument(f"--{name}", type=typ, default=None)
     x.set_defaults(func=cmd_prefix)
     return ap

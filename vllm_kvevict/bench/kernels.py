@@ -80,14 +80,17 @@ def snapkv_scores(K, pos, cu, Qw, G: int) -> torch.Tensor:
     last = pos[cu[1:] - 1, 0]  # each request's newest position
     q_pos = (last[:, None] - w + 1 + torch.arange(w, device=K.device)).reshape(-1)
     cu_q = torch.arange(R + 1, device=K.device) * w
-    cs = ops.column_sums(Qw.transpose(1, 2).reshape(R * w, Hq, D), K, q_pos, pos, cu_q, cu, G, D ** -0.5)
+    cs = ops.column_sums(Qw.transpose(1, 2).reshape(R * w, Hq, D), K, q_pos, pos, cu_q, cu, G, D**-0.5)
     return cs.reshape(K.shape[0], -1, G).mean(dim=-1)
 
 
 def eviction_step(k, v, table, rows, starts, ends, budget: int, score: str = "keydiff", Qw=None, G: int = 1):
     K, V, cu = ops.gather_paged(k, v, table, rows, starts, ends)
-    pos = (torch.arange(K.shape[0], device=K.device)[:, None] - cu[:-1].repeat_interleave(cu[1:] - cu[:-1])[:, None]
-           ).expand(-1, K.shape[1]).contiguous()
+    pos = (
+        (torch.arange(K.shape[0], device=K.device)[:, None] - cu[:-1].repeat_interleave(cu[1:] - cu[:-1])[:, None])
+        .expand(-1, K.shape[1])
+        .contiguous()
+    )
     scores = ops.keydiff_scores(K, cu) if score == "keydiff" else snapkv_scores(K, pos, cu, Qw, G)
     keep = torch.full((rows.numel(),), budget, device=K.device)
     idx, cu_keep = ops.select_topk(scores, pos, cu, keep)
@@ -97,8 +100,20 @@ def eviction_step(k, v, table, rows, starts, ends, budget: int, score: str = "ke
     return int(cu_keep[-1])
 
 
-def run(device: str, requests: list[int], contexts: list[int], chunk: int, budget_ratio: float, Hq: int, H: int,
-        D: int, bs: int, dtype: torch.dtype, reps: int, score: str = "keydiff") -> dict:
+def run(
+    device: str,
+    requests: list[int],
+    contexts: list[int],
+    chunk: int,
+    budget_ratio: float,
+    Hq: int,
+    H: int,
+    D: int,
+    bs: int,
+    dtype: torch.dtype,
+    reps: int,
+    score: str = "keydiff",
+) -> dict:
     dev = torch.device(device)
     bw = copy_bandwidth(dev, 1 << 30 if dev.type == "cuda" else 1 << 26)
     rows_out = []
@@ -117,8 +132,9 @@ def run(device: str, requests: list[int], contexts: list[int], chunk: int, budge
             win = min(n, budget + chunk)
             w_ends = torch.full((R,), win, dtype=torch.int64, device=dev)
             Qw = torch.randn(R, Hq, 32, D, dtype=dtype, device=dev)
-            t_chunk = _timer(dev, lambda: eviction_step(k, v, table, rows, starts, w_ends, budget, score, Qw, Hq // H),
-                             reps)
+            t_chunk = _timer(
+                dev, lambda: eviction_step(k, v, table, rows, starts, w_ends, budget, score, Qw, Hq // H), reps
+            )
             q = torch.randn(R, Hq, chunk, D, dtype=dtype, device=dev)
             kk = torch.randn(R, H, win, D, dtype=dtype, device=dev).repeat_interleave(Hq // H, dim=1)
             vv = torch.randn_like(kk)
@@ -128,30 +144,50 @@ def run(device: str, requests: list[int], contexts: list[int], chunk: int, budge
                 return torch.nn.functional.scaled_dot_product_attention(q, kk, vv, attn_mask=mask)
 
             t_attn = _timer(dev, attn, reps)
-            rows_out.append({
-                "requests": R, "context": n, "budget": budget, "compact_s": t_all, "compact_bytes": moved,
-                "compact_bw": moved / t_all, "compact_bw_fraction": moved / t_all / bw, "window": win,
-                "chunk": chunk, "chunk_evict_s": t_chunk, "chunk_attn_s": t_attn, "chunk_fraction": t_chunk / t_attn,
-            })
-            del cache, k, v, q, kk, vv
+            rows_out.append(
+                {
+                    "requests": R,
+                    "context": n,
+                    "budget": budget,
+                    "compact_s": t_all,
+                    "compact_bytes": moved,
+                    "compact_bw": moved / t_all,
+                    "compact_bw_fraction": moved / t_all / bw,
+                    "window": win,
+                    "chunk": chunk,
+                    "chunk_evict_s": t_chunk,
+                    "chunk_attn_s": t_attn,
+                    "chunk_fraction": t_chunk / t_attn,
+                }
+            )
+            del cache
+            k = v = q = kk = vv = None  # free the device memory before the next size
             print(format_row(rows_out[-1]), file=sys.stderr)
-    return {"device": torch.cuda.get_device_name(dev) if dev.type == "cuda" else "cpu", "copy_bw": bw,
-            "shapes": {"q_heads": Hq, "kv_heads": H, "head_dim": D, "block_size": bs, "dtype": str(dtype)},
-            "kernels": ops.backend_for(torch.empty(0, device=dev)).__name__.rsplit(".", 1)[-1], "score": score,
-            "rows": rows_out}
+    return {
+        "device": torch.cuda.get_device_name(dev) if dev.type == "cuda" else "cpu",
+        "copy_bw": bw,
+        "shapes": {"q_heads": Hq, "kv_heads": H, "head_dim": D, "block_size": bs, "dtype": str(dtype)},
+        "kernels": ops.backend_for(torch.empty(0, device=dev)).__name__.rsplit(".", 1)[-1],
+        "score": score,
+        "rows": rows_out,
+    }
 
 
 def format_row(r: dict) -> str:
-    return (f"{r['requests']:>5}{r['context']:>8}{r['budget']:>8}{r['compact_s'] * 1e3:>11.3f}"
-            f"{r['compact_bw'] / 1e9:>10.1f}{r['compact_bw_fraction']:>8.2f}{r['chunk_evict_s'] * 1e3:>12.3f}"
-            f"{r['chunk_attn_s'] * 1e3:>10.3f}{r['chunk_fraction']:>8.3f}")
+    return (
+        f"{r['requests']:>5}{r['context']:>8}{r['budget']:>8}{r['compact_s'] * 1e3:>11.3f}"
+        f"{r['compact_bw'] / 1e9:>10.1f}{r['compact_bw_fraction']:>8.2f}{r['chunk_evict_s'] * 1e3:>12.3f}"
+        f"{r['chunk_attn_s'] * 1e3:>10.3f}{r['chunk_fraction']:>8.3f}"
+    )
 
 
 def format_table(report: dict) -> str:
-    lines = [f"{report['device']} ({report['kernels']} kernels, {report.get('score', 'keydiff')} scores), copy bandwidth {report['copy_bw'] / 1e9:.0f} GB/s; "
-             f"per layer, {report['shapes']}",
-             f"{'reqs':>5}{'context':>8}{'budget':>8}{'compact ms':>11}{'GB/s':>10}{'x copy':>8}{'chunk ev ms':>12}"
-             f"{'attn ms':>10}{'ev/attn':>8}"]
+    lines = [
+        f"{report['device']} ({report['kernels']} kernels, {report.get('score', 'keydiff')} scores), copy bandwidth {report['copy_bw'] / 1e9:.0f} GB/s; "
+        f"per layer, {report['shapes']}",
+        f"{'reqs':>5}{'context':>8}{'budget':>8}{'compact ms':>11}{'GB/s':>10}{'x copy':>8}{'chunk ev ms':>12}"
+        f"{'attn ms':>10}{'ev/attn':>8}",
+    ]
     lines += [format_row(r) for r in report["rows"]]
     return "\n".join(lines)
 
@@ -197,8 +233,20 @@ def main(argv: list[str] | None = None) -> int:
     ap.add_argument("--score", choices=["keydiff", "snapkv"], default="keydiff")
     ap.add_argument("--out", default="bench-results")
     a = ap.parse_args(argv)
-    report = run(a.device, [int(x) for x in a.requests.split(",")], [int(x) for x in a.contexts.split(",")], a.chunk,
-                 a.budget_ratio, a.q_heads, a.kv_heads, a.head_dim, a.block_size, getattr(torch, a.dtype), a.reps, a.score)
+    report = run(
+        a.device,
+        [int(x) for x in a.requests.split(",")],
+        [int(x) for x in a.contexts.split(",")],
+        a.chunk,
+        a.budget_ratio,
+        a.q_heads,
+        a.kv_heads,
+        a.head_dim,
+        a.block_size,
+        getattr(torch, a.dtype),
+        a.reps,
+        a.score,
+    )
     print(format_table(report))
     out = Path(a.out)
     out.mkdir(parents=True, exist_ok=True)

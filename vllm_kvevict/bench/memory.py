@@ -22,8 +22,15 @@ RELEASED = r"kvevict: request \S+ released: \d+ blocks freed by eviction, peak (
 
 
 def run_memory(
-    model: str, prompt_len: int, output_len: int, budget: int, policy: str = "keydiff", chunk: int = 256,
-    log_dir: str = ".", period_s: float = 0.05, progress: bool = False,
+    model: str,
+    prompt_len: int,
+    output_len: int,
+    budget: int,
+    policy: str = "keydiff",
+    chunk: int = 256,
+    log_dir: str = ".",
+    period_s: float = 0.05,
+    progress: bool = False,
 ) -> dict:
     from openai import OpenAI
 
@@ -53,17 +60,29 @@ def run_memory(
             bar.update(1)
     if bar is not None:
         bar.close()
-    return {"model": model, "prompt_len": prompt_len, "output_len": output_len, "budget": budget, "policy": policy,
-            "chunk": chunk, "block_size": BLOCK, "kv_blocks": kv_blocks, "window_bound_blocks": bound,
-            "sequence_blocks": -(-(prompt_len + output_len) // BLOCK), "series": series}
+    return {
+        "model": model,
+        "prompt_len": prompt_len,
+        "output_len": output_len,
+        "budget": budget,
+        "policy": policy,
+        "chunk": chunk,
+        "block_size": BLOCK,
+        "kv_blocks": kv_blocks,
+        "window_bound_blocks": bound,
+        "sequence_blocks": -(-(prompt_len + output_len) // BLOCK),
+        "series": series,
+    }
 
 
 def format_table(report: dict) -> str:
-    lines = [f"one request: {report['prompt_len']} prompt + {report['output_len']} output tokens, chunk "
-             f"{report['chunk']}, block {report['block_size']}; kvevict {report['policy']} budget {report['budget']} "
-             f"(window bound {report['window_bound_blocks']} blocks; the whole sequence is "
-             f"{report['sequence_blocks']} blocks)",
-             f"{'server':<10}{'peak blocks':>13}{'engine peak':>13}{'latency s':>11}{'samples':>9}"]
+    lines = [
+        f"one request: {report['prompt_len']} prompt + {report['output_len']} output tokens, chunk "
+        f"{report['chunk']}, block {report['block_size']}; kvevict {report['policy']} budget {report['budget']} "
+        f"(window bound {report['window_bound_blocks']} blocks; the whole sequence is "
+        f"{report['sequence_blocks']} blocks)",
+        f"{'server':<10}{'peak blocks':>13}{'engine peak':>13}{'latency s':>11}{'samples':>9}",
+    ]
     for name, s in report["series"].items():
         engine = str(s.get("engine_peak_blocks", "-"))
         lines.append(f"{name:<10}{s['peak_blocks']:>13.1f}{engine:>13}{s['latency_s']:>11.1f}{len(s['points']):>9}")

@@ -32,7 +32,7 @@ def _read_new(profile_dir: str, seen: dict[str, int]) -> list[dict]:
     for path in sorted(glob.glob(os.path.join(profile_dir, "steps-*.jsonl"))):
         with open(path) as f:
             lines = f.readlines()
-        out += [json.loads(x) for x in lines[seen.get(path, 0):]]
+        out += [json.loads(x) for x in lines[seen.get(path, 0) :]]
         seen[path] = len(lines)
     return out
 
@@ -44,24 +44,50 @@ def _stats(steps: list[dict]) -> dict:
     ev = [s.get("evict_s", 0.0) for s in steps]
     at = [s.get("attn_s", 0.0) for s in steps]
     rc = [s.get("recall_s", 0.0) for s in steps]
-    return {"steps": len(steps), "step_ms": 1e3 * statistics.median(wall), "evict_ms": 1e3 * statistics.median(ev),
-            "attn_ms": 1e3 * statistics.median(at), "evict_fraction": sum(ev) / sum(wall),
-            "compacting_steps": sum(1 for s in steps if s.get("compact_rows")),
-            "total_ms": 1e3 * sum(wall), "recall_ms": 1e3 * sum(rc), "recall_fraction": sum(rc) / sum(wall),
-            "tier_peak_bytes": max(s.get("tier_bytes", 0) for s in steps)}
+    return {
+        "steps": len(steps),
+        "step_ms": 1e3 * statistics.median(wall),
+        "evict_ms": 1e3 * statistics.median(ev),
+        "attn_ms": 1e3 * statistics.median(at),
+        "evict_fraction": sum(ev) / sum(wall),
+        "compacting_steps": sum(1 for s in steps if s.get("compact_rows")),
+        "total_ms": 1e3 * sum(wall),
+        "recall_ms": 1e3 * sum(rc),
+        "recall_fraction": sum(rc) / sum(wall),
+        "tier_peak_bytes": max(s.get("tier_bytes", 0) for s in steps),
+    }
 
 
-def run_overhead(model: str, policies: list[str], prompt_len: int, output_len: int, budget: int, chunk: int,
-                 log_dir: str = ".", progress: bool = False) -> dict:
+def run_overhead(
+    model: str,
+    policies: list[str],
+    prompt_len: int,
+    output_len: int,
+    budget: int,
+    chunk: int,
+    log_dir: str = ".",
+    progress: bool = False,
+) -> dict:
     from openai import OpenAI
 
     from vllm_kvevict.testing.server import VLLMServer
 
     profile_dir = tempfile.mkdtemp(prefix="kvevict-profile-")
     cfg = {"kvevict": {"policy": "keydiff", "budget": budget}}  # every request names its own policy
-    args = ["--attention-backend", "kvevict", *CPU_ARGS, "--max-num-batched-tokens", str(chunk),
-            "--max-model-len", str(prompt_len + output_len + 64), "--max-num-seqs", "4",
-            "--no-enable-prefix-caching", "--additional-config", json.dumps(cfg)]
+    args = [
+        "--attention-backend",
+        "kvevict",
+        *CPU_ARGS,
+        "--max-num-batched-tokens",
+        str(chunk),
+        "--max-model-len",
+        str(prompt_len + output_len + 64),
+        "--max-num-seqs",
+        "4",
+        "--no-enable-prefix-caching",
+        "--additional-config",
+        json.dumps(cfg),
+    ]
     prompt = random_prompts(1, prompt_len, seed=1)[0]
     names = [REFERENCE, *policies]
     bar = None
@@ -81,28 +107,43 @@ def run_overhead(model: str, policies: list[str], prompt_len: int, output_len: i
                 xargs = {"kvevict_enabled": False}
             else:  # a policy, or a spec with request keys or parameters (keydiff:recall=true)
                 xargs = spec_xargs(name, budget)
-            client.completions.create(model=srv.served_model_name, prompt=prompt, max_tokens=output_len,
-                                      temperature=0, extra_body={"ignore_eos": True, "vllm_xargs": xargs})
+            client.completions.create(
+                model=srv.served_model_name,
+                prompt=prompt,
+                max_tokens=output_len,
+                temperature=0,
+                extra_body={"ignore_eos": True, "vllm_xargs": xargs},
+            )
             steps = _read_new(profile_dir, seen)
-            results[name] = {"prefill": _stats([s for s in steps if s["max_query"] > 1]),
-                             "decode": _stats([s for s in steps if s["max_query"] == 1])}
+            results[name] = {
+                "prefill": _stats([s for s in steps if s["max_query"] > 1]),
+                "decode": _stats([s for s in steps if s["max_query"] == 1]),
+            }
             if bar is not None:
                 bar.update(1)
     if bar is not None:
         bar.close()
-    return {"model": model, "prompt_len": prompt_len, "output_len": output_len, "budget": budget, "chunk": chunk,
-            "results": results}
+    return {
+        "model": model,
+        "prompt_len": prompt_len,
+        "output_len": output_len,
+        "budget": budget,
+        "chunk": chunk,
+        "results": results,
+    }
 
 
 def format_table(report: dict) -> str:
     recall = any(r["prefill"].get("tier_peak_bytes") for r in report["results"].values())
     w = max(14, *(len(n) + 2 for n in report["results"]))
-    lines = [f"one request at a time: {report['prompt_len']} prompt + {report['output_len']} output tokens, budget "
-             f"{report['budget']}, prefill chunks of {report['chunk']} tokens; medians per step (ms) and total "
-             f"eviction time / total step time"
-             + ("; recall: its time / the whole prefill's, the tier's peak (all layers)" if recall else ""),
-             f"{'policy':<{w}}{'chunk ms':>10}{'evict ms':>10}{'evict %':>9}{'decode ms':>10}{'evict ms':>10}"
-             f"{'evict %':>9}" + (f"{'recall %':>10}{'tier MiB':>10}" if recall else "")]
+    lines = [
+        f"one request at a time: {report['prompt_len']} prompt + {report['output_len']} output tokens, budget "
+        f"{report['budget']}, prefill chunks of {report['chunk']} tokens; medians per step (ms) and total "
+        f"eviction time / total step time"
+        + ("; recall: its time / the whole prefill's, the tier's peak (all layers)" if recall else ""),
+        f"{'policy':<{w}}{'chunk ms':>10}{'evict ms':>10}{'evict %':>9}{'decode ms':>10}{'evict ms':>10}"
+        f"{'evict %':>9}" + (f"{'recall %':>10}{'tier MiB':>10}" if recall else ""),
+    ]
     for name, r in report["results"].items():
         p, d = r["prefill"], r["decode"]
 
@@ -114,8 +155,11 @@ def format_table(report: dict) -> str:
         label = "none (off)" if name == REFERENCE else name
         row = f"{label:<{w}}{cols(p)}{cols(d)}"
         if recall:
-            row += (f"{100 * p['recall_fraction']:>9.2f}%{p['tier_peak_bytes'] / 2**20:>10.2f}"
-                    if p.get("tier_peak_bytes") else f"{'-':>10}{'-':>10}")
+            row += (
+                f"{100 * p['recall_fraction']:>9.2f}%{p['tier_peak_bytes'] / 2**20:>10.2f}"
+                if p.get("tier_peak_bytes")
+                else f"{'-':>10}{'-':>10}"
+            )
         lines.append(row)
     return "\n".join(lines)
 
@@ -134,8 +178,10 @@ def plot(report: dict, path: str) -> None:
         ax.bar([i + off for i in x], ys, width=0.4, label=f"{phase} steps")
     ax.set_xticks(list(x), names, rotation=30, ha="right")
     ax.set_ylabel("eviction time / step time (%)")
-    ax.set_title(f"eviction overhead, {report['prompt_len']}+{report['output_len']} tokens, budget "
-                 f"{report['budget']}, chunk {report['chunk']}")
+    ax.set_title(
+        f"eviction overhead, {report['prompt_len']}+{report['output_len']} tokens, budget "
+        f"{report['budget']}, chunk {report['chunk']}"
+    )
     ax.legend()
     fig.tight_layout()
     fig.savefig(path, dpi=110)

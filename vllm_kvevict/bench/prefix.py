@@ -36,39 +36,93 @@ SERVERS = ("stock", "kvevict", "kvevict-nocache")
 
 
 def _specs(policy: str, budget: int) -> list[ServerSpec]:
-    return [ServerSpec("stock"), ServerSpec("kvevict", policy, budget),
-            ServerSpec("kvevict-nocache", policy, budget, extra=("--no-enable-prefix-caching",))]
+    return [
+        ServerSpec("stock"),
+        ServerSpec("kvevict", policy, budget),
+        ServerSpec("kvevict-nocache", policy, budget, extra=("--no-enable-prefix-caching",)),
+    ]
 
 
 def _hit_rate(before: dict, after: dict) -> dict:
     hits = after.get("vllm:prefix_cache_hits_total", 0.0) - before.get("vllm:prefix_cache_hits_total", 0.0)
     queries = after.get("vllm:prefix_cache_queries_total", 0.0) - before.get("vllm:prefix_cache_queries_total", 0.0)
-    return {"prefix_hit_tokens": hits, "prefix_query_tokens": queries,
-            "prefix_hit_rate": hits / queries if queries else 0.0}
+    return {
+        "prefix_hit_tokens": hits,
+        "prefix_query_tokens": queries,
+        "prefix_hit_rate": hits / queries if queries else 0.0,
+    }
 
 
-def shared_prefix(srv, model_path: str, out_dir: Path, name: str, prefix_len: int, suffix_len: int,
-                  num_prompts: int, output_len: int, concurrency: int) -> dict:
+def shared_prefix(
+    srv,
+    model_path: str,
+    out_dir: Path,
+    name: str,
+    prefix_len: int,
+    suffix_len: int,
+    num_prompts: int,
+    output_len: int,
+    concurrency: int,
+) -> dict:
     """One run of ``vllm bench serve`` with the prefix_repetition dataset against ``srv``."""
     result = out_dir / f"prefix-shared-{name}.json"
-    cmd = [str(Path(sys.executable).with_name("vllm")), "bench", "serve", "--backend", "vllm",
-           "--base-url", srv.base_url, "--model", srv.served_model_name, "--tokenizer", model_path,
-           "--dataset-name", "prefix_repetition", "--prefix-repetition-prefix-len", str(prefix_len),
-           "--prefix-repetition-suffix-len", str(suffix_len), "--prefix-repetition-num-prefixes", "1",
-           "--prefix-repetition-output-len", str(output_len), "--num-prompts", str(num_prompts),
-           "--request-rate", "inf", "--max-concurrency", str(concurrency), "--ignore-eos", "--seed", "1",
-           "--save-result", "--result-dir", str(out_dir), "--result-filename", result.name,
-           "--disable-tqdm"]
+    cmd = [
+        str(Path(sys.executable).with_name("vllm")),
+        "bench",
+        "serve",
+        "--backend",
+        "vllm",
+        "--base-url",
+        srv.base_url,
+        "--model",
+        srv.served_model_name,
+        "--tokenizer",
+        model_path,
+        "--dataset-name",
+        "prefix_repetition",
+        "--prefix-repetition-prefix-len",
+        str(prefix_len),
+        "--prefix-repetition-suffix-len",
+        str(suffix_len),
+        "--prefix-repetition-num-prefixes",
+        "1",
+        "--prefix-repetition-output-len",
+        str(output_len),
+        "--num-prompts",
+        str(num_prompts),
+        "--request-rate",
+        "inf",
+        "--max-concurrency",
+        str(concurrency),
+        "--ignore-eos",
+        "--seed",
+        "1",
+        "--save-result",
+        "--result-dir",
+        str(out_dir),
+        "--result-filename",
+        result.name,
+        "--disable-tqdm",
+    ]
     before = metrics(srv.base_url)
     with Sampler(srv.base_url) as sampler:
         proc = subprocess.run(cmd, capture_output=True, text=True, timeout=7200)
     if proc.returncode != 0:
-        raise RuntimeError(f"vllm bench serve failed ({proc.returncode}):\n{proc.stdout[-3000:]}\n{proc.stderr[-3000:]}")
+        raise RuntimeError(
+            f"vllm bench serve failed ({proc.returncode}):\n{proc.stdout[-3000:]}\n{proc.stderr[-3000:]}"
+        )
     r = json.loads(result.read_text())
-    return {"median_ttft_s": r["median_ttft_ms"] / 1e3, "p99_ttft_s": r["p99_ttft_ms"] / 1e3,
-            "mean_ttft_s": r["mean_ttft_ms"] / 1e3, "output_tok_per_s": r["output_throughput"],
-            "req_per_s": r["request_throughput"], "completed": r["completed"], "duration_s": r["duration"],
-            "peak_kv_usage": sampler.peak_usage, **_hit_rate(before, metrics(srv.base_url))}
+    return {
+        "median_ttft_s": r["median_ttft_ms"] / 1e3,
+        "p99_ttft_s": r["p99_ttft_ms"] / 1e3,
+        "mean_ttft_s": r["mean_ttft_ms"] / 1e3,
+        "output_tok_per_s": r["output_throughput"],
+        "req_per_s": r["request_throughput"],
+        "completed": r["completed"],
+        "duration_s": r["duration"],
+        "peak_kv_usage": sampler.peak_usage,
+        **_hit_rate(before, metrics(srv.base_url)),
+    }
 
 
 def multi_turn(srv, conversations: int, turns: int, user_len: int, output_len: int, seed: int = 0) -> dict:
@@ -87,14 +141,27 @@ def multi_turn(srv, conversations: int, turns: int, user_len: int, output_len: i
             first = None
             answer: list[int] = []
             stream = client.completions.create(
-                model=srv.served_model_name, prompt=history, max_tokens=output_len, temperature=0, stream=True,
-                extra_body={"ignore_eos": True, "return_tokens_as_token_ids": True}, logprobs=1)
+                model=srv.served_model_name,
+                prompt=history,
+                max_tokens=output_len,
+                temperature=0,
+                stream=True,
+                extra_body={"ignore_eos": True, "return_tokens_as_token_ids": True},
+                logprobs=1,
+            )
             for chunk in stream:
                 if chunk.choices and chunk.choices[0].logprobs and chunk.choices[0].logprobs.tokens:
                     first = first if first is not None else time.perf_counter()
                     answer += [int(tok.removeprefix("token_id:")) for tok in chunk.choices[0].logprobs.tokens]
-            rows.append({"turn": t, "prompt_len": len(history), "ttft_s": (first or time.perf_counter()) - t0,
-                         "latency_s": time.perf_counter() - t0, "output_tokens": len(answer)})
+            rows.append(
+                {
+                    "turn": t,
+                    "prompt_len": len(history),
+                    "ttft_s": (first or time.perf_counter()) - t0,
+                    "latency_s": time.perf_counter() - t0,
+                    "output_tokens": len(answer),
+                }
+            )
             history += answer
         return rows
 
@@ -104,18 +171,42 @@ def multi_turn(srv, conversations: int, turns: int, user_len: int, output_len: i
         with ThreadPoolExecutor(conversations) as pool:
             convs = list(pool.map(conversation, range(conversations)))
         wall = time.monotonic() - t0
-    per_turn = [{"turn": t, "prompt_len": statistics.median(c[t]["prompt_len"] for c in convs),
-                 "median_ttft_s": statistics.median(c[t]["ttft_s"] for c in convs)} for t in range(turns)]
+    per_turn = [
+        {
+            "turn": t,
+            "prompt_len": statistics.median(c[t]["prompt_len"] for c in convs),
+            "median_ttft_s": statistics.median(c[t]["ttft_s"] for c in convs),
+        }
+        for t in range(turns)
+    ]
     out_tokens = sum(r["output_tokens"] for c in convs for r in c)
-    return {"wall_s": wall, "output_tok_per_s": out_tokens / wall, "output_tokens": out_tokens,
-            "per_turn": per_turn, "peak_kv_usage": sampler.peak_usage,
-            **_hit_rate(before, metrics(srv.base_url))}
+    return {
+        "wall_s": wall,
+        "output_tok_per_s": out_tokens / wall,
+        "output_tokens": out_tokens,
+        "per_turn": per_turn,
+        "peak_kv_usage": sampler.peak_usage,
+        **_hit_rate(before, metrics(srv.base_url)),
+    }
 
 
 def run_prefix(
-    model: str, policy: str, budget: int, chunk: int, kv_blocks: int, max_model_len: int,
-    prefix_len: int, suffix_len: int, num_prompts: int, shared_output_len: int, concurrency: int,
-    conversations: int, turns: int, user_len: int, turn_output_len: int, log_dir: str = ".",
+    model: str,
+    policy: str,
+    budget: int,
+    chunk: int,
+    kv_blocks: int,
+    max_model_len: int,
+    prefix_len: int,
+    suffix_len: int,
+    num_prompts: int,
+    shared_output_len: int,
+    concurrency: int,
+    conversations: int,
+    turns: int,
+    user_len: int,
+    turn_output_len: int,
+    log_dir: str = ".",
     progress: bool = False,
 ) -> dict:
     out_dir = Path(log_dir)
@@ -130,8 +221,11 @@ def run_prefix(
         bar = tqdm(total=2 * len(specs), desc="prefix", unit="run")
     for spec in specs:
         with serve(model, spec, common, log_dir) as srv:
-            res = {"shared_prefix": shared_prefix(srv, model, out_dir, spec.name, prefix_len, suffix_len, num_prompts,
-                                                  shared_output_len, concurrency)}
+            res = {
+                "shared_prefix": shared_prefix(
+                    srv, model, out_dir, spec.name, prefix_len, suffix_len, num_prompts, shared_output_len, concurrency
+                )
+            }
             if bar is not None:
                 bar.update(1)
             res["multi_turn"] = multi_turn(srv, conversations, turns, user_len, turn_output_len)
@@ -150,11 +244,25 @@ def run_prefix(
             / stock["shared_prefix"]["output_tok_per_s"],
             "chat_output_tok_per_s": r["multi_turn"]["output_tok_per_s"] / stock["multi_turn"]["output_tok_per_s"],
         }
-    return {"model": model, "policy": policy, "budget": budget, "chunk": chunk, "kv_blocks": kv_blocks,
-            "block_size": BLOCK, "prefix_len": prefix_len, "suffix_len": suffix_len, "num_prompts": num_prompts,
-            "shared_output_len": shared_output_len, "concurrency": concurrency, "conversations": conversations,
-            "turns": turns, "user_len": user_len, "turn_output_len": turn_output_len, "results": results,
-            "kvevict_over_stock": ratios}
+    return {
+        "model": model,
+        "policy": policy,
+        "budget": budget,
+        "chunk": chunk,
+        "kv_blocks": kv_blocks,
+        "block_size": BLOCK,
+        "prefix_len": prefix_len,
+        "suffix_len": suffix_len,
+        "num_prompts": num_prompts,
+        "shared_output_len": shared_output_len,
+        "concurrency": concurrency,
+        "conversations": conversations,
+        "turns": turns,
+        "user_len": user_len,
+        "turn_output_len": turn_output_len,
+        "results": results,
+        "kvevict_over_stock": ratios,
+    }
 
 
 def format_table(report: dict) -> str:
@@ -170,22 +278,28 @@ def format_table(report: dict) -> str:
     for name in SERVERS:
         s = r[name]["shared_prefix"]
         ratio = report["kvevict_over_stock"].get(name, {}).get("shared_output_tok_per_s")
-        lines.append(f"{name:<18}{s['median_ttft_s']:>11.2f}{s['p99_ttft_s']:>11.2f}{s['output_tok_per_s']:>11.2f}"
-                     f"{s['prefix_hit_rate']:>10.0%}{s['peak_kv_usage']:>9.0%}{(f'{ratio:.2f}' if ratio else '-'):>9}")
+        lines.append(
+            f"{name:<18}{s['median_ttft_s']:>11.2f}{s['p99_ttft_s']:>11.2f}{s['output_tok_per_s']:>11.2f}"
+            f"{s['prefix_hit_rate']:>10.0%}{s['peak_kv_usage']:>9.0%}{(f'{ratio:.2f}' if ratio else '-'):>9}"
+        )
     turns = report["turns"]
     lines += [
         f"multi-turn chat: {report['conversations']} conversations x {turns} turns, +{report['user_len']} user and "
         f"{report['turn_output_len']} answer tokens per turn (last prompt "
         f"{int(r['stock']['multi_turn']['per_turn'][-1]['prompt_len'])} tokens)",
-        f"{'server':<18}" + "".join(f"{'turn ' + str(t) + ' s':>10}" for t in range(turns))
+        f"{'server':<18}"
+        + "".join(f"{'turn ' + str(t) + ' s':>10}" for t in range(turns))
         + f"{'out tok/s':>11}{'hit rate':>10}{'peak KV':>9}{'x stock':>9}",
     ]
     for name in SERVERS:
         m = r[name]["multi_turn"]
         ratio = report["kvevict_over_stock"].get(name, {}).get("chat_output_tok_per_s")
-        lines.append(f"{name:<18}" + "".join(f"{t['median_ttft_s']:>10.2f}" for t in m["per_turn"])
-                     + f"{m['output_tok_per_s']:>11.2f}{m['prefix_hit_rate']:>10.0%}{m['peak_kv_usage']:>9.0%}"
-                     + f"{(f'{ratio:.2f}' if ratio else '-'):>9}")
+        lines.append(
+            f"{name:<18}"
+            + "".join(f"{t['median_ttft_s']:>10.2f}" for t in m["per_turn"])
+            + f"{m['output_tok_per_s']:>11.2f}{m['prefix_hit_rate']:>10.0%}{m['peak_kv_usage']:>9.0%}"
+            + f"{(f'{ratio:.2f}' if ratio else '-'):>9}"
+        )
     lines.append("TTFT per turn: median over the conversations; hit rate: vLLM's prefix-cache hits / queries")
     return "\n".join(lines)
 
@@ -203,14 +317,18 @@ def plot(report: dict, path: str) -> None:
     hit = [r[n]["shared_prefix"]["prefix_hit_rate"] for n in names]
     bars = a.bar(names, ttft, color=["gray", "tab:blue", "tab:orange"])
     for bar_, h in zip(bars, hit):
-        a.annotate(f"hits {h:.0%}", (bar_.get_x() + bar_.get_width() / 2, bar_.get_height()), ha="center",
-                   va="bottom", fontsize=8)
+        a.annotate(
+            f"hits {h:.0%}",
+            (bar_.get_x() + bar_.get_width() / 2, bar_.get_height()),
+            ha="center",
+            va="bottom",
+            fontsize=8,
+        )
     a.set_ylabel("median TTFT (s)")
     a.set_title(f"shared prefix: {report['prefix_len']} + {report['suffix_len']} tokens x {report['num_prompts']}")
     for n, color in zip(names, ["gray", "tab:blue", "tab:orange"]):
         turns = r[n]["multi_turn"]["per_turn"]
-        b.plot([t["prompt_len"] for t in turns], [t["median_ttft_s"] for t in turns], marker="o", label=n,
-               color=color)
+        b.plot([t["prompt_len"] for t in turns], [t["median_ttft_s"] for t in turns], marker="o", label=n, color=color)
     b.axvline(report["budget"], color="red", linestyle=":", label="budget")
     b.set_xlabel("prompt tokens (history) at the turn")
     b.set_ylabel("median TTFT (s)")

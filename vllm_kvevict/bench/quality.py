@@ -78,9 +78,18 @@ def _budget(key: str, prompt_tokens: int) -> int:
 
 
 def run_quality(
-    base_url: str, model: str, tokenizer, configs: list[str], budget_ratios: list[float], length: int | list[int],
-    n_depths: int, seeds: list[int], tasks: list[str] = ("niah_single",), concurrency: int = 2,
-    progress: bool = False, budgets: list[int] = (),
+    base_url: str,
+    model: str,
+    tokenizer,
+    configs: list[str],
+    budget_ratios: list[float],
+    length: int | list[int],
+    n_depths: int,
+    seeds: list[int],
+    tasks: list[str] = ("niah_single",),
+    concurrency: int = 2,
+    progress: bool = False,
+    budgets: list[int] = (),
 ) -> dict:
     """Every task x length x depth x seed, with eviction off and under every config x budget (ratios of
     the prompt, ``budget_ratios``, and absolute token counts, ``budgets``)."""
@@ -89,8 +98,9 @@ def run_quality(
     lengths = [length] if isinstance(length, int) else list(length)
     keys = budget_keys(budget_ratios, budgets)
     client = OpenAI(base_url=base_url.rstrip("/") + "/v1", api_key="unused", max_retries=0, timeout=3600)
-    items = [(ln, TASKS[t](tokenizer, ln, d, s)) for t in tasks for ln in lengths for d in depths(n_depths)
-             for s in seeds]
+    items = [
+        (ln, TASKS[t](tokenizer, ln, d, s)) for t in tasks for ln in lengths for d in depths(n_depths) for s in seeds
+    ]
     jobs = []
     for ln, task in items:
         n = _prompt_tokens(tokenizer, task)
@@ -103,15 +113,29 @@ def run_quality(
         task, ln, name, key, xargs, n = job
         t0 = time.perf_counter()
         r = client.chat.completions.create(
-            model=model, messages=[{"role": "user", "content": task.prompt}], max_tokens=task.max_tokens,
-            temperature=0, extra_body={"vllm_xargs": xargs},
+            model=model,
+            messages=[{"role": "user", "content": task.prompt}],
+            max_tokens=task.max_tokens,
+            temperature=0,
+            extra_body={"vllm_xargs": xargs},
         )
         out = r.choices[0].message.content or ""
-        return {"task": task.name, "length": ln, "config": name, "budget_key": key,
-                "budget_ratio": None if key == "-" or key.endswith("tok") else float(key),
-                "budget": xargs.get("kvevict_budget"), "xargs": xargs, "prompt_tokens": n, "depth": task.depth,
-                "seed": task.seed, "answer": task.answer, "output": out, "score": task.score(out),
-                "latency_s": round(time.perf_counter() - t0, 3)}
+        return {
+            "task": task.name,
+            "length": ln,
+            "config": name,
+            "budget_key": key,
+            "budget_ratio": None if key == "-" or key.endswith("tok") else float(key),
+            "budget": xargs.get("kvevict_budget"),
+            "xargs": xargs,
+            "prompt_tokens": n,
+            "depth": task.depth,
+            "seed": task.seed,
+            "answer": task.answer,
+            "output": out,
+            "score": task.score(out),
+            "latency_s": round(time.perf_counter() - t0, 3),
+        }
 
     before = _server_counters(base_url)
     with ThreadPoolExecutor(concurrency) as pool:
@@ -123,8 +147,10 @@ def run_quality(
         rows = list(it)
     after = _server_counters(base_url)
     return summarize(rows, configs, keys, tasks, lengths, n_depths, seeds, [t for _, t in items]) | {
-        "budget_ratios": list(budget_ratios), "budgets": list(budgets),
-        "server": {k: after[k] - before[k] for k in after}}
+        "budget_ratios": list(budget_ratios),
+        "budgets": list(budgets),
+        "server": {k: after[k] - before[k] for k in after},
+    }
 
 
 def _server_counters(base_url: str) -> dict[str, float]:
@@ -134,8 +160,10 @@ def _server_counters(base_url: str) -> dict[str, float]:
     from vllm_kvevict.bench.serving import metrics
 
     m = metrics(base_url)
-    return {"prefix_cache_hit_tokens": m.get("vllm:prefix_cache_hits_total", 0.0),
-            "blocks_freed_by_eviction": m.get("kvevict:blocks_freed_total", 0.0)}
+    return {
+        "prefix_cache_hit_tokens": m.get("vllm:prefix_cache_hits_total", 0.0),
+        "blocks_freed_by_eviction": m.get("kvevict:blocks_freed_total", 0.0),
+    }
 
 
 def summarize(rows, configs, keys, tasks, lengths, n_depths, seeds, items) -> dict:
@@ -151,7 +179,9 @@ def summarize(rows, configs, keys, tasks, lengths, n_depths, seeds, items) -> di
             sel = [r for r in rows if r["config"] == name and r["budget_key"] == key]
             summary.setdefault(name, {})[key] = mean([r["score"] for r in sel])
             if key != "-":
-                kept_fraction.setdefault(name, {})[key] = mean([min(1.0, r["budget"] / r["prompt_tokens"]) for r in sel])
+                kept_fraction.setdefault(name, {})[key] = mean(
+                    [min(1.0, r["budget"] / r["prompt_tokens"]) for r in sel]
+                )
             for t in tasks:
                 per_task.setdefault(t, {}).setdefault(name, {})[key] = mean([r["score"] for r in sel if r["task"] == t])
             for ln in lengths:
@@ -159,9 +189,17 @@ def summarize(rows, configs, keys, tasks, lengths, n_depths, seeds, items) -> di
                     [r["score"] for r in sel if r["length"] == ln]
                 )
     return {
-        "tasks": list(tasks), "lengths": list(lengths), "budget_keys": list(keys), "depths": depths(n_depths),
-        "seeds": list(seeds), "summary": summary, "kept_fraction": kept_fraction, "per_task": per_task,
-        "per_length": per_length, "rows": rows, "items": [asdict(t) | {"prompt": None} for t in items],
+        "tasks": list(tasks),
+        "lengths": list(lengths),
+        "budget_keys": list(keys),
+        "depths": depths(n_depths),
+        "seeds": list(seeds),
+        "summary": summary,
+        "kept_fraction": kept_fraction,
+        "per_task": per_task,
+        "per_length": per_length,
+        "rows": rows,
+        "items": [asdict(t) | {"prompt": None} for t in items],
     }
 
 
@@ -174,8 +212,10 @@ def format_table(result: dict) -> str:
     tasks, lengths = result["tasks"], result["lengths"]
     n = len(result["depths"]) * len(result["seeds"]) * len(lengths)
     w = max(22, 5 * len(tasks) + 9)
-    lines = [f"~{', '.join(map(str, lengths))} tokens, {n} prompts per task; score (mean over tasks; per task "
-             f"in brackets: {', '.join(tasks)}); kept = budget / prompt tokens"]
+    lines = [
+        f"~{', '.join(map(str, lengths))} tokens, {n} prompts per task; score (mean over tasks; per task "
+        f"in brackets: {', '.join(tasks)}); kept = budget / prompt tokens"
+    ]
     lines.append(f"{'config':<26}" + "".join(f"{_label(k):>{w}}" for k in keys))
 
     def cell(name, key):
@@ -191,8 +231,10 @@ def format_table(result: dict) -> str:
             lines.append(f"{name:<26}" + "".join(cell(name, k) for k in keys))
     hits = result.get("server", {}).get("prefix_cache_hit_tokens", 0)
     if hits:
-        lines.append(f"WARNING: the server hit its prefix cache for {hits:.0f} prompt tokens: requests that "
-                     f"start on a hit evict nothing before it; serve with --no-enable-prefix-caching")
+        lines.append(
+            f"WARNING: the server hit its prefix cache for {hits:.0f} prompt tokens: requests that "
+            f"start on a hit evict nothing before it; serve with --no-enable-prefix-caching"
+        )
     if len(lengths) > 1:
         lines.append("by prompt length (mean over tasks): " + ", ".join(map(str, lengths)))
         for name in result["summary"]:
@@ -217,8 +259,14 @@ def plot(result: dict, path: str) -> None:
     for i, name in enumerate(names):
         pts = sorted((result["kept_fraction"][name][k], v) for k, v in result["summary"][name].items())
         jitter = (i - len(names) / 2) * 0.002  # equal scores stay distinguishable
-        ax.plot([x + jitter for x, _ in pts], [y for _, y in pts], marker="os^vD"[i % 5],
-                linestyle=styles[i % 4], color=colors[i % 20], label=name)
+        ax.plot(
+            [x + jitter for x, _ in pts],
+            [y for _, y in pts],
+            marker="os^vD"[i % 5],
+            linestyle=styles[i % 4],
+            color=colors[i % 20],
+            label=name,
+        )
     ax.set_xlabel("kept fraction of the prompt (budget / prompt tokens)")
     ax.set_ylabel("score")
     ax.set_title(f"{', '.join(result['tasks'])} (~{'/'.join(map(str, result['lengths']))} tokens)", fontsize=8)
@@ -250,8 +298,15 @@ def serve_or_connect(args):
     cfg = {"kvevict": {"policy": "keydiff", "budget": 256}}  # every request sets its own
     # Every prompt is sent once per configuration: with prefix caching on, the later sends would start
     # on the first one's cached blocks and evict nothing before the hit (docs/architecture.md).
-    srv_args = ["--attention-backend", "kvevict", *CPU_SERVE_ARGS, "--no-enable-prefix-caching", *extra,
-                "--additional-config", json.dumps(cfg)]
+    srv_args = [
+        "--attention-backend",
+        "kvevict",
+        *CPU_SERVE_ARGS,
+        "--no-enable-prefix-caching",
+        *extra,
+        "--additional-config",
+        json.dumps(cfg),
+    ]
     log = tempfile.NamedTemporaryFile(prefix="kvevict-bench-", suffix=".log", delete=False).name
     print(f"starting vLLM on {path} (log: {log})", file=sys.stderr)
     with VLLMServer(path, srv_args, log_path=log, served_model_name=args.model, startup_timeout=900) as srv:
@@ -282,10 +337,18 @@ def main(argv: list[str] | None = None) -> int:
     configs = [c.replace(";", ",") for c in args.configs.split(",")]
     with serve_or_connect(args) as (base_url, model, tokenizer_path):
         result = run_quality(
-            base_url, model, AutoTokenizer.from_pretrained(tokenizer_path), configs,
-            [float(r) for r in args.budget_ratios.split(",") if r], [int(x) for x in str(args.length).split(",")], args.depths,
-            [int(s) for s in args.seeds.split(",")], args.tasks.split(","), concurrency=args.concurrency,
-            progress=True, budgets=[int(b) for b in args.budgets.split(",") if b],
+            base_url,
+            model,
+            AutoTokenizer.from_pretrained(tokenizer_path),
+            configs,
+            [float(r) for r in args.budget_ratios.split(",") if r],
+            [int(x) for x in str(args.length).split(",")],
+            args.depths,
+            [int(s) for s in args.seeds.split(",")],
+            args.tasks.split(","),
+            concurrency=args.concurrency,
+            progress=True,
+            budgets=[int(b) for b in args.budgets.split(",") if b],
         )
     print(format_table(result))
     with open(args.out, "w") as f:

@@ -47,8 +47,17 @@ class ServerSpec:
 
 def common_args(kv_blocks: int, max_model_len: int, max_num_seqs: int, max_num_batched_tokens: int) -> list[str]:
     """Equal memory: the same number of KV blocks for every server (+1: vLLM's null block)."""
-    return [*CPU_ARGS, "--num-gpu-blocks-override", str(kv_blocks + 1), "--max-model-len", str(max_model_len),
-            "--max-num-seqs", str(max_num_seqs), "--max-num-batched-tokens", str(max_num_batched_tokens)]
+    return [
+        *CPU_ARGS,
+        "--num-gpu-blocks-override",
+        str(kv_blocks + 1),
+        "--max-model-len",
+        str(max_model_len),
+        "--max-num-seqs",
+        str(max_num_seqs),
+        "--max-num-batched-tokens",
+        str(max_num_batched_tokens),
+    ]
 
 
 @contextmanager
@@ -78,8 +87,13 @@ class Sampler:
         while not self._stop.is_set():
             try:
                 m = metrics(self.base_url)
-                self.series.append((time.monotonic() - self._t0, m.get("vllm:kv_cache_usage_perc", 0.0),
-                                    m.get("vllm:num_requests_running", 0.0)))
+                self.series.append(
+                    (
+                        time.monotonic() - self._t0,
+                        m.get("vllm:kv_cache_usage_perc", 0.0),
+                        m.get("vllm:num_requests_running", 0.0),
+                    )
+                )
             except OSError:
                 pass
             time.sleep(self.period)
@@ -107,8 +121,9 @@ def stream_completion(client, model: str, prompt: list[int], max_tokens: int) ->
     t0 = time.perf_counter()
     first = last = None
     n = 0
-    stream = client.completions.create(model=model, prompt=prompt, max_tokens=max_tokens, temperature=0,
-                                       stream=True, extra_body={"ignore_eos": True})
+    stream = client.completions.create(
+        model=model, prompt=prompt, max_tokens=max_tokens, temperature=0, stream=True, extra_body={"ignore_eos": True}
+    )
     for chunk in stream:
         if chunk.choices and chunk.choices[0].text is not None:
             now = time.perf_counter()
@@ -136,6 +151,8 @@ def summarize_latencies(rows: list[dict]) -> dict:
     out = {}
     for key in ("ttft_s", "tpot_s"):
         vals = [r[key] for r in rows]
-        out[key.replace("_s", "")] = {"median_s": statistics.median(vals) if vals else float("nan"),
-                                     "p90_s": percentile(vals, 0.9)}
+        out[key.replace("_s", "")] = {
+            "median_s": statistics.median(vals) if vals else float("nan"),
+            "p90_s": percentile(vals, 0.9),
+        }
     return out

@@ -33,11 +33,31 @@ from dataclasses import dataclass
 
 NOISE = "The grass is green. The sky is blue. The sun is yellow. Here we go. There and back again."
 KEYS = [
-    "apple", "river", "falcon", "violet", "copper", "harbor", "maple", "comet", "lantern", "meadow",
-    "pepper", "orbit", "canyon", "ember", "glacier", "willow", "saffron", "quartz", "tundra", "velvet",
+    "apple",
+    "river",
+    "falcon",
+    "violet",
+    "copper",
+    "harbor",
+    "maple",
+    "comet",
+    "lantern",
+    "meadow",
+    "pepper",
+    "orbit",
+    "canyon",
+    "ember",
+    "glacier",
+    "willow",
+    "saffron",
+    "quartz",
+    "tundra",
+    "velvet",
 ]
-HEAD = ("Some special magic numbers are hidden within the following text. Make sure to memorize "
-        "them. I will quiz you about the numbers afterwards.\n")
+HEAD = (
+    "Some special magic numbers are hidden within the following text. Make sure to memorize "
+    "them. I will quiz you about the numbers afterwards.\n"
+)
 
 
 @dataclass(frozen=True)
@@ -70,12 +90,42 @@ def _needle(key: str, value: str) -> str:
     return f"One of the special magic numbers for {key} is: {value}."
 
 
-SUBJECTS = ["The old mill", "A quiet village", "The northern road", "Every winter market", "The river barge",
-            "A tall lighthouse", "The school choir", "An early train", "The city library", "A small bakery"]
-VERBS = ["stood near", "looked over", "was rebuilt beside", "gathered people from", "was painted like",
-         "opened every day near", "was known across", "sent letters to", "grew famous in", "was quiet after"]
-OBJECTS = ["the eastern hills", "the harbor wall", "the crowded square", "the pine forest", "the stone bridge",
-           "the summer fields", "the frozen lake", "the copper mines", "the orchard gates", "the sleepy valley"]
+SUBJECTS = [
+    "The old mill",
+    "A quiet village",
+    "The northern road",
+    "Every winter market",
+    "The river barge",
+    "A tall lighthouse",
+    "The school choir",
+    "An early train",
+    "The city library",
+    "A small bakery",
+]
+VERBS = [
+    "stood near",
+    "looked over",
+    "was rebuilt beside",
+    "gathered people from",
+    "was painted like",
+    "opened every day near",
+    "was known across",
+    "sent letters to",
+    "grew famous in",
+    "was quiet after",
+]
+OBJECTS = [
+    "the eastern hills",
+    "the harbor wall",
+    "the crowded square",
+    "the pine forest",
+    "the stone bridge",
+    "the summer fields",
+    "the frozen lake",
+    "the copper mines",
+    "the orchard gates",
+    "the sleepy valley",
+]
 
 
 def _sentence(rng: random.Random) -> str:
@@ -119,8 +169,9 @@ def niah_single(tokenizer, length: int, depth: float, seed: int) -> Task:
     rng = random.Random(seed)
     key, value = rng.choice(KEYS), _magic(rng)
     question = f"\nWhat is the special magic number for {key} mentioned in the provided text?"
-    return _haystack_task("niah_single", tokenizer, length, depth, seed, rng, [_needle(key, value)], question, [value],
-                          varied=False)
+    return _haystack_task(
+        "niah_single", tokenizer, length, depth, seed, rng, [_needle(key, value)], question, [value], varied=False
+    )
 
 
 def niah_single_varied(tokenizer, length: int, depth: float, seed: int) -> Task:
@@ -130,8 +181,9 @@ def niah_single_varied(tokenizer, length: int, depth: float, seed: int) -> Task:
     rng = random.Random(seed + 70_000)
     key, value = rng.choice(KEYS), _magic(rng)
     question = f"\nWhat is the special magic number for {key} mentioned in the provided text?"
-    return _haystack_task("niah_single_varied", tokenizer, length, depth, seed, rng, [_needle(key, value)], question,
-                          [value])
+    return _haystack_task(
+        "niah_single_varied", tokenizer, length, depth, seed, rng, [_needle(key, value)], question, [value]
+    )
 
 
 def niah_multikey(tokenizer, length: int, depth: float, seed: int, n_needles: int = 4) -> Task:
@@ -140,8 +192,17 @@ def niah_multikey(tokenizer, length: int, depth: float, seed: int, n_needles: in
     keys = rng.sample(KEYS, n_needles)
     values = [_magic(rng) for _ in keys]
     question = f"\nWhat is the special magic number for {keys[0]} mentioned in the provided text?"
-    return _haystack_task("niah_multikey", tokenizer, length, depth, seed, rng,
-                          [_needle(k, v) for k, v in zip(keys, values)], question, [values[0]])
+    return _haystack_task(
+        "niah_multikey",
+        tokenizer,
+        length,
+        depth,
+        seed,
+        rng,
+        [_needle(k, v) for k, v in zip(keys, values)],
+        question,
+        [values[0]],
+    )
 
 
 def niah_multivalue(tokenizer, length: int, depth: float, seed: int, n_values: int = 4) -> Task:
@@ -149,10 +210,22 @@ def niah_multivalue(tokenizer, length: int, depth: float, seed: int, n_values: i
     rng = random.Random(seed)
     key = rng.choice(KEYS)
     values = [_magic(rng) for _ in range(n_values)]
-    question = (f"\nWhat are all the special magic numbers for {key} mentioned in the provided text? "
-                f"List all {n_values} of them.")
-    return _haystack_task("niah_multivalue", tokenizer, length, depth, seed, rng,
-                          [_needle(key, v) for v in values], question, values, max_tokens=96)
+    question = (
+        f"\nWhat are all the special magic numbers for {key} mentioned in the provided text? "
+        f"List all {n_values} of them."
+    )
+    return _haystack_task(
+        "niah_multivalue",
+        tokenizer,
+        length,
+        depth,
+        seed,
+        rng,
+        [_needle(key, v) for v in values],
+        question,
+        values,
+        max_tokens=96,
+    )
 
 
 def niah_multiquery(tokenizer, length: int, depth: float, seed: int, n_keys: int = 4) -> Task:
@@ -160,10 +233,22 @@ def niah_multiquery(tokenizer, length: int, depth: float, seed: int, n_keys: int
     rng = random.Random(seed)
     keys = rng.sample(KEYS, n_keys)
     values = [_magic(rng) for _ in keys]
-    question = (f"\nWhat are the special magic numbers for {', '.join(keys[:-1])} and {keys[-1]} mentioned in "
-                f"the provided text? Give each of them.")
-    return _haystack_task("niah_multiquery", tokenizer, length, depth, seed, rng,
-                          [_needle(k, v) for k, v in zip(keys, values)], question, values, max_tokens=96)
+    question = (
+        f"\nWhat are the special magic numbers for {', '.join(keys[:-1])} and {keys[-1]} mentioned in "
+        f"the provided text? Give each of them."
+    )
+    return _haystack_task(
+        "niah_multiquery",
+        tokenizer,
+        length,
+        depth,
+        seed,
+        rng,
+        [_needle(k, v) for k, v in zip(keys, values)],
+        question,
+        values,
+        max_tokens=96,
+    )
 
 
 def kv_retrieval(tokenizer, length: int, depth: float, seed: int) -> Task:
@@ -186,7 +271,7 @@ def kv_retrieval(tokenizer, length: int, depth: float, seed: int) -> Task:
     while n > 2 and _ntok(tokenizer, head + render(pairs)) + question_len > length:
         pairs, n = pairs[:-1], n - 1
     key, value = pairs[min(n - 1, round(depth * (n - 1)))]
-    question = f"\n\nKey: \"{key}\"\nThe value associated with the specified key is:"
+    question = f'\n\nKey: "{key}"\nThe value associated with the specified key is:'
     return Task("kv_retrieval", head + render(pairs) + question, (value,), depth, seed, 64)
 
 
@@ -206,9 +291,11 @@ def variable_tracking(tokenizer, length: int, depth: float, seed: int, hops: int
     value = str(rng.randrange(10_000, 100_000))
     chain = [f"VAR {names[0]} = {value}."] + [f"VAR {b} = VAR {a}." for a, b in zip(names, names[1:])]
     head = "Memorize and track the chain(s) of variable assignment hidden in the following text.\n\n"
-    question = (f"\nQuestion: Find all variables that are assigned the value {value} in the text above. "
-                f"Answer: According to the chain(s) of variable assignment in the text above, "
-                f"{hops + 1} variables are assigned the value {value}, they are:")
+    question = (
+        f"\nQuestion: Find all variables that are assigned the value {value} in the text above. "
+        f"Answer: According to the chain(s) of variable assignment in the text above, "
+        f"{hops + 1} variables are assigned the value {value}, they are:"
+    )
     budget = length - _ntok(tokenizer, head + " ".join(chain) + question)
     pieces = [NOISE] * max(1, budget // _ntok(tokenizer, " " + NOISE))
     spots = sorted(rng.sample(range(len(pieces) + 1), len(chain)))  # distinct: the chain reads in order
@@ -216,8 +303,33 @@ def variable_tracking(tokenizer, length: int, depth: float, seed: int, hops: int
     return Task("variable_tracking", head + body + question, tuple(names), None, seed, 64)
 
 
-SYLLABLES = ["ba", "ke", "lo", "mi", "nu", "pa", "re", "so", "ti", "vu", "da", "fe", "go", "hi", "ju", "ka", "le",
-             "mo", "ne", "pi", "ro", "sa", "te", "vo", "zi"]
+SYLLABLES = [
+    "ba",
+    "ke",
+    "lo",
+    "mi",
+    "nu",
+    "pa",
+    "re",
+    "so",
+    "ti",
+    "vu",
+    "da",
+    "fe",
+    "go",
+    "hi",
+    "ju",
+    "ka",
+    "le",
+    "mo",
+    "ne",
+    "pi",
+    "ro",
+    "sa",
+    "te",
+    "vo",
+    "zi",
+]
 
 
 def common_words(tokenizer, length: int, depth: float, seed: int, n_common: int = 10) -> Task:
@@ -226,8 +338,11 @@ def common_words(tokenizer, length: int, depth: float, seed: int, n_common: int 
     words are seeded three-syllable pseudo-words, so no word is frequent in the model's prior."""
     rng_seed = seed * 1000 + round(depth * 997) + 60_000
     head = "Below is a numbered list of words. In these words, some appear more often than others. Memorize the ones that appear most often.\n"
-    question = (f"\nQuestion: What are the {n_common} most common words in the above list? "
-                f"Answer: The top {n_common} words that appear most often in the list are:")
+    question = (
+        f"\nQuestion: What are the {n_common} most common words in the above list? "
+        f"Answer: The top {n_common} words that appear most often in the list are:"
+    )
+
     def build(n_entries: int, rng: random.Random) -> tuple[list[str], list[str]]:
         f_c = max(3, n_entries // (3 * n_common))  # a third of the list is the common words
         f_u = max(1, f_c // 3)
@@ -261,9 +376,13 @@ def common_words(tokenizer, length: int, depth: float, seed: int, n_common: int 
 
 
 TASKS: dict[str, Callable[..., Task]] = {
-    "niah_single": niah_single, "niah_single_varied": niah_single_varied, "niah_multikey": niah_multikey,
+    "niah_single": niah_single,
+    "niah_single_varied": niah_single_varied,
+    "niah_multikey": niah_multikey,
     "niah_multivalue": niah_multivalue,
-    "niah_multiquery": niah_multiquery, "kv_retrieval": kv_retrieval, "variable_tracking": variable_tracking,
+    "niah_multiquery": niah_multiquery,
+    "kv_retrieval": kv_retrieval,
+    "variable_tracking": variable_tracking,
     "common_words": common_words,
 }
 

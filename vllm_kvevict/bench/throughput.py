@@ -48,14 +48,29 @@ def run_workload(srv, prompts: list[list[int]], output_len: int, progress=None) 
             rows = list(pool.map(one, prompts))
         wall = time.monotonic() - t0
     out_tokens = output_len * len(prompts)
-    return {"wall_s": wall, "output_tokens": out_tokens, "output_tok_per_s": out_tokens / wall,
-            "req_per_s": len(prompts) / wall, "peak_running": sampler.peak_running,
-            "peak_kv_usage": sampler.peak_usage, **summarize_latencies(rows), "requests": rows}
+    return {
+        "wall_s": wall,
+        "output_tokens": out_tokens,
+        "output_tok_per_s": out_tokens / wall,
+        "req_per_s": len(prompts) / wall,
+        "peak_running": sampler.peak_running,
+        "peak_kv_usage": sampler.peak_usage,
+        **summarize_latencies(rows),
+        "requests": rows,
+    }
 
 
 def run_throughput(
-    model: str, num_requests: int, prompt_len: int, output_len: int, kv_prompts: int, budget_ratios: list[float],
-    policy: str = "keydiff", max_num_batched_tokens: int = 512, log_dir: str = ".", progress: bool = False,
+    model: str,
+    num_requests: int,
+    prompt_len: int,
+    output_len: int,
+    kv_prompts: int,
+    budget_ratios: list[float],
+    policy: str = "keydiff",
+    max_num_batched_tokens: int = 512,
+    log_dir: str = ".",
+    progress: bool = False,
     recall: bool = False,
 ) -> dict:
     seq_blocks = -(-(prompt_len + output_len) // BLOCK)
@@ -65,8 +80,10 @@ def run_throughput(
         ServerSpec(f"kvevict-{r:g}", policy, max(1, round(r * prompt_len))) for r in budget_ratios
     ]
     if recall:  # the same budgets with the recall tier on (eviction without regret: what it costs)
-        specs += [ServerSpec(f"kvevict-{r:g}+recall", policy, max(1, round(r * prompt_len)), recall=True)
-                  for r in budget_ratios]
+        specs += [
+            ServerSpec(f"kvevict-{r:g}+recall", policy, max(1, round(r * prompt_len)), recall=True)
+            for r in budget_ratios
+        ]
     prompts = random_prompts(num_requests, prompt_len)
     bar = None
     if progress:
@@ -77,29 +94,45 @@ def run_throughput(
     for spec in specs:
         with serve(model, spec, common, log_dir) as srv:
             results[spec.name] = run_workload(srv, prompts, output_len, bar) | {
-                "policy": spec.policy, "budget": spec.budget,
+                "policy": spec.policy,
+                "budget": spec.budget,
                 "budget_ratio": None if spec.budget is None else spec.budget / prompt_len,
             }
     if bar is not None:
         bar.close()
     stock = results["stock"]
     ratios = {
-        name: {"output_tok_per_s": r["output_tok_per_s"] / stock["output_tok_per_s"],
-               "req_per_s": r["req_per_s"] / stock["req_per_s"],
-               "peak_running": r["peak_running"] / max(stock["peak_running"], 1e-9)}
-        for name, r in results.items() if name != "stock"
+        name: {
+            "output_tok_per_s": r["output_tok_per_s"] / stock["output_tok_per_s"],
+            "req_per_s": r["req_per_s"] / stock["req_per_s"],
+            "peak_running": r["peak_running"] / max(stock["peak_running"], 1e-9),
+        }
+        for name, r in results.items()
+        if name != "stock"
     }
-    return {"model": model, "num_requests": num_requests, "prompt_len": prompt_len, "output_len": output_len,
-            "kv_prompts": kv_prompts, "kv_blocks": kv_blocks, "block_size": BLOCK, "policy": policy,
-            "max_num_batched_tokens": max_num_batched_tokens, "results": results, "kvevict_over_stock": ratios}
+    return {
+        "model": model,
+        "num_requests": num_requests,
+        "prompt_len": prompt_len,
+        "output_len": output_len,
+        "kv_prompts": kv_prompts,
+        "kv_blocks": kv_blocks,
+        "block_size": BLOCK,
+        "policy": policy,
+        "max_num_batched_tokens": max_num_batched_tokens,
+        "results": results,
+        "kvevict_over_stock": ratios,
+    }
 
 
 def format_table(report: dict) -> str:
-    lines = [f"{report['num_requests']} requests x {report['prompt_len']} prompt + {report['output_len']} output tokens, "
-             f"KV cache {report['kv_blocks']} blocks of {report['block_size']} (room for {report['kv_prompts']} "
-             f"full sequences), policy {report['policy']}",
-             f"{'server':<16}{'budget':>8}{'wall s':>9}{'out tok/s':>11}{'req/s':>8}{'TTFT med/p90 s':>17}"
-             f"{'TPOT med/p90 ms':>18}{'peak run':>10}{'peak KV':>9}{'x stock':>9}"]
+    lines = [
+        f"{report['num_requests']} requests x {report['prompt_len']} prompt + {report['output_len']} output tokens, "
+        f"KV cache {report['kv_blocks']} blocks of {report['block_size']} (room for {report['kv_prompts']} "
+        f"full sequences), policy {report['policy']}",
+        f"{'server':<16}{'budget':>8}{'wall s':>9}{'out tok/s':>11}{'req/s':>8}{'TTFT med/p90 s':>17}"
+        f"{'TPOT med/p90 ms':>18}{'peak run':>10}{'peak KV':>9}{'x stock':>9}",
+    ]
     for name, r in report["results"].items():
         ratio = report["kvevict_over_stock"].get(name, {}).get("output_tok_per_s")
         lines.append(
@@ -132,8 +165,10 @@ def plot(report: dict, path: str) -> None:
     a2.set_xlabel("budget / prompt length")
     a2.set_ylabel("peak running requests")
     a2.legend()
-    fig.suptitle(f"equal KV memory ({report['kv_blocks']} blocks), {report['num_requests']} x "
-                 f"{report['prompt_len']}+{report['output_len']} tokens")
+    fig.suptitle(
+        f"equal KV memory ({report['kv_blocks']} blocks), {report['num_requests']} x "
+        f"{report['prompt_len']}+{report['output_len']} tokens"
+    )
     fig.tight_layout()
     fig.savefig(path, dpi=110)
     plt.close(fig)

@@ -45,8 +45,14 @@ logger = logging.getLogger(__name__)
 NAME = "kvevict_cuda_ops"
 #: ``csrc/``: shipped inside the package (``kernels/csrc``, a link to the repository's ``csrc/`` in a
 #: checkout), else found at the top of a checkout (a copy of the tree without the link)
-CSRC = next((p for p in (Path(__file__).parent / "csrc", Path(__file__).resolve().parents[2] / "csrc")
-             if (p / "kvevict_kernels.cu").is_file()), Path(__file__).parent / "csrc")
+CSRC = next(
+    (
+        p
+        for p in (Path(__file__).parent / "csrc", Path(__file__).resolve().parents[2] / "csrc")
+        if (p / "kvevict_kernels.cu").is_file()
+    ),
+    Path(__file__).parent / "csrc",
+)
 KERNELS = CSRC / "kvevict_kernels.cu"
 HEADER = CSRC / "kvevict_kernels.h"
 BINDINGS = CSRC / "bindings.cpp"
@@ -56,8 +62,10 @@ BINDINGS = CSRC / "bindings.cpp"
 DEFAULT_ARCHS = "8.0+PTX"
 
 if not (KERNELS.is_file() and HEADER.is_file() and BINDINGS.is_file()):
-    raise ImportError(f"kvevict cuda_ops: the CUDA sources are not in {CSRC} (kvevict_kernels.cu, kvevict_kernels.h, "
-                      "bindings.cpp): reinstall vllm-kvevict (the wheel ships them) to use KVEVICT_KERNELS=cuda")
+    raise ImportError(
+        f"kvevict cuda_ops: the CUDA sources are not in {CSRC} (kvevict_kernels.cu, kvevict_kernels.h, "
+        "bindings.cpp): reinstall vllm-kvevict (the wheel ships them) to use KVEVICT_KERNELS=cuda"
+    )
 
 _lock = threading.Lock()
 _ext: ModuleType | None = None
@@ -89,8 +97,9 @@ def cuda_home() -> str | None:
         candidates += [os.path.dirname(os.path.dirname(p)) for p in (nvcc, os.path.realpath(nvcc))]
     candidates.append("/usr/local/cuda")
     for home in candidates:
-        if home and all(os.path.isfile(os.path.join(home, *f)) for f in (("bin", "nvcc"),
-                                                                          ("include", "cuda_runtime.h"))):
+        if home and all(
+            os.path.isfile(os.path.join(home, *f)) for f in (("bin", "nvcc"), ("include", "cuda_runtime.h"))
+        ):
             return home
     return None
 
@@ -120,9 +129,15 @@ def _load_with_torch(out: Path, verbose: bool) -> ModuleType:
     cuda_flags = ["-O3", "-lineinfo"]
     if not os.environ.get("TORCH_CUDA_ARCH_LIST") and torch.cuda.device_count() == 0:
         cuda_flags += arch_flags()  # torch would look for visible GPUs only
-    return load(name=NAME, sources=[str(BINDINGS), str(KERNELS)], extra_cflags=["-O3"],
-                extra_cuda_cflags=cuda_flags, extra_include_paths=[str(CSRC)], build_directory=str(out),
-                verbose=verbose)
+    return load(
+        name=NAME,
+        sources=[str(BINDINGS), str(KERNELS)],
+        extra_cflags=["-O3"],
+        extra_cuda_cflags=cuda_flags,
+        extra_include_paths=[str(CSRC)],
+        build_directory=str(out),
+        verbose=verbose,
+    )
 
 
 def _nvcc_object(home: str, out: Path, verbose: bool) -> Path:
@@ -131,8 +146,7 @@ def _nvcc_object(home: str, out: Path, verbose: bool) -> Path:
     from torch.utils.cpp_extension import COMMON_NVCC_FLAGS
 
     nvcc = os.path.join(home, "bin", "nvcc")
-    flags = ["-O3", "-lineinfo", "-std=c++17", "-Xcompiler", "-fPIC", *COMMON_NVCC_FLAGS, *arch_flags(),
-             f"-I{CSRC}"]
+    flags = ["-O3", "-lineinfo", "-std=c++17", "-Xcompiler", "-fPIC", *COMMON_NVCC_FLAGS, *arch_flags(), f"-I{CSRC}"]
     digest = hashlib.sha256()
     for part in (KERNELS.read_bytes(), HEADER.read_bytes(), " ".join([nvcc, *flags]).encode()):
         digest.update(part)
@@ -156,9 +170,15 @@ def _load_with_object(home: str, out: Path, verbose: bool) -> ModuleType:
 
     obj = _nvcc_object(home, out, verbose)
     lib = os.path.join(home, "lib64") if os.path.isdir(os.path.join(home, "lib64")) else os.path.join(home, "lib")
-    return load(name=NAME, sources=[str(BINDINGS)], extra_cflags=["-O3"], extra_include_paths=[str(CSRC)],
-                extra_ldflags=[str(obj), f"-L{lib}", "-lcudart_static", "-ldl", "-lrt", "-lpthread"],
-                build_directory=str(out), verbose=verbose)
+    return load(
+        name=NAME,
+        sources=[str(BINDINGS)],
+        extra_cflags=["-O3"],
+        extra_include_paths=[str(CSRC)],
+        extra_ldflags=[str(obj), f"-L{lib}", "-lcudart_static", "-ldl", "-lrt", "-lpthread"],
+        build_directory=str(out),
+        verbose=verbose,
+    )
 
 
 def build(verbose: bool = False) -> ModuleType:
@@ -182,8 +202,11 @@ def build(verbose: bool = False) -> ModuleType:
                 try:
                     _ext = _load_with_torch(out, verbose)
                 except Exception as e:  # e.g. a toolkit of another major version than torch's
-                    logger.warning("kvevict cuda_ops: building with torch's CUDA setup failed (%s); "
-                                   "compiling the kernels with nvcc and the static CUDA runtime instead", e)
+                    logger.warning(
+                        "kvevict cuda_ops: building with torch's CUDA setup failed (%s); "
+                        "compiling the kernels with nvcc and the static CUDA runtime instead",
+                        e,
+                    )
             if _ext is None:
                 _ext = _load_with_object(home, out, verbose)
         except Exception as e:
@@ -216,8 +239,14 @@ def _stream(device: torch.device) -> int:
     return torch.cuda.current_stream(device).cuda_stream
 
 
-def gather_paged(k_cache: torch.Tensor, v_cache: torch.Tensor, block_table: torch.Tensor, rows: torch.Tensor,
-                 starts: torch.Tensor, ends: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
+def gather_paged(
+    k_cache: torch.Tensor,
+    v_cache: torch.Tensor,
+    block_table: torch.Tensor,
+    rows: torch.Tensor,
+    starts: torch.Tensor,
+    ends: torch.Tensor,
+) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
     """:func:`vllm_kvevict.kernels.reference.gather_paged`: ``K, V [N, H, D]`` and ``cu [R + 1]``."""
     dev = _on_cuda(k_cache, "k_cache")
     ext = build()
@@ -225,8 +254,16 @@ def gather_paged(k_cache: torch.Tensor, v_cache: torch.Tensor, block_table: torc
         return tuple(ext.gather_paged(k_cache, v_cache, block_table, rows, starts, ends, _stream(dev)))
 
 
-def scatter_paged(dst: torch.Tensor, src: torch.Tensor, idx: torch.Tensor, cu: torch.Tensor, cu_keep: torch.Tensor,
-                  block_table: torch.Tensor, rows: torch.Tensor, dst_start: torch.Tensor) -> None:
+def scatter_paged(
+    dst: torch.Tensor,
+    src: torch.Tensor,
+    idx: torch.Tensor,
+    cu: torch.Tensor,
+    cu_keep: torch.Tensor,
+    block_table: torch.Tensor,
+    rows: torch.Tensor,
+    dst_start: torch.Tensor,
+) -> None:
     """:func:`vllm_kvevict.kernels.reference.scatter_paged`, in place (``src`` must not alias ``dst``)."""
     dev = _on_cuda(dst, "dst")
     ext = build()
@@ -253,8 +290,10 @@ def key_norms(K: torch.Tensor) -> torch.Tensor:
 def main(argv: list[str] | None = None) -> int:
     import argparse
 
-    parser = argparse.ArgumentParser(prog="python -m vllm_kvevict.kernels.cuda_ops",
-                                     description="Build the vllm-kvevict CUDA kernels and print where they are.")
+    parser = argparse.ArgumentParser(
+        prog="python -m vllm_kvevict.kernels.cuda_ops",
+        description="Build the vllm-kvevict CUDA kernels and print where they are.",
+    )
     parser.add_argument("-v", "--verbose", action="store_true", help="show the compiler commands")
     args = parser.parse_args(argv)
     home = cuda_home()
@@ -263,8 +302,10 @@ def main(argv: list[str] | None = None) -> int:
         return 1
     t0 = time.perf_counter()
     ext = build(verbose=args.verbose)
-    print(f"kvevict cuda_ops: {ext.__file__} (built or loaded in {time.perf_counter() - t0:.1f} s; "
-          f"CUDA {home}; torch {torch.__version__}; build directory {build_dir()})")
+    print(
+        f"kvevict cuda_ops: {ext.__file__} (built or loaded in {time.perf_counter() - t0:.1f} s; "
+        f"CUDA {home}; torch {torch.__version__}; build directory {build_dir()})"
+    )
     return 0
 
 

@@ -18,8 +18,18 @@ import torch
 from vllm_kvevict import envs
 from vllm_kvevict.kernels import reference
 
-OPS = ("gather_paged", "keydiff_scores", "key_norms", "select_topk", "scatter_paged", "column_sums",
-       "lshe_victims", "simhash_codes", "hamming_distances", "projected_value_norms")
+OPS = (
+    "gather_paged",
+    "keydiff_scores",
+    "key_norms",
+    "select_topk",
+    "scatter_paged",
+    "column_sums",
+    "lshe_victims",
+    "simhash_codes",
+    "hamming_distances",
+    "projected_value_norms",
+)
 
 
 #: the operations ``csrc/`` implements

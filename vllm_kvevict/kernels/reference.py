@@ -53,8 +53,9 @@ def ranges(starts: torch.Tensor, ends: torch.Tensor) -> tuple[torch.Tensor, torc
     return starts.long()[rid] + torch.arange(int(cu[-1]), device=cu.device) - cu[:-1][rid], rid, cu
 
 
-def logical_tokens(block_table: torch.Tensor, rows: torch.Tensor, starts: torch.Tensor, ends: torch.Tensor,
-                   block_size: int) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
+def logical_tokens(
+    block_table: torch.Tensor, rows: torch.Tensor, starts: torch.Tensor, ends: torch.Tensor, block_size: int
+) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
     """(physical block, offset) of every logical token ``[starts[r], ends[r])`` of each row, packed;
     and ``cu``."""
     tok, rid, cu = ranges(starts, ends)
@@ -62,8 +63,14 @@ def logical_tokens(block_table: torch.Tensor, rows: torch.Tensor, starts: torch.
     return blocks, tok % block_size, cu
 
 
-def gather_paged(k_cache: torch.Tensor, v_cache: torch.Tensor, block_table: torch.Tensor, rows: torch.Tensor,
-                 starts: torch.Tensor, ends: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
+def gather_paged(
+    k_cache: torch.Tensor,
+    v_cache: torch.Tensor,
+    block_table: torch.Tensor,
+    rows: torch.Tensor,
+    starts: torch.Tensor,
+    ends: torch.Tensor,
+) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
     """``K, V [N, H, D]`` and ``cu [R + 1]`` of each row's logical tokens ``[starts[r], ends[r])``;
     ``k_cache``/``v_cache``: ``[num_blocks, block_size, H, D]`` (views are fine)."""
     blocks, offs, cu = logical_tokens(block_table, rows, starts, ends, k_cache.shape[1])
@@ -98,8 +105,9 @@ def sort_keys(scores: torch.Tensor, pos: torch.Tensor) -> torch.Tensor:
     return (ordered << 31) | pos.long()
 
 
-def select_topk(scores: torch.Tensor, pos: torch.Tensor, cu: torch.Tensor, keep: torch.Tensor) -> tuple[
-        torch.Tensor, torch.Tensor]:
+def select_topk(
+    scores: torch.Tensor, pos: torch.Tensor, cu: torch.Tensor, keep: torch.Tensor
+) -> tuple[torch.Tensor, torch.Tensor]:
     """The ``keep[r]`` highest-scoring tokens of each row, per head, ties to the larger position
     (positions are distinct within a row and head, so (score, position) orders them totally).
 
@@ -125,8 +133,16 @@ def select_topk(scores: torch.Tensor, pos: torch.Tensor, cu: torch.Tensor, keep:
     return (tok - row_start[tok]).contiguous(), cu_from_lengths(keep)
 
 
-def scatter_paged(dst: torch.Tensor, src: torch.Tensor, idx: torch.Tensor, cu: torch.Tensor, cu_keep: torch.Tensor,
-                  block_table: torch.Tensor, rows: torch.Tensor, dst_start: torch.Tensor) -> None:
+def scatter_paged(
+    dst: torch.Tensor,
+    src: torch.Tensor,
+    idx: torch.Tensor,
+    cu: torch.Tensor,
+    cu_keep: torch.Tensor,
+    block_table: torch.Tensor,
+    rows: torch.Tensor,
+    dst_start: torch.Tensor,
+) -> None:
     """``dst[block, offset, h] = src[cu[r] + idx[j, h], h]`` for the ``j``-th kept token of row ``r``,
     written at logical token ``dst_start[r] + j``. ``dst``: ``[num_blocks, block_size, H(, D)]``
     (a view of the cache, or a per-slot state reshaped so); ``src``: ``[N, H(, D)]``."""
@@ -139,8 +155,15 @@ def scatter_paged(dst: torch.Tensor, src: torch.Tensor, idx: torch.Tensor, cu: t
     dst[blocks[:, None], offs[:, None], h] = src[cu[:-1][rid][:, None] + idx, h].to(dst.dtype)
 
 
-def attention_probs(Q: torch.Tensor, K: torch.Tensor, q_pos: torch.Tensor, k_pos: torch.Tensor, G: int,
-                    scale: float, softcap: float | None = None) -> torch.Tensor:
+def attention_probs(
+    Q: torch.Tensor,
+    K: torch.Tensor,
+    q_pos: torch.Tensor,
+    k_pos: torch.Tensor,
+    G: int,
+    scale: float,
+    softcap: float | None = None,
+) -> torch.Tensor:
     """``[H_q, m, n]`` float32 probabilities of queries ``Q [H_q, m, d]`` at positions ``q_pos [m]``
     over keys ``K [H_kv, n, d]`` at ``k_pos [H_kv, n]``: scaled, soft-capped, causal by position;
     query head ``h`` reads KV head ``h // G`` (each KV head's G query heads in one matmul, K never
@@ -160,8 +183,17 @@ def attention_probs(Q: torch.Tensor, K: torch.Tensor, q_pos: torch.Tensor, k_pos
     return p.view(Hq, m, n)
 
 
-def column_sums(Q: torch.Tensor, K: torch.Tensor, q_pos: torch.Tensor, k_pos: torch.Tensor, cu_q: torch.Tensor,
-                cu_k: torch.Tensor, G: int, scale: float, softcap: float | None = None) -> torch.Tensor:
+def column_sums(
+    Q: torch.Tensor,
+    K: torch.Tensor,
+    q_pos: torch.Tensor,
+    k_pos: torch.Tensor,
+    cu_q: torch.Tensor,
+    cu_k: torch.Tensor,
+    G: int,
+    scale: float,
+    softcap: float | None = None,
+) -> torch.Tensor:
     """``[N, H_q]`` float32: for every key of every row, the :func:`attention_probs` its row's queries
     give it, summed over those queries (query head ``h`` at column ``h``).
 
@@ -261,6 +293,6 @@ def projected_value_norms(V: torch.Tensor, W_O: torch.Tensor, G: int) -> torch.T
     out = torch.empty(H, n, dtype=torch.float32, device=V.device)
     step = max(1, PROJ_CHUNK // max(1, Hq * D))
     for t0 in range(0, n, step):
-        Vt = V[:, t0:t0 + step].float()[:, None]  # [H, 1, T, d], shared by the group
-        out[:, t0:t0 + step] = torch.matmul(Vt, W).abs_().sum(dim=-1).mean(dim=1)
+        Vt = V[:, t0 : t0 + step].float()[:, None]  # [H, 1, T, d], shared by the group
+        out[:, t0 : t0 + step] = torch.matmul(Vt, W).abs_().sum(dim=-1).mean(dim=1)
     return out

@@ -37,9 +37,26 @@ def _row_range(cu_ptr, r):
 
 
 @triton.jit
-def _gather_kernel(k_ptr, v_ptr, bt_ptr, rows_ptr, starts_ptr, cu_ptr, ok_ptr, ov_ptr,
-                   s_b, s_o, s_h, s_d, s_bt, bs, D: tl.constexpr, TILE_T: tl.constexpr, BLOCK_D: tl.constexpr,
-                   H: tl.constexpr):
+def _gather_kernel(
+    k_ptr,
+    v_ptr,
+    bt_ptr,
+    rows_ptr,
+    starts_ptr,
+    cu_ptr,
+    ok_ptr,
+    ov_ptr,
+    s_b,
+    s_o,
+    s_h,
+    s_d,
+    s_bt,
+    bs,
+    D: tl.constexpr,
+    TILE_T: tl.constexpr,
+    BLOCK_D: tl.constexpr,
+    H: tl.constexpr,
+):
     r = tl.program_id(0)
     t = tl.program_id(1) * TILE_T + tl.arange(0, TILE_T)
     h = tl.program_id(2)
@@ -68,14 +85,37 @@ def gather_paged(k_cache, v_cache, block_table, rows, starts, ends):
     if N == 0:
         return K, V, cu
     grid = (R, triton.cdiv(int(lens.max()), TILE), H)
-    _gather_kernel[grid](k_cache, v_cache, block_table, rows, starts, cu, K, V, *k_cache.stride(),
-                         block_table.stride(0), bs, D=D, TILE_T=TILE, BLOCK_D=triton.next_power_of_2(D), H=H)
+    _gather_kernel[grid](
+        k_cache,
+        v_cache,
+        block_table,
+        rows,
+        starts,
+        cu,
+        K,
+        V,
+        *k_cache.stride(),
+        block_table.stride(0),
+        bs,
+        D=D,
+        TILE_T=TILE,
+        BLOCK_D=triton.next_power_of_2(D),
+        H=H,
+    )
     return K, V, cu
 
 
 @triton.jit
-def _keydiff_kernel(k_ptr, cu_ptr, out_ptr, H: tl.constexpr, D: tl.constexpr, TILE_T: tl.constexpr,
-                    BLOCK_D: tl.constexpr, EPS_: tl.constexpr):
+def _keydiff_kernel(
+    k_ptr,
+    cu_ptr,
+    out_ptr,
+    H: tl.constexpr,
+    D: tl.constexpr,
+    TILE_T: tl.constexpr,
+    BLOCK_D: tl.constexpr,
+    EPS_: tl.constexpr,
+):
     r = tl.program_id(0)
     h = tl.program_id(1)
     lo, n = _row_range(cu_ptr, r)
@@ -104,14 +144,14 @@ def keydiff_scores(K, cu):
     K = K.contiguous()
     out = torch.empty(N, H, dtype=torch.float32, device=K.device)
     if N:
-        _keydiff_kernel[(cu.numel() - 1, H)](K, cu, out, H=H, D=D, TILE_T=TILE,
-                                             BLOCK_D=triton.next_power_of_2(D), EPS_=EPS)
+        _keydiff_kernel[(cu.numel() - 1, H)](
+            K, cu, out, H=H, D=D, TILE_T=TILE, BLOCK_D=triton.next_power_of_2(D), EPS_=EPS
+        )
     return out
 
 
 @triton.jit
-def _norm_kernel(k_ptr, out_ptr, N, H: tl.constexpr, D: tl.constexpr, TILE_T: tl.constexpr,
-                 BLOCK_D: tl.constexpr):
+def _norm_kernel(k_ptr, out_ptr, N, H: tl.constexpr, D: tl.constexpr, TILE_T: tl.constexpr, BLOCK_D: tl.constexpr):
     i = tl.program_id(0) * TILE_T + tl.arange(0, TILE_T)  # flattened (token, head)
     d = tl.arange(0, BLOCK_D)
     m = (i < N * H)[:, None] & (d[None, :] < D)
@@ -124,8 +164,7 @@ def key_norms(K):
     K = K.contiguous()
     out = torch.empty(N, H, dtype=torch.float32, device=K.device)
     if N:
-        _norm_kernel[(triton.cdiv(N * H, TILE),)](K, out, N, H=H, D=D, TILE_T=TILE,
-                                                   BLOCK_D=triton.next_power_of_2(D))
+        _norm_kernel[(triton.cdiv(N * H, TILE),)](K, out, N, H=H, D=D, TILE_T=TILE, BLOCK_D=triton.next_power_of_2(D))
     return out
 
 
@@ -176,15 +215,33 @@ def select_topk(scores, pos, cu, keep):
     cu_keep = cu_from_lengths(keep)
     out = torch.empty(int(cu_keep[-1]), H, dtype=torch.int64, device=scores.device)
     if N:
-        _select_kernel[(cu.numel() - 1, H)](scores.float().contiguous(), pos.contiguous(), cu, keep, cu_keep, out,
-                                            H=H, TILE_T=TILE)
+        _select_kernel[(cu.numel() - 1, H)](
+            scores.float().contiguous(), pos.contiguous(), cu, keep, cu_keep, out, H=H, TILE_T=TILE
+        )
     return out, cu_keep
 
 
 @triton.jit
-def _scatter_kernel(dst_ptr, src_ptr, idx_ptr, cu_ptr, cuk_ptr, bt_ptr, rows_ptr, dstart_ptr,
-                    s_b, s_o, s_h, s_d, s_bt, bs, H: tl.constexpr, D: tl.constexpr, TILE_T: tl.constexpr,
-                    BLOCK_D: tl.constexpr):
+def _scatter_kernel(
+    dst_ptr,
+    src_ptr,
+    idx_ptr,
+    cu_ptr,
+    cuk_ptr,
+    bt_ptr,
+    rows_ptr,
+    dstart_ptr,
+    s_b,
+    s_o,
+    s_h,
+    s_d,
+    s_bt,
+    bs,
+    H: tl.constexpr,
+    D: tl.constexpr,
+    TILE_T: tl.constexpr,
+    BLOCK_D: tl.constexpr,
+):
     r = tl.program_id(0)
     j = tl.program_id(1) * TILE_T + tl.arange(0, TILE_T)
     h = tl.program_id(2)
@@ -211,21 +268,57 @@ def scatter_paged(dst, src, idx, cu, cu_keep, block_table, rows, dst_start):
     if int(cu_keep[-1]) == 0:
         return
     grid = (rows.numel(), triton.cdiv(int(keep.max()), TILE), H)
-    _scatter_kernel[grid](dst, src, idx.contiguous(), cu, cu_keep, block_table, rows, dst_start, *strides,
-                          block_table.stride(0), bs, H=H, D=D, TILE_T=TILE, BLOCK_D=triton.next_power_of_2(D))
+    _scatter_kernel[grid](
+        dst,
+        src,
+        idx.contiguous(),
+        cu,
+        cu_keep,
+        block_table,
+        rows,
+        dst_start,
+        *strides,
+        block_table.stride(0),
+        bs,
+        H=H,
+        D=D,
+        TILE_T=TILE,
+        BLOCK_D=triton.next_power_of_2(D),
+    )
 
 
 @triton.jit
-def _scores_tile(q_ptr, k_ptr, qp_ptr, kp_ptr, hq, hk, q0, qi, m, k0, ki, n, HQ: tl.constexpr, H: tl.constexpr,
-                 D: tl.constexpr, BLOCK_D: tl.constexpr, scale, softcap, HAS_CAP: tl.constexpr):
+def _scores_tile(
+    q_ptr,
+    k_ptr,
+    qp_ptr,
+    kp_ptr,
+    hq,
+    hk,
+    q0,
+    qi,
+    m,
+    k0,
+    ki,
+    n,
+    HQ: tl.constexpr,
+    H: tl.constexpr,
+    D: tl.constexpr,
+    BLOCK_D: tl.constexpr,
+    scale,
+    softcap,
+    HAS_CAP: tl.constexpr,
+):
     """Scaled (soft-capped) logits of the row's queries ``qi`` x keys ``ki`` (row-local; the row
     starts at packed query ``q0`` and key ``k0``) of query head ``hq``, masked causally by position
     (-inf where the key is newer than the query or out of the row)."""
     d = tl.arange(0, BLOCK_D)
-    q = tl.load(q_ptr + ((q0 + qi)[:, None] * HQ + hq) * D + d[None, :],
-                mask=(qi < m)[:, None] & (d[None, :] < D), other=0.0).to(tl.float32)
-    k = tl.load(k_ptr + ((k0 + ki)[:, None] * H + hk) * D + d[None, :],
-                mask=(ki < n)[:, None] & (d[None, :] < D), other=0.0).to(tl.float32)
+    q = tl.load(
+        q_ptr + ((q0 + qi)[:, None] * HQ + hq) * D + d[None, :], mask=(qi < m)[:, None] & (d[None, :] < D), other=0.0
+    ).to(tl.float32)
+    k = tl.load(
+        k_ptr + ((k0 + ki)[:, None] * H + hk) * D + d[None, :], mask=(ki < n)[:, None] & (d[None, :] < D), other=0.0
+    ).to(tl.float32)
     s = tl.dot(q, tl.trans(k), input_precision="ieee") * scale
     if HAS_CAP:
         s = softcap * (1.0 - 2.0 / (tl.exp(2.0 * s / softcap) + 1.0))  # softcap * tanh(s / softcap)
@@ -236,9 +329,24 @@ def _scores_tile(q_ptr, k_ptr, qp_ptr, kp_ptr, hq, hk, q0, qi, m, k0, ki, n, HQ:
 
 
 @triton.jit
-def _lse_kernel(q_ptr, k_ptr, qp_ptr, kp_ptr, cuq_ptr, cuk_ptr, lse_ptr, HQ: tl.constexpr, H: tl.constexpr,
-                D: tl.constexpr, BLOCK_D: tl.constexpr, BQ: tl.constexpr, BK: tl.constexpr, scale, softcap,
-                HAS_CAP: tl.constexpr):
+def _lse_kernel(
+    q_ptr,
+    k_ptr,
+    qp_ptr,
+    kp_ptr,
+    cuq_ptr,
+    cuk_ptr,
+    lse_ptr,
+    HQ: tl.constexpr,
+    H: tl.constexpr,
+    D: tl.constexpr,
+    BLOCK_D: tl.constexpr,
+    BQ: tl.constexpr,
+    BK: tl.constexpr,
+    scale,
+    softcap,
+    HAS_CAP: tl.constexpr,
+):
     hq = tl.program_id(0)
     r = tl.program_id(1)
     q0, m = _row_range(cuq_ptr, r)
@@ -248,8 +356,27 @@ def _lse_kernel(q_ptr, k_ptr, qp_ptr, kp_ptr, cuq_ptr, cuk_ptr, lse_ptr, HQ: tl.
     acc = tl.zeros([BQ], dtype=tl.float32)
     n_loop = tl.where(tl.program_id(2) * BQ < m, n, 0)  # tiles past the row's queries skip the loop
     for start in tl.range(0, n_loop, BK):  # online log-sum-exp over the row's keys
-        s = _scores_tile(q_ptr, k_ptr, qp_ptr, kp_ptr, hq, hq // (HQ // H), q0, qi, m, k0, start + tl.arange(0, BK),
-                         n, HQ, H, D, BLOCK_D, scale, softcap, HAS_CAP)
+        s = _scores_tile(
+            q_ptr,
+            k_ptr,
+            qp_ptr,
+            kp_ptr,
+            hq,
+            hq // (HQ // H),
+            q0,
+            qi,
+            m,
+            k0,
+            start + tl.arange(0, BK),
+            n,
+            HQ,
+            H,
+            D,
+            BLOCK_D,
+            scale,
+            softcap,
+            HAS_CAP,
+        )
         new = tl.maximum(mx, tl.max(s, axis=1))
         safe = tl.where(new == float("-inf"), 0.0, new)
         acc = acc * tl.exp(mx - safe) + tl.sum(tl.exp(s - safe[:, None]), axis=1)
@@ -259,9 +386,25 @@ def _lse_kernel(q_ptr, k_ptr, qp_ptr, kp_ptr, cuq_ptr, cuk_ptr, lse_ptr, HQ: tl.
 
 
 @triton.jit
-def _colsum_kernel(q_ptr, k_ptr, qp_ptr, kp_ptr, cuq_ptr, cuk_ptr, lse_ptr, out_ptr, HQ: tl.constexpr,
-                   H: tl.constexpr, D: tl.constexpr, BLOCK_D: tl.constexpr, BQ: tl.constexpr, BK: tl.constexpr,
-                   scale, softcap, HAS_CAP: tl.constexpr):
+def _colsum_kernel(
+    q_ptr,
+    k_ptr,
+    qp_ptr,
+    kp_ptr,
+    cuq_ptr,
+    cuk_ptr,
+    lse_ptr,
+    out_ptr,
+    HQ: tl.constexpr,
+    H: tl.constexpr,
+    D: tl.constexpr,
+    BLOCK_D: tl.constexpr,
+    BQ: tl.constexpr,
+    BK: tl.constexpr,
+    scale,
+    softcap,
+    HAS_CAP: tl.constexpr,
+):
     hq = tl.program_id(0)
     r = tl.program_id(1)
     q0, m = _row_range(cuq_ptr, r)
@@ -271,8 +414,27 @@ def _colsum_kernel(q_ptr, k_ptr, qp_ptr, kp_ptr, cuq_ptr, cuk_ptr, lse_ptr, out_
     m_loop = tl.where(tl.program_id(2) * BK < n, m, 0)  # tiles past the row's keys skip the loop
     for start in tl.range(0, m_loop, BQ):
         qi = start + tl.arange(0, BQ)
-        s = _scores_tile(q_ptr, k_ptr, qp_ptr, kp_ptr, hq, hq // (HQ // H), q0, qi, m, k0, ki, n, HQ, H, D, BLOCK_D,
-                         scale, softcap, HAS_CAP)
+        s = _scores_tile(
+            q_ptr,
+            k_ptr,
+            qp_ptr,
+            kp_ptr,
+            hq,
+            hq // (HQ // H),
+            q0,
+            qi,
+            m,
+            k0,
+            ki,
+            n,
+            HQ,
+            H,
+            D,
+            BLOCK_D,
+            scale,
+            softcap,
+            HAS_CAP,
+        )
         lse = tl.load(lse_ptr + (q0 + qi) * HQ + hq, mask=qi < m, other=float("inf"))
         acc += tl.sum(tl.exp(s - lse[:, None]), axis=0)
     tl.store(out_ptr + (k0 + ki) * HQ + hq, acc, mask=ki < n)
@@ -296,8 +458,17 @@ def column_sums(Q, K, q_pos, k_pos, cu_q, cu_k, G: int, scale: float, softcap: f
     lse = torch.empty(M, Hq, dtype=torch.float32, device=K.device)
     BQ, BK = 32, 64
     cap = float(softcap) if softcap else 1.0
-    common = dict(HQ=Hq, H=H, D=D, BLOCK_D=max(16, triton.next_power_of_2(D)), BQ=BQ, BK=BK, HAS_CAP=bool(softcap),
-                  scale=float(scale), softcap=cap)
+    common = dict(
+        HQ=Hq,
+        H=H,
+        D=D,
+        BLOCK_D=max(16, triton.next_power_of_2(D)),
+        BQ=BQ,
+        BK=BK,
+        HAS_CAP=bool(softcap),
+        scale=float(scale),
+        softcap=cap,
+    )
     m_max, n_max = int((cu_q[1:] - cu_q[:-1]).max()), int((cu_k[1:] - cu_k[:-1]).max())
     if m_max == 0 or n_max == 0:
         return out
@@ -342,22 +513,34 @@ def lshe_victims(dist, pos, victim, q_pos, budget: int, sinks: int, recent: int)
     if m == 0 or n == 0:
         return
     vic = victim if victim.is_contiguous() else victim.contiguous()
-    _lshe_victims_kernel[(H,)](dist.contiguous(), pos.long().contiguous(), vic, q_pos.long().contiguous(), m, n,
-                               int(budget), int(sinks), int(recent), TILE_T=min(1024, triton.next_power_of_2(n)))
+    _lshe_victims_kernel[(H,)](
+        dist.contiguous(),
+        pos.long().contiguous(),
+        vic,
+        q_pos.long().contiguous(),
+        m,
+        n,
+        int(budget),
+        int(sinks),
+        int(recent),
+        TILE_T=min(1024, triton.next_power_of_2(n)),
+    )
     if vic is not victim:
         victim.copy_(vic)
 
 
 @triton.jit
-def _simhash_kernel(x_ptr, r_ptr, out_ptr, M, s_xm, s_xd, C, D: tl.constexpr, TILE_M: tl.constexpr,
-                    BLOCK_D: tl.constexpr):
+def _simhash_kernel(
+    x_ptr, r_ptr, out_ptr, M, s_xm, s_xd, C, D: tl.constexpr, TILE_M: tl.constexpr, BLOCK_D: tl.constexpr
+):
     """reference.simhash_codes: code |= [R_b . x >= 0] << b, the dot in float32 as an elementwise
     product and tl.sum (not tl.dot: no TF32, and the rounding stays that of an fp32 reduction)."""
     i = tl.program_id(0) * TILE_M + tl.arange(0, TILE_M)
     d = tl.arange(0, BLOCK_D)
     mi = i < M
-    x = tl.load(x_ptr + i[:, None].to(tl.int64) * s_xm + d[None, :] * s_xd, mask=mi[:, None] & (d[None, :] < D),
-                other=0.0).to(tl.float32)
+    x = tl.load(
+        x_ptr + i[:, None].to(tl.int64) * s_xm + d[None, :] * s_xd, mask=mi[:, None] & (d[None, :] < D), other=0.0
+    ).to(tl.float32)
     code = tl.zeros([TILE_M], dtype=tl.int64)
     for b in tl.range(0, C):
         r = tl.load(r_ptr + b * D + d, mask=d < D, other=0.0)
@@ -375,8 +558,9 @@ def simhash_codes(x, R):
         return out
     R = R.to(device=x.device, dtype=torch.float32).contiguous()
     TM = 32
-    _simhash_kernel[(triton.cdiv(M, TM),)](x, R, out, M, *x.stride(), R.shape[0], D=D, TILE_M=TM,
-                                           BLOCK_D=triton.next_power_of_2(D))
+    _simhash_kernel[(triton.cdiv(M, TM),)](
+        x, R, out, M, *x.stride(), R.shape[0], D=D, TILE_M=TM, BLOCK_D=triton.next_power_of_2(D)
+    )
     return out
 
 
@@ -419,14 +603,31 @@ def hamming_distances(q_codes, k_codes, G: int):
         return out
     TM, TN = 32, 64
     _hamming_kernel[(H, triton.cdiv(m, TM), triton.cdiv(n, TN))](
-        q_codes.long().contiguous(), k_codes.long().contiguous(), out, m, n, G=G, TILE_M=TM, TILE_N=TN)
+        q_codes.long().contiguous(), k_codes.long().contiguous(), out, m, n, G=G, TILE_M=TM, TILE_N=TN
+    )
     return out
 
 
 @triton.jit
-def _proj_norm_kernel(v_ptr, w_ptr, out_ptr, n, s_vh, s_vt, s_vd, s_wh, s_wd, s_wc, Dout, G: tl.constexpr,
-                      d: tl.constexpr, TILE_T: tl.constexpr, BLOCK_d: tl.constexpr, TILE_D: tl.constexpr,
-                      PREC: tl.constexpr):
+def _proj_norm_kernel(
+    v_ptr,
+    w_ptr,
+    out_ptr,
+    n,
+    s_vh,
+    s_vt,
+    s_vd,
+    s_wh,
+    s_wd,
+    s_wc,
+    Dout,
+    G: tl.constexpr,
+    d: tl.constexpr,
+    TILE_T: tl.constexpr,
+    BLOCK_d: tl.constexpr,
+    TILE_D: tl.constexpr,
+    PREC: tl.constexpr,
+):
     """reference.projected_value_norms: per token, the mean over the group's heads of sum |v W_O^g|,
     a [TILE_T, TILE_D] tile of v W_O^g at a time (tl.dot over d), reduced to per-token sums in
     registers."""
@@ -434,15 +635,19 @@ def _proj_norm_kernel(v_ptr, w_ptr, out_ptr, n, s_vh, s_vt, s_vd, s_wh, s_wd, s_
     t = tl.program_id(1) * TILE_T + tl.arange(0, TILE_T)
     k = tl.arange(0, BLOCK_d)
     mk = k < d
-    v = tl.load(v_ptr + h * s_vh + t[:, None].to(tl.int64) * s_vt + k[None, :] * s_vd,
-                mask=(t < n)[:, None] & mk[None, :], other=0.0).to(tl.float32)
+    v = tl.load(
+        v_ptr + h * s_vh + t[:, None].to(tl.int64) * s_vt + k[None, :] * s_vd,
+        mask=(t < n)[:, None] & mk[None, :],
+        other=0.0,
+    ).to(tl.float32)
     acc = tl.zeros([TILE_T], dtype=tl.float32)
     for g in tl.range(0, G):
         w_head = w_ptr + (h * G + g).to(tl.int64) * s_wh
         for c0 in tl.range(0, Dout, TILE_D):
             c = c0 + tl.arange(0, TILE_D)
-            w = tl.load(w_head + k[:, None] * s_wd + c[None, :] * s_wc, mask=mk[:, None] & (c < Dout)[None, :],
-                        other=0.0).to(tl.float32)
+            w = tl.load(
+                w_head + k[:, None] * s_wd + c[None, :] * s_wc, mask=mk[:, None] & (c < Dout)[None, :], other=0.0
+            ).to(tl.float32)
             acc += tl.sum(tl.abs(tl.dot(v, w, input_precision=PREC)), axis=1)
     tl.store(out_ptr + h * n + t, acc / G, mask=t < n)
 
@@ -461,6 +666,7 @@ def projected_value_norms(V, W_O, G: int):
     prec = "tf32" if V.dtype in half and W_O.dtype in half else "ieee"
     Bd = max(16, triton.next_power_of_2(d))
     TT = 64 if Bd <= 128 else 32
-    _proj_norm_kernel[(H, triton.cdiv(n, TT))](V, W_O, out, n, *V.stride(), *W_O.stride(), D, G=G, d=d,
-                                               TILE_T=TT, BLOCK_d=Bd, TILE_D=64, PREC=prec)
+    _proj_norm_kernel[(H, triton.cdiv(n, TT))](
+        V, W_O, out, n, *V.stride(), *W_O.stride(), D, G=G, d=d, TILE_T=TT, BLOCK_d=Bd, TILE_D=64, PREC=prec
+    )
     return out

@@ -19,8 +19,19 @@ from vllm_kvevict.policies.tova import TOVA
 POLICIES: dict[str, type[Policy]] = {
     cls.name: cls
     for cls in (
-        NoEviction, StreamingLLM, KeyDiff, SnapKV, TOVA, H2O, KNorm, Random,
-        CriticalKV, KVMerger, LSHE, CAOTE, FastCAOTE,
+        NoEviction,
+        StreamingLLM,
+        KeyDiff,
+        SnapKV,
+        TOVA,
+        H2O,
+        KNorm,
+        Random,
+        CriticalKV,
+        KVMerger,
+        LSHE,
+        CAOTE,
+        FastCAOTE,
     )
 }
 

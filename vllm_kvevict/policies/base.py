@@ -18,13 +18,12 @@ from __future__ import annotations
 
 import math
 from dataclasses import dataclass, field
-from typing import Any, ClassVar
+from typing import Any, ClassVar, Generic, Literal, TypeVar
 
 import torch
 from pydantic import BaseModel, ConfigDict
 
 from vllm_kvevict.kernels import ops
-
 
 #: Upper bound of token-count parameters (sink/recent tokens): far above any budget a server runs
 #: with, far below what overflows the int32 positions and the index arithmetic.
@@ -87,6 +86,26 @@ class KVView:
     def num_heads(self) -> int:
         return self.K.shape[0]
 
+    def queries(self) -> tuple[torch.Tensor, torch.Tensor]:
+        """``Q`` and ``q_pos``: this step's queries (a policy that declares ``needs_queries``)."""
+        if self.Q is None or self.q_pos is None:
+            raise ValueError("this policy reads the step's queries (view.Q, view.q_pos); none were given")
+        return self.Q, self.q_pos
+
+    def window_queries(self) -> tuple[torch.Tensor, torch.Tensor]:
+        """``Q_window`` and ``w_pos``: the sequence's latest queries (a policy with a ``query_window``)."""
+        if self.Q_window is None or self.w_pos is None:
+            raise ValueError("this policy reads the latest queries (view.Q_window, view.w_pos); none were given")
+        return self.Q_window, self.w_pos
+
+    @property
+    def kept(self) -> int:
+        """How many tokens per KV head this compaction keeps (``keep``, else the ``budget``)."""
+        n = self.keep if self.keep is not None else self.budget
+        if n is None:
+            raise ValueError("the view has neither keep nor budget")
+        return n
+
     @property
     def attn_scale(self) -> float:
         return self.scale if self.scale is not None else 1.0 / math.sqrt(self.K.shape[-1])
@@ -98,7 +117,10 @@ class KVView:
         return int(self.pos.max()) + 1 if self.pos.numel() else 0
 
 
-class Policy:
+P = TypeVar("P", bound=PolicyParams)
+
+
+class Policy(Generic[P]):
     """Base class: subclasses set ``name``, ``Params`` and implement :meth:`score`."""
 
     name: ClassVar[str]
@@ -106,12 +128,12 @@ class Policy:
     #: the policy also compacts while decoding (every block_size generated tokens)
     evicts_during_decode: ClassVar[bool] = False
     #: trigger when the configuration leaves it unset: "chunked" (every step) or "once" (prompt end)
-    default_trigger: ClassVar[str] = "chunked"
+    default_trigger: ClassVar[Literal["chunked", "once"]] = "chunked"
     #: the policy needs ``W_O`` (the backend finds the layer's output projection once)
     needs_w_o: ClassVar[bool] = False
 
-    def __init__(self, params: PolicyParams | None = None):
-        self.params = params if params is not None else self.Params()
+    def __init__(self, params: P | None = None):
+        self.params: P = params if params is not None else self.Params()  # type: ignore[assignment]
 
     # What the backend must provide; instance-level because they may depend on the parameters.
     @property
@@ -152,10 +174,22 @@ class Policy:
         otherwise (the transformers reference, tests), never as ``[H_q, m, n]``."""
         if view.attn is not None:
             return view.attn
-        Q, q_pos = self.attention_queries(view)
+        queries = self.attention_queries(view)
+        if queries is None:
+            raise ValueError(f"{self.name} reads no attention")
+        Q, q_pos = queries
         one = lambda n: torch.tensor([0, n], device=view.K.device)  # noqa: E731 - a single row
-        return ops.column_sums(Q.transpose(0, 1), view.K.transpose(0, 1), q_pos.to(view.K.device), view.pos.T,
-                               one(Q.shape[1]), one(view.K.shape[1]), view.G, view.attn_scale, view.softcap).T
+        return ops.column_sums(
+            Q.transpose(0, 1),
+            view.K.transpose(0, 1),
+            q_pos.to(view.K.device),
+            view.pos.T,
+            one(Q.shape[1]),
+            one(view.K.shape[1]),
+            view.G,
+            view.attn_scale,
+            view.softcap,
+        ).T
 
     def score(self, view: KVView) -> torch.Tensor:
         """``[H_kv, n]`` float32 scores, higher = keep; ``+inf`` marks protected slots.
@@ -169,13 +203,15 @@ class Policy:
         L = torch.tensor([view.length])
         return self.score_ragged(view.K.transpose(0, 1), view.pos.transpose(0, 1), cu, L, view.layer).transpose(0, 1)
 
-    def score_ragged(self, K: torch.Tensor, pos: torch.Tensor, cu: torch.Tensor, L: torch.Tensor,
-                     layer: int) -> torch.Tensor | None:
+    def score_ragged(
+        self, K: torch.Tensor, pos: torch.Tensor, cu: torch.Tensor, L: torch.Tensor, layer: int
+    ) -> torch.Tensor:
         """The score of a policy that reads only the keys and positions, for the packed tokens of
         many rows at once (``K [N, H, d]``, ``pos [N, H]``, row ``r`` = ``[cu[r], cu[r+1])``, its
         length ``L[r]``): ``[N, H]``. Such a policy writes only this (its formula, once);
-        :meth:`score` is derived from it. ``None``: the policy scores row by row (:meth:`score`)."""
-        return None
+        :meth:`score` is derived from it. A policy that does not define it scores row by row
+        (:meth:`score`)."""
+        raise NotImplementedError(f"{type(self).__name__} scores row by row (score), not score_ragged")
 
     @property
     def default_selection(self) -> bool:
@@ -190,8 +226,12 @@ class Policy:
         (:func:`vllm_kvevict.backends.evict.evict_step`): it has :meth:`score_ragged` and uses the
         default selection, no state, queries or merging."""
         cls = type(self)
-        return (cls.score_ragged is not Policy.score_ragged and self.default_selection
-                and not self.needs_queries and not self.observes)
+        return (
+            cls.score_ragged is not Policy.score_ragged
+            and self.default_selection
+            and not self.needs_queries
+            and not self.observes
+        )
 
     def select(self, scores: torch.Tensor, keep: int, view: KVView) -> torch.Tensor:
         """Indices ``[H_kv, keep]`` of the kept slots, in ascending slot order per head.

@@ -14,7 +14,7 @@ before its evictions (KeyDiff's order) instead of over the kept entries only (Eq
 
 from __future__ import annotations
 
-from typing import ClassVar, Literal
+from typing import ClassVar, Literal, TypeVar
 
 import torch
 from pydantic import Field
@@ -39,7 +39,10 @@ class BaseScoreParams(PolicyParams):
         return self.snapkv.min_budget() if self.base == "snapkv" else 1
 
 
-class BaseScorePolicy(Policy):
+BP = TypeVar("BP", bound=BaseScoreParams)
+
+
+class BaseScorePolicy(Policy[BP]):
     """A policy on top of a base score: declares what the base needs and computes it."""
 
     @property
@@ -79,7 +82,7 @@ def caote_scores(h: torch.Tensor, V: torch.Tensor, fast: bool) -> torch.Tensor:
     return hn / (1 - hn).clamp_min(ONE_MINUS_MIN) * (X - V).norm(dim=-1)
 
 
-class CAOTE(BaseScorePolicy):
+class CAOTE(BaseScorePolicy[BaseScoreParams]):
     name = "caote"
     Params = BaseScoreParams
     evicts_during_decode = True

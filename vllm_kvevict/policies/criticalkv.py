@@ -43,7 +43,7 @@ class CriticalKVParams(BaseScoreParams):
     eps: float = Field(1e-4, ge=0.0, le=1.0, description="added to the attention in stage 2")
 
 
-class CriticalKV(BaseScorePolicy):
+class CriticalKV(BaseScorePolicy[CriticalKVParams]):
     name = "criticalkv"
     Params = CriticalKVParams
     default_trigger = "once"
@@ -54,7 +54,7 @@ class CriticalKV(BaseScorePolicy):
         A, protected = self.base_scores(view)
         if protected is None:
             protected = torch.zeros_like(A, dtype=torch.bool)
-        keep = view.keep if view.keep is not None else view.budget
+        keep = view.kept
         b = keep - int(protected[0].sum())
         b1 = math.floor(self.params.alpha * b)
         inf = float("inf")

@@ -28,7 +28,7 @@ class H2OParams(PolicyParams):
 
 def h2o_queries(view: KVView) -> tuple[torch.Tensor, torch.Tensor]:
     """Every query of the step."""
-    return view.Q, view.q_pos
+    return view.queries()
 
 
 def h2o_observe(view: KVView, A: torch.Tensor) -> None:
@@ -41,7 +41,7 @@ def protect_recent(scores: torch.Tensor, view: KVView, recent: int) -> torch.Ten
     return scores.masked_fill(view.pos >= view.length - recent, float("inf")) if recent else scores
 
 
-class H2O(Policy):
+class H2O(Policy[H2OParams]):
     name = "h2o"
     Params = H2OParams
     evicts_during_decode = True

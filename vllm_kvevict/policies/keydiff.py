@@ -12,8 +12,6 @@ this after every prefill chunk (the chunk is the paper's block B) and during dec
 
 from __future__ import annotations
 
-import torch
-
 from vllm_kvevict.kernels import ops
 from vllm_kvevict.policies.base import Policy
 

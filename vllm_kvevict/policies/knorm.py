@@ -24,7 +24,7 @@ class KNormParams(PolicyParams):
         return self.sink_tokens + self.recent_tokens + 1
 
 
-class KNorm(Policy):
+class KNorm(Policy[KNormParams]):
     name = "knorm"
     Params = KNormParams
     evicts_during_decode = True

@@ -41,7 +41,7 @@ class KVMergerParams(PolicyParams):
     value_scale: Literal["set_size", "none"] = Field("set_size", description="multiply merged values by |S|")
 
 
-class KVMerger(Policy):
+class KVMerger(Policy[KVMergerParams]):
     name = "kvmerger"
     Params = KVMergerParams
     default_trigger = "once"

@@ -58,7 +58,7 @@ def simhash(x: torch.Tensor, R: torch.Tensor) -> torch.Tensor:
 ROW_CHUNK = 256
 
 
-class LSHE(Policy):
+class LSHE(Policy[LSHEParams]):
     name = "lshe"
     Params = LSHEParams
     evicts_during_decode = True
@@ -75,17 +75,20 @@ class LSHE(Policy):
         p = self.params
         R = _projection(p.seed, view.layer, p.bits, view.K.shape[-1])
         code, victim = view.state[CODE], view.state[VICTIM]
-        m, n = view.q_pos.shape[0], view.pos.shape[1]
+        Q, q_pos = view.queries()
+        if view.budget is None:
+            raise ValueError("lshe chooses victims once the window holds its budget: view.budget is needed")
+        m, n = q_pos.shape[0], view.pos.shape[1]
         # This step's tokens are the window's last m slots, in order; hash their keys.
-        code[:, n - m:] = simhash(view.K[:, n - m:], R)
+        code[:, n - m :] = simhash(view.K[:, n - m :], R)
         G = view.G
         for c0 in range(0, m, ROW_CHUNK):
             c1 = min(m, c0 + ROW_CHUNK)
             if p.hash == "query":  # sum over the group's query heads of d_H(h(q_t^g), h(k_j))
-                dist = ops.hamming_distances(simhash(view.Q[:, c0:c1], R), code, G)  # [H, rows, n]
+                dist = ops.hamming_distances(simhash(Q[:, c0:c1], R), code, G)  # [H, rows, n]
             else:  # d_H(h(k_t), h(k_j)), per KV head
-                dist = ops.hamming_distances(code[:, n - m + c0:n - m + c1], code, 1)
-            ops.lshe_victims(dist, view.pos, victim, view.q_pos[c0:c1], view.budget, p.sink_tokens, p.recent_tokens)
+                dist = ops.hamming_distances(code[:, n - m + c0 : n - m + c1], code, 1)
+            ops.lshe_victims(dist, view.pos, victim, q_pos[c0:c1], view.budget, p.sink_tokens, p.recent_tokens)
 
     def score(self, view: KVView) -> torch.Tensor:
         # Non-victims first; among victims the latest-chosen are kept longest.

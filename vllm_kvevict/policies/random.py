@@ -35,7 +35,7 @@ def hash_scores(seed: int, layer: int, pos: torch.Tensor) -> torch.Tensor:
     return x.to(torch.float64).div(_M31 + 1).to(torch.float32)
 
 
-class Random(Policy):
+class Random(Policy[RandomParams]):
     name = "random"
     Params = RandomParams
     evicts_during_decode = True

@@ -30,8 +30,9 @@ MAX_KERNEL = 63
 
 
 class SnapKVParams(PolicyParams):
-    window: int = Field(32, ge=1, le=MAX_QUERY_WINDOW,
-                       description="observation window: the last queries scored with, always kept")
+    window: int = Field(
+        32, ge=1, le=MAX_QUERY_WINDOW, description="observation window: the last queries scored with, always kept"
+    )
     kernel: int = Field(7, ge=1, le=MAX_KERNEL, description="pooling kernel along the tokens (odd)")
     pooling: Literal["avg", "max"] = Field("avg", description="avg (KeyDiff/CAOTE harness) or max (CriticalKV)")
 
@@ -48,25 +49,25 @@ class SnapKVParams(PolicyParams):
 
 def snapkv_queries(view: KVView) -> tuple[torch.Tensor, torch.Tensor]:
     """The observation window: the sequence's last ``window`` queries."""
-    return view.Q_window, view.w_pos
+    return view.window_queries()
 
 
 def snapkv_scores(view: KVView, A: torch.Tensor, p: SnapKVParams) -> tuple[torch.Tensor, torch.Tensor]:
     """Finite scores ``[H_kv, n]`` (prefix: pooled window attention; window: its raw mean
     attention) and the mask of the protected window slots; ``A [H_q, n]``: the window's attention
     summed per key."""
-    A = A / view.Q_window.shape[1]  # mean over the window
+    A = A / view.window_queries()[0].shape[1]  # mean over the window
     kpos = view.pos.repeat_interleave(view.G, dim=0)
     in_win = kpos >= view.length - p.window
     n_win = int(in_win[0].sum())
-    if not bool((in_win.sum(dim=-1) == n_win).all() and in_win[:, kpos.shape[1] - n_win:].all()):
+    if not bool((in_win.sum(dim=-1) == n_win).all() and in_win[:, kpos.shape[1] - n_win :].all()):
         raise AssertionError("snapkv: the window's tokens must be the last slots of every head")
     n_pre = A.shape[1] - n_win
     pooled = torch.cat([pool1d(A[:, :n_pre], p.kernel, p.pooling), A[:, n_pre:]], dim=1)
     return group_mean(pooled, view.G), in_win[:: view.G]
 
 
-class SnapKV(Policy):
+class SnapKV(Policy[SnapKVParams]):
     name = "snapkv"
     Params = SnapKVParams
     evicts_during_decode = True

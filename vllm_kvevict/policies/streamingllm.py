@@ -19,7 +19,7 @@ class StreamingLLMParams(PolicyParams):
         return self.sink_tokens + 1
 
 
-class StreamingLLM(Policy):
+class StreamingLLM(Policy[StreamingLLMParams]):
     name = "streamingllm"
     Params = StreamingLLMParams
     evicts_during_decode = True

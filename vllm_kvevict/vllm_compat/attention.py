@@ -144,7 +144,9 @@ def install_cuda_selector(choose: Callable[[object, object], str]) -> None:
 
         return get_attn_backend_cls
 
-    wrap_method(CudaPlatform, "get_attn_backend_cls", make, "kvevict: CUSTOM is FLASH_ATTN or TRITON_ATTN per configuration")
+    wrap_method(
+        CudaPlatform, "get_attn_backend_cls", make, "kvevict: CUSTOM is FLASH_ATTN or TRITON_ATTN per configuration"
+    )
 
 
 def current_vllm_config(or_none: bool = False):

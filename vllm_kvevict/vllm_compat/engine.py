@@ -50,8 +50,9 @@ def install_request_check(check: Callable[[object, object], Callable[[object], N
             if key is not None:
                 raise VLLMValidationError(str(err), parameter=key) from None
             logger.warning("kvevict: could not check a request's kvevict keys: %r", err, exc_info=True)
-            raise VLLMValidationError(f"kvevict: could not check the request's kvevict keys ({type(err).__name__})",
-                                      parameter="vllm_xargs") from None
+            raise VLLMValidationError(
+                f"kvevict: could not check the request's kvevict keys ({type(err).__name__})", parameter="vllm_xargs"
+            ) from None
 
     def make_process(orig):
         def process_inputs(self, request_id, prompt, params, *args, **kwargs):
@@ -63,5 +64,9 @@ def install_request_check(check: Callable[[object, object], Callable[[object], N
 
         return process_inputs
 
-    wrap_method(InputProcessor, "process_inputs", make_process, "kvevict: HTTP 400 for bad kvevict keys, or a "
-                "request that cannot fit")
+    wrap_method(
+        InputProcessor,
+        "process_inputs",
+        make_process,
+        "kvevict: HTTP 400 for bad kvevict keys, or a request that cannot fit",
+    )

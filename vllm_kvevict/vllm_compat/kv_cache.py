@@ -117,9 +117,17 @@ def install_request_hooks(
 
         return get_computed_blocks
 
-    wrap_method(KVCacheManager, "allocate_slots", make_allocate,
-                "kvevict: each request's settings; the window each scheduled step reaches")
+    wrap_method(
+        KVCacheManager,
+        "allocate_slots",
+        make_allocate,
+        "kvevict: each request's settings; the window each scheduled step reaches",
+    )
     wrap_method(KVCacheManager, "free", make_end, "kvevict: end a request's attempt (or the request)")
-    wrap_method(KVCacheManager, "pop_blocks_for_free", make_end,
-                "kvevict: end a request's attempt (or the request; deferred free)")
+    wrap_method(
+        KVCacheManager,
+        "pop_blocks_for_free",
+        make_end,
+        "kvevict: end a request's attempt (or the request; deferred free)",
+    )
     wrap_method(KVCacheManager, "get_computed_blocks", make_lookup, "kvevict: prefix-cache hits a window can use")

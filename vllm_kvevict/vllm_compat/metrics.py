@@ -25,9 +25,8 @@ def _register(registry, collector) -> None:
 
 def install_collector(collector) -> None:
     """Serve ``collector``'s families on vLLM's ``/metrics`` (idempotent)."""
-    from prometheus_client import REGISTRY
-
     import vllm.v1.metrics.prometheus as prometheus
+    from prometheus_client import REGISTRY
 
     _register(REGISTRY, collector)
 

@@ -76,10 +76,12 @@ def install_step_hook() -> None:
             else:
                 req_ids = list(batch.req_ids[:num_reqs])
                 step = RunnerStep(
-                    req_ids=req_ids, prompt_lens=batch.num_prompt_tokens[:num_reqs].tolist(),
+                    req_ids=req_ids,
+                    prompt_lens=batch.num_prompt_tokens[:num_reqs].tolist(),
                     num_tokens=batch.num_tokens_no_spec[:num_reqs].tolist(),
                     extra_args=[_extra_args(self.requests.get(rid)) for rid in req_ids],
-                    live=frozenset(self.requests), starts=getattr(_tls, "starts", frozenset()),
+                    live=frozenset(self.requests),
+                    starts=getattr(_tls, "starts", frozenset()),
                 )
             _tls.step = step
             try:
@@ -172,8 +174,9 @@ def install_cpu_generator_fix() -> None:
 _step_listeners: dict[str, tuple[Callable[[], object], Callable[[object, float], None], bool]] = {}
 
 
-def add_step_listener(key: str, begin: Callable[[], object], end: Callable[[object, float], None],
-                      sync: bool = False) -> None:
+def add_step_listener(
+    key: str, begin: Callable[[], object], end: Callable[[object, float], None], sync: bool = False
+) -> None:
     """Around every ``GPUModelRunner.execute_model``: ``token = begin()`` before, ``end(token,
     wall_seconds)`` after. ``sync``: the device is synchronised at both ends (profiling only: it
     changes what it measures). One listener per ``key`` (adding it again is a no-op), called in the
@@ -225,15 +228,22 @@ def require_v1_runner(vllm_config, logger) -> tuple[str, str] | None:
     vLLM reads it only after the platform's ``check_and_update_config`` (where this runs).
     """
     if os.environ.get(V2_RUNNER_ENV, "").strip().lower() in ("1", "true"):
-        return (f"{V2_RUNNER_ENV}=1", f"the plugin's per-step hook is in vLLM's V1 model runner; unset it or set "
-                f"{V2_RUNNER_ENV}=0")
+        return (
+            f"{V2_RUNNER_ENV}=1",
+            f"the plugin's per-step hook is in vLLM's V1 model runner; unset it or set {V2_RUNNER_ENV}=0",
+        )
     unsupported = getattr(vllm_config, "_get_v1_model_runner_unsupported_features", None)
     features = list(unsupported()) if callable(unsupported) else []
     if features:
-        return (f"a configuration that vLLM's V1 model runner cannot run ({', '.join(map(str, features))})",
-                "the plugin's per-step hook is in the V1 runner")
+        return (
+            f"a configuration that vLLM's V1 model runner cannot run ({', '.join(map(str, features))})",
+            "the plugin's per-step hook is in the V1 runner",
+        )
     if os.environ.get(V2_RUNNER_ENV) is None and getattr(vllm_config, "use_v2_model_runner", False):
         os.environ[V2_RUNNER_ENV] = "0"
-        logger.info("kvevict: using vLLM's V1 model runner (%s=0): the plugin's per-step hook is installed "
-                    "into it, not into Model Runner V2", V2_RUNNER_ENV)
+        logger.info(
+            "kvevict: using vLLM's V1 model runner (%s=0): the plugin's per-step hook is installed "
+            "into it, not into Model Runner V2",
+            V2_RUNNER_ENV,
+        )
     return None
