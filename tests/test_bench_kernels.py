@@ -11,7 +11,7 @@ import pytest
 import torch
 
 from vllm_kvevict.bench import kernels as bench
-from vllm_kvevict.kernels import reference as ref
+from vllm_kvevict.kernels import torch_ops as ref
 from vllm_kvevict.policies.base import topk_newer
 
 
@@ -80,7 +80,7 @@ def test_run_writes_table_json_and_plot(tmp_path, capsys, monkeypatch):
         == 0
     )
     report = json.loads((tmp_path / "kernels.json").read_text())
-    assert report["device"] == "cpu" and report["kernels"] == "reference" and report["score"] == "snapkv"
+    assert report["device"] == "cpu" and report["kernels"] == "torch_ops" and report["score"] == "snapkv"
     assert [(r["requests"], r["context"]) for r in report["rows"]] == [(1, 128), (1, 256), (2, 128), (2, 256)]
     for r in report["rows"]:
         assert r["budget"] == r["context"] // 4 and r["window"] == r["budget"] + 32

@@ -2,7 +2,7 @@
 
 Wherever a CUDA toolkit is found (this project's CI included) the extension is built and imported,
 and its argument checks are exercised with CPU tensors; without a GPU nothing is run. On a GPU each
-op is compared with :mod:`vllm_kvevict.kernels.reference` on small ragged row sets (rows of length
+op is compared with :mod:`vllm_kvevict.kernels.torch_ops` on small ragged row sets (rows of length
 0 and 1, rows longer than a tile, block sizes 16/32, 1-8 KV heads, head_dim 64/128, fp32/fp16/bf16,
 FlashAttention ``[nb, H, bs, 2D]`` views, ``[nb, 2, bs, H, D]`` views, a strided head_dim, a
 right-aligned in-place compaction over the gathered tokens, dtype conversions, per-slot state):
@@ -28,7 +28,7 @@ import torch
 
 from tests.test_kernels_batched import paged_case
 from vllm_kvevict.kernels import cuda_ops
-from vllm_kvevict.kernels import reference as ref
+from vllm_kvevict.kernels import torch_ops as ref
 
 CUDA = torch.cuda.is_available()
 TOOLKIT = cuda_ops.cuda_home()

@@ -12,6 +12,7 @@ from tests.test_evict_step import BS, HQ, H, _setup
 from vllm_kvevict.backends import fault
 from vllm_kvevict.backends import flash_layout as flash_cache
 from vllm_kvevict.backends.evict import RowWork, evict_step
+from vllm_kvevict.testing import hooks
 
 FAULTY_ROW = 6  # snapkv: scored after the observing rows 1, 3 and 5 (h2o, lshe, h2o)
 
@@ -47,10 +48,10 @@ def test_faulty_row_falls_back_and_others_are_untouched(monkeypatch, caplog):
     work_r[FAULTY_ROW] = RowWork(w.row, fault.SAFE_POLICY, w.compact, w.extra)
     kept_r = _step(cache_r, pos_r, state_r, plan_r)(work_r)
 
-    monkeypatch.setenv(fault.TEST_FAULT_ENV, "snapkv")
     cache, _, slot_pos, state, plan, work = _setup("flash", torch.float32)
     w = work[FAULTY_ROW]
-    work[FAULTY_ROW] = RowWork(w.row, fault.maybe_faulty(w.policy), w.compact, w.extra)
+    faulty = hooks.faulty_class(type(w.policy), frozenset({"snapkv"}))(w.policy.params)
+    work[FAULTY_ROW] = RowWork(w.row, faulty, w.compact, w.extra)
     step = _step(cache, slot_pos, state, plan)
     with pytest.raises(RuntimeError, match="fault injected into snapkv"):
         step(work)  # the batched step raises, having written nothing
@@ -107,9 +108,22 @@ def test_fallback_is_sticky_and_forgotten_when_the_request_ends():
 
 
 def test_injection_is_off_by_default(monkeypatch):
-    monkeypatch.delenv(fault.TEST_FAULT_ENV, raising=False)
-    p = fault.SAFE_POLICY
-    assert fault.maybe_faulty(p) is p
+    """Without KVEVICT_TEST_FAULT no policy class is replaced (``register()`` does not even import
+    the hooks); asked for, only the named ones are, once."""
+    from vllm_kvevict.policies import POLICIES
+
+    monkeypatch.delenv(hooks.TEST_FAULT_ENV, raising=False)
+    before = dict(POLICIES)
+    hooks.install()
+    assert POLICIES == before
+    monkeypatch.setenv(hooks.TEST_FAULT_ENV, "snapkv,h2o@prepare")
+    try:
+        hooks.install()
+        hooks.install()
+        changed = {n for n in POLICIES if POLICIES[n] is not before[n]}
+        assert changed == {"snapkv", "h2o"} and POLICIES["snapkv"].__mro__[1] is before["snapkv"]
+    finally:
+        POLICIES.update(before)
 
 
 def test_hold_waits_on_a_moved_window_until_the_file_goes(monkeypatch, tmp_path):
@@ -121,14 +135,14 @@ def test_hold_waits_on_a_moved_window_until_the_file_goes(monkeypatch, tmp_path)
     from vllm_kvevict.testing.server import wait_until
 
     moved, fresh = SimpleNamespace(e_prev=[0, 64], e_new=[0, 64]), SimpleNamespace(e_prev=[0, 0], e_new=[0, 0])
-    fault.hold_if_asked(moved)  # unset: returns at once
+    hooks.hold_if_asked(moved)  # unset: returns at once
     monkeypatch.setenv("KVEVICT_TEST_HOLD", str(tmp_path))
-    fault.hold_if_asked(moved)  # no hold file: returns at once
+    hooks.hold_if_asked(moved)  # no hold file: returns at once
     (tmp_path / "hold").touch()
-    fault.hold_if_asked(fresh)  # nothing evicted yet: returns at once
+    hooks.hold_if_asked(fresh)  # nothing evicted yet: returns at once
     assert not (tmp_path / "held").exists()
     with ThreadPoolExecutor(1) as pool:
-        step = pool.submit(fault.hold_if_asked, moved)
+        step = pool.submit(hooks.hold_if_asked, moved)
         wait_until((tmp_path / "held").exists, 30, "the step held")
         assert not step.done()
         (tmp_path / "hold").unlink()
@@ -137,11 +151,11 @@ def test_hold_waits_on_a_moved_window_until_the_file_goes(monkeypatch, tmp_path)
     # not compact, and a step in which nothing moves, do not
     (tmp_path / "held").unlink()
     (tmp_path / "hold-compacting").touch()
-    fault.hold_if_asked(SimpleNamespace(e_prev=[0, 64], e_new=[0, 64]))
-    fault.hold_if_asked(SimpleNamespace(e_prev=[0, 0], e_new=[0, 0]))
+    hooks.hold_if_asked(SimpleNamespace(e_prev=[0, 64], e_new=[0, 64]))
+    hooks.hold_if_asked(SimpleNamespace(e_prev=[0, 0], e_new=[0, 0]))
     assert not (tmp_path / "held").exists()
     with ThreadPoolExecutor(1) as pool:
-        step = pool.submit(fault.hold_if_asked, SimpleNamespace(e_prev=[0, 0], e_new=[0, 384]))
+        step = pool.submit(hooks.hold_if_asked, SimpleNamespace(e_prev=[0, 0], e_new=[0, 384]))
         wait_until((tmp_path / "held").exists, 30, "the compacting step held")
         assert not step.done()
         (tmp_path / "hold-compacting").unlink()

@@ -11,7 +11,7 @@ import os
 import pytest
 import torch
 
-from vllm_kvevict.kernels import reference as ref
+from vllm_kvevict.kernels import torch_ops as ref
 from vllm_kvevict.policies.base import KVView, topk_newer
 from vllm_kvevict.policies.keydiff import KeyDiff
 

@@ -15,7 +15,7 @@ import torch
 
 from tests.policy_reference import build, make_policy
 from vllm_kvevict.kernels import ops
-from vllm_kvevict.kernels import reference as ref
+from vllm_kvevict.kernels import torch_ops as ref
 from vllm_kvevict.policies import lshe as lshe_mod
 from vllm_kvevict.policies.lshe import _projection
 

@@ -16,9 +16,9 @@ from vllm.v1.core.kv_cache_manager import KVCacheManager  # noqa: E402
 from vllm.v1.kv_cache_interface import FullAttentionSpec, KVCacheConfig, KVCacheGroupSpec  # noqa: E402
 from vllm.v1.request import Request, RequestStatus  # noqa: E402
 
+from vllm_kvevict import kv_manager as mgr  # noqa: E402
 from vllm_kvevict.config import parse_config  # noqa: E402
 from vllm_kvevict.request import ENGINE  # noqa: E402
-from vllm_kvevict.scheduler import manager as mgr  # noqa: E402
 from vllm_kvevict.window import WindowConfig, window_bound_blocks  # noqa: E402
 
 BS, CHUNK, NUM_BLOCKS, BUDGET, MAX_LEN = 32, 64, 41, 96, 8192

@@ -138,15 +138,26 @@ def test_a_prefix_cache_hit_is_held_until_the_window_moves_past_it():
 def test_cascade_attention_is_off_once_any_row_has_moved():
     """vLLM's cascade attention reads the prefix every row shares through row 0's logical block
     table; a row attending over a shifted window no longer starts with those blocks."""
-    from vllm_kvevict.backends.common import KVEvictBuilderMixin
+    from vllm_kvevict.backends.base import KVEvictBuilderMixin, KVEvictMetadata
     from vllm_kvevict.vllm_compat import runner
+
+    @dataclasses.dataclass
+    class BaseMetadata:
+        common_prefix_len: int
+
+    @dataclasses.dataclass
+    class WithPlan(KVEvictMetadata, BaseMetadata):
+        kvevict_plan: object = None
 
     class Base:
         def build(self, common_prefix_len, cm, fast_build=False, **kwargs):
-            return SimpleNamespace(common_prefix_len=common_prefix_len)
+            return BaseMetadata(common_prefix_len)
 
     class Builder(KVEvictBuilderMixin, Base):
-        kvevict_config, kvevict_block_size = SERVER, BS
+        kvevict_config, kvevict_block_size, kvevict_metadata = SERVER, BS, WithPlan
+
+        def __init__(self):  # vLLM's builder is not built here
+            pass
 
     @dataclasses.dataclass
     class Metadata:  # the fields of CommonAttentionMetadata the builder reads (it replaces some)
@@ -162,7 +173,9 @@ def test_cascade_attention_is_off_once_any_row_has_moved():
     def built(seq_lens, query_lens):
         runner._tls.step = _step(["a", "b"], [1024, 1024], [None, None])
         try:
-            return Builder().build(64, Metadata(**vars(_cm(seq_lens, query_lens)))).common_prefix_len
+            md = Builder().build(64, Metadata(**vars(_cm(seq_lens, query_lens))))
+            assert isinstance(md, BaseMetadata) and md.kvevict_plan.req_ids == ["a", "b"]  # the plan rides along
+            return md.common_prefix_len
         finally:
             runner._tls.step = None
 
@@ -173,7 +186,7 @@ def test_cascade_attention_is_off_once_any_row_has_moved():
 def test_an_attempt_starts_its_query_window_afresh():
     """A request resumed after preemption on its own prefix-cache hit starts at L_prev > 0; its
     query window must not carry the previous attempt's queries."""
-    from vllm_kvevict.backends.common import KVEvictImplMixin
+    from vllm_kvevict.backends.base import KVEvictImplMixin
 
     impl = SimpleNamespace()
     impl._layer_state = lambda plan, r, layer: KVEvictImplMixin._layer_state(impl, plan, r, layer)

@@ -45,10 +45,10 @@ from vllm.v1.kv_cache_interface import FullAttentionSpec, KVCacheConfig, KVCache
 from vllm.v1.outputs import ModelRunnerOutput  # noqa: E402
 from vllm.v1.request import Request, RequestStatus  # noqa: E402
 
+from vllm_kvevict import kv_manager as mgr  # noqa: E402
 from vllm_kvevict.backends import plan as worker_plan  # noqa: E402
 from vllm_kvevict.config import parse_config  # noqa: E402
 from vllm_kvevict.request import ENGINE, WORKER, resolve  # noqa: E402
-from vllm_kvevict.scheduler import manager as mgr  # noqa: E402
 from vllm_kvevict.vllm_compat.runner import RunnerStep  # noqa: E402
 from vllm_kvevict.window import peak_blocks  # noqa: E402
 

@@ -185,6 +185,13 @@ def recorder(role: str, rank: int = 0) -> Recorder | None:
     return _recorder
 
 
+def worker_recorder() -> Recorder | None:
+    """A worker's recorder: its tensor-parallel rank in the labels."""
+    from vllm_kvevict.vllm_compat import distributed as vllm_distributed
+
+    return recorder("worker", vllm_distributed.tensor_parallel()[0])
+
+
 def _alive(pid: int) -> bool:
     try:
         os.kill(pid, 0)

@@ -140,7 +140,7 @@ def test_fault_in_one_request_is_isolated(server, hf_model):
     outs = run(specs)
     assert all(len(o["tokens"]) == 24 for o in outs)
     for i, name in ((1, "snapkv"), (3, "tova")):
-        warnings = server.wait_log(rf"kvevict: request (\S+): policy {name} failed \(_InjectedFault")
+        warnings = server.wait_log(rf"kvevict: request (\S+): policy {name} failed \(InjectedFault")
         assert len(warnings) == 1 and warnings[0][1].startswith(outs[i]["id"] + "-"), [w[0] for w in warnings]
     # Every request, the faulty one included, equals the transformers replay of what it kept.
     attempts = load_attempts(server.dump_dir)

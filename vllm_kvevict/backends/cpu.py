@@ -6,9 +6,12 @@ pages).
 
 from __future__ import annotations
 
+from dataclasses import dataclass
+
 from vllm_kvevict import envs
-from vllm_kvevict.backends.common import make_backend
+from vllm_kvevict.backends.base import KVEvictBackendMixin, KVEvictBuilderMixin, KVEvictImplMixin, KVEvictMetadata
 from vllm_kvevict.backends.cpu_layout import cache_views, gather_tokens, write_tokens
+from vllm_kvevict.backends.plan import StepPlan
 from vllm_kvevict.vllm_compat.attention import CPU_ATTN
 
 
@@ -29,4 +32,24 @@ class CPULayoutMixin:
         return cache_views(kv_cache, layer.isa) if envs.KVEVICT_CPU_VIEWS else None
 
 
-KVEvictCPUBackend, KVEvictCPUImpl, KVEvictCPUMetadataBuilder = make_backend(__name__, "CPU", CPU_ATTN, CPULayoutMixin)
+@dataclass
+class KVEvictCPUMetadata(KVEvictMetadata, CPU_ATTN.metadata):
+    kvevict_plan: StepPlan | None = None
+
+
+class KVEvictCPUImpl(CPULayoutMixin, KVEvictImplMixin, CPU_ATTN.impl):
+    kvevict_base = CPU_ATTN.name
+
+
+class KVEvictCPUMetadataBuilder(KVEvictBuilderMixin, CPU_ATTN.builder):
+    kvevict_metadata = KVEvictCPUMetadata
+
+
+class KVEvictCPUBackend(KVEvictBackendMixin, CPU_ATTN.backend):
+    @staticmethod
+    def get_impl_cls() -> type[KVEvictCPUImpl]:
+        return KVEvictCPUImpl
+
+    @staticmethod
+    def get_builder_cls() -> type[KVEvictCPUMetadataBuilder]:
+        return KVEvictCPUMetadataBuilder

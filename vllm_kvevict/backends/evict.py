@@ -21,7 +21,7 @@ from dataclasses import dataclass
 import torch
 
 from vllm_kvevict import envs
-from vllm_kvevict.kernels import ops, reference
+from vllm_kvevict.kernels import ops, torch_ops
 from vllm_kvevict.policies.base import KVView, Policy
 
 Gather = Callable[
@@ -81,7 +81,7 @@ def evict_step(
     rows = torch.tensor([w.row for w in work], device=dev)
     starts = torch.tensor([plan.e_prev[w.row] for w in work], device=dev)
     ends = torch.tensor([plan.seq_lens[w.row] for w in work], device=dev)
-    blocks, offs, cu = reference.logical_tokens(plan.block_table, rows, starts, ends, block_size)
+    blocks, offs, cu = torch_ops.logical_tokens(plan.block_table, rows, starts, ends, block_size)
     slots_all = blocks * block_size + offs
     if views is not None:  # one read for every row, through the block table
         K_all, V_all, _ = ops.gather_paged(views[0], views[1], plan.block_table, rows, starts, ends)
@@ -218,7 +218,7 @@ def _attention(
     dev = K_all.device
     Q = torch.cat([q[0].transpose(0, 1) for _, _, q in need])  # [M, H_q, d]
     q_pos = torch.cat([q[1].to(dev) for _, _, q in need])
-    cu_q = reference.cu_from_lengths(torch.tensor([q[0].shape[1] for _, _, q in need], device=dev))
+    cu_q = torch_ops.cu_from_lengths(torch.tensor([q[0].shape[1] for _, _, q in need], device=dev))
     tok, cu_k = _packed(bounds, [i for i, _, _ in need], dev)
     K, pos = K_all[tok], pos_all[tok]
     v0 = need[0][1]
@@ -237,7 +237,7 @@ def _packed(bounds: list[int], idxs: list[int], device) -> tuple[torch.Tensor | 
         return slice(lo, bounds[idxs[-1] + 1]), torch.tensor(
             [bounds[i] - lo for i in [*idxs, idxs[-1] + 1]], device=device
         )
-    tok, _, cu = reference.ranges(
+    tok, _, cu = torch_ops.ranges(
         torch.tensor([bounds[i] for i in idxs], device=device),
         torch.tensor([bounds[i + 1] for i in idxs], device=device),
     )
@@ -267,7 +267,7 @@ def _write_kept(
         V_src = torch.cat([V_all, *(merged[r][1] for r in out if r in merged)])
     state_all = {k: s[slots_all] for k, s in slot_state.items()}  # every state moves, whichever policy owns it
     keep = torch.tensor([kept_tok[r].shape[0] for r in out], device=dev)
-    cu_keep = reference.cu_from_lengths(keep)
+    cu_keep = torch_ops.cu_from_lengths(keep)
     rows = torch.tensor(out, device=dev)
     dst = torch.tensor([plan.e_new[r] for r in out], device=dev)
     if views is not None:
@@ -283,7 +283,7 @@ def _write_kept(
         ):
             ops.scatter_paged(cache, src, i, zero, cu_keep, plan.block_table, rows, dst)
         return
-    blocks, offs, _ = reference.logical_tokens(plan.block_table, rows, dst, dst + keep, block_size)
+    blocks, offs, _ = torch_ops.logical_tokens(plan.block_table, rows, dst, dst + keep, block_size)
     slots = blocks * block_size + offs
     h = torch.arange(K_all.shape[1], device=K_all.device)[None, :]
     write(slots, K_src[idx_kv, h], V_src[idx_kv, h])

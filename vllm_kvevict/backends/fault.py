@@ -16,33 +16,22 @@ The backend's preparation of a row (its queries, query window, output projection
 guarded the same way: a request whose preparation raises (for example a policy that needs ``W_O``
 on a model where none is found) falls back before the step.
 
-Testing: ``KVEVICT_TEST_FAULT=<policy>[,<policy>@prepare...]`` (read when a policy object is made;
-off by default) makes the scoring (or the row preparation) of those policies raise, so a test can
-fault one request among many. ``KVEVICT_TEST_HOLD=<dir>`` lets a test stop the engine at a point of
-its choosing (:func:`hold_if_asked`).
+Testing: :mod:`vllm_kvevict.testing.hooks` makes policies raise on demand (``KVEVICT_TEST_FAULT``),
+outside this module and the forward path.
 """
 
 from __future__ import annotations
 
-import os
-import time
 from collections import Counter
 from collections.abc import Callable
-from functools import lru_cache
-from pathlib import Path
 
 import torch
 
-from vllm_kvevict import envs, metrics
+from vllm_kvevict import metrics
 from vllm_kvevict._logging import logger
 from vllm_kvevict.policies import Policy
 from vllm_kvevict.policies.streamingllm import StreamingLLM, StreamingLLMParams
 from vllm_kvevict.request import RequestState
-from vllm_kvevict.vllm_compat import distributed as vllm_distributed
-
-TEST_FAULT_ENV = "KVEVICT_TEST_FAULT"
-#: the longest a held step waits for its test (then it goes on, with a warning)
-HOLD_DEADLINE_S = 600.0
 
 #: Keeps the newest tokens per KV head (StreamingLLM without sinks): scores are the positions,
 #: nothing it computes can fail for a window the engine could gather.
@@ -54,15 +43,7 @@ FALLBACKS: Counter[str] = Counter()
 
 def policy_of(state: RequestState) -> Policy:
     """The policy a request runs with in this worker: its own, or the safe one after a fault."""
-    if state.fell_back_from is not None:
-        return SAFE_POLICY
-    faults = envs.KVEVICT_TEST_FAULT
-    return _faulty(state.settings.policy, faults) if faults else state.settings.policy
-
-
-@lru_cache(maxsize=64)
-def _faulty(policy: Policy, faults: frozenset[str]) -> Policy:
-    return maybe_faulty(policy)
+    return SAFE_POLICY if state.fell_back_from is not None else state.settings.policy
 
 
 def fall_back(state: RequestState | None, req_id: str | None, policy: Policy, err: BaseException) -> None:
@@ -72,7 +53,7 @@ def fall_back(state: RequestState | None, req_id: str | None, policy: Policy, er
             return
         state.fell_back_from = name
     FALLBACKS[name] += 1
-    rec = metrics.recorder("worker", vllm_distributed.tensor_parallel()[0])
+    rec = metrics.worker_recorder()
     if rec is not None:
         rec.inc("fallbacks", name)
     logger.warning(
@@ -111,61 +92,3 @@ def isolate(plan, work: list, step: Callable[[list], list[torch.Tensor]], err: B
         done.append(w)
         kept += out
     return done, kept
-
-
-class _InjectedFault(RuntimeError):
-    pass
-
-
-def maybe_faulty(policy: Policy) -> Policy:
-    """``policy``, or (under ``KVEVICT_TEST_FAULT``) a copy that raises: ``name`` makes its scoring
-    raise (inside the eviction step), ``name@prepare`` makes the backend's preparation of its rows
-    raise (where it reads the queries and W_O, before the step)."""
-    names = envs.KVEVICT_TEST_FAULT
-    cls = type(policy)
-    if policy.name in names:
-
-        def fail(*_args, **_kwargs):
-            raise _InjectedFault(f"fault injected into {policy.name} by {TEST_FAULT_ENV}")
-
-        methods = {
-            "score": fail,
-            "observe": fail,
-            **({"evict": fail} if cls.evict is not Policy.evict else {}),
-            **({"score_ragged": fail} if cls.score_ragged is not Policy.score_ragged else {}),
-        }
-    elif f"{policy.name}@prepare" in names:
-
-        def fail_prepare(_self):
-            raise _InjectedFault(f"fault injected into the preparation of {policy.name} by {TEST_FAULT_ENV}")
-
-        methods = {"query_window": property(fail_prepare)}
-    else:
-        return policy
-    return type(f"Faulty{cls.__name__}", (cls,), methods)(policy.params)
-
-
-def hold_if_asked(plan) -> None:
-    """Tests only, under ``KVEVICT_TEST_HOLD=<dir>``: while the file ``<dir>/hold`` exists, a step
-    that runs on a window eviction has already moved (some row's ``e_prev > 0``) waits in the
-    worker, before its forward, having created ``<dir>/held``; while ``<dir>/hold-compacting``
-    exists, so does a step in which some row compacts (``e_new > e_prev``). The request is then
-    provably in the middle of its prompt or its decoding (or in the step of a compaction), its
-    earlier compactions done, whatever the machine's speed: a test can disconnect its client and
-    remove the file; the engine core takes the abort before the next step."""
-    d = envs.KVEVICT_TEST_HOLD
-    if d is None:
-        return
-    if any(plan.e_prev) and Path(d, "hold").exists():
-        hold = Path(d, "hold")
-    elif any(b > a for a, b in zip(plan.e_prev, plan.e_new)) and Path(d, "hold-compacting").exists():
-        hold = Path(d, "hold-compacting")
-    else:
-        return
-    Path(d, "held").touch()
-    deadline = time.monotonic() + HOLD_DEADLINE_S
-    while hold.exists():
-        if time.monotonic() > deadline:
-            logger.warning("kvevict: %s held the step for %.0f s; going on", os.fspath(hold), HOLD_DEADLINE_S)
-            return
-        time.sleep(0.01)

@@ -13,7 +13,7 @@ Both bind each layer's cache as ``[num_blocks, num_kv_heads, block_size, 2 * hea
 it as ``K, V = cache.transpose(1, 2).split(head_dim, -1)``, ``[num_blocks, block_size, H, D]``
 strided views: :class:`~vllm_kvevict.backends.flash_layout.FlashLayoutMixin` reads and writes
 tokens through them. The eviction path itself is the one the CPU backend runs
-(``backends/common.py``), with the batched kernels of ``kernels/ops.py`` (Triton on CUDA tensors).
+(``backends/base.py``), with the batched kernels of ``kernels/ops.py`` (Triton on CUDA tensors).
 
 CUDA graphs: the builders declare ``AttentionCGSupport.NEVER``. The step's window (shifted block
 table, physical lengths) is planned on the host every step and the compaction that follows
@@ -27,17 +27,40 @@ CI cannot run vLLM on a GPU: these modules are import-tested on CPU, and everyth
 
 from __future__ import annotations
 
+from dataclasses import dataclass
+
 from vllm_kvevict import envs
-from vllm_kvevict.backends import CUDA_BACKEND as FLASH_PATH
+from vllm_kvevict.backends import FLASH_ATTN_BACKEND as FLASH_PATH
 from vllm_kvevict.backends import TRITON_BACKEND as TRITON_PATH
-from vllm_kvevict.backends.common import make_backend
+from vllm_kvevict.backends.base import KVEvictBackendMixin, KVEvictBuilderMixin, KVEvictImplMixin, KVEvictMetadata
 from vllm_kvevict.backends.flash_layout import FlashLayoutMixin
+from vllm_kvevict.backends.plan import StepPlan
 from vllm_kvevict.vllm_compat.attention import FLASH_ATTN, AttentionCGSupport
 
-# Host-planned windows and data-dependent compaction: no full CUDA graphs (see the module doc).
-KVEvictFlashAttentionBackend, KVEvictFlashAttentionImpl, KVEvictFlashAttentionMetadataBuilder = make_backend(
-    __name__, "FlashAttention", FLASH_ATTN, FlashLayoutMixin, cudagraph_support=AttentionCGSupport.NEVER
-)
+
+@dataclass
+class KVEvictFlashAttentionMetadata(KVEvictMetadata, FLASH_ATTN.metadata):
+    kvevict_plan: StepPlan | None = None
+
+
+class KVEvictFlashAttentionImpl(FlashLayoutMixin, KVEvictImplMixin, FLASH_ATTN.impl):
+    kvevict_base = FLASH_ATTN.name
+
+
+class KVEvictFlashAttentionMetadataBuilder(KVEvictBuilderMixin, FLASH_ATTN.builder):
+    kvevict_metadata = KVEvictFlashAttentionMetadata
+    # Host-planned windows and data-dependent compaction: no full CUDA graphs (see the module doc).
+    _cudagraph_support = AttentionCGSupport.NEVER
+
+
+class KVEvictFlashAttentionBackend(KVEvictBackendMixin, FLASH_ATTN.backend):
+    @staticmethod
+    def get_impl_cls() -> type[KVEvictFlashAttentionImpl]:
+        return KVEvictFlashAttentionImpl
+
+    @staticmethod
+    def get_builder_cls() -> type[KVEvictFlashAttentionMetadataBuilder]:
+        return KVEvictFlashAttentionMetadataBuilder
 
 
 def choose_base(device_capability, attn_selector_config) -> tuple[str, list[str]]:

@@ -13,6 +13,7 @@ runner holds it; the rows' requests come from the runner's step hook
 from __future__ import annotations
 
 import dataclasses
+from collections.abc import Callable
 from dataclasses import dataclass
 
 import torch
@@ -55,6 +56,22 @@ class StepPlan:
         return [r for r, (a, b) in enumerate(zip(self.e_prev, self.e_new)) if b > a]
 
 
+#: Called with every step's plan, before the step's forward (none by default; the engine tests
+#: install one through :mod:`vllm_kvevict.testing.hooks` to stop a step at a point of their choosing).
+_planned: list[Callable[[StepPlan], None]] = []
+
+
+def add_plan_listener(listener: Callable[[StepPlan], None]) -> None:
+    """Call ``listener(plan)`` with every step's plan, before the step's forward (once per listener)."""
+    if listener not in _planned:
+        _planned.append(listener)
+
+
+def notify_planned(plan: StepPlan) -> None:
+    for listener in _planned:
+        listener(plan)
+
+
 class MissingStepContext(RuntimeError):
     """Attention metadata was built outside the model runner's step hook."""
 
@@ -63,7 +80,7 @@ def request_states(step: RunnerStep, L_prev: list[int], server: KVEvictConfig, b
     """The worker's state of each row's request: made (its settings resolved) the first time a step
     schedules the request; restarted in the step an attempt starts, on the prefix-cache hit it
     starts on (its computed tokens at the step's start: the engine core records the same number
-    when it hands the hit over, scheduler/manager.py). Requests the runner no longer holds go."""
+    when it hands the hit over, kv_manager.py). Requests the runner no longer holds go."""
     WORKER.retain(step.live)
     states = []
     for r, rid in enumerate(step.req_ids[: len(L_prev)]):

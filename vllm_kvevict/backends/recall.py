@@ -27,7 +27,9 @@ from typing import Any
 
 import torch
 
-from vllm_kvevict.kernels import ops, reference
+from vllm_kvevict import metrics
+from vllm_kvevict._logging import logger
+from vllm_kvevict.kernels import ops, torch_ops
 
 
 @dataclass
@@ -188,5 +190,90 @@ def logical_slots(block_table: torch.Tensor, row: int, start: int, count: int, b
     """Physical slots of a row's logical tokens ``[start, start + count)``."""
     dev = block_table.device
     rows, starts = torch.tensor([row], device=dev), torch.tensor([start], device=dev)
-    blocks, offs, _ = reference.logical_tokens(block_table, rows, starts, starts + count, block_size)
+    blocks, offs, _ = torch_ops.logical_tokens(block_table, rows, starts, starts + count, block_size)
     return blocks * block_size + offs
+
+
+class RecallMixin:
+    """The recall step of a kvevict attention impl (:class:`~vllm_kvevict.backends.base.KVEvictImplMixin`):
+    which rows keep a tier in a step (their prompt's latest queries kept per layer), and the
+    re-selection of a row's window from what it kept and its tier when its prompt completes."""
+
+    def _recall_rows(self, plan, policies, query, layer) -> set[int]:
+        """Rows whose request keeps a recall tier in this step (recall on, its prompt not complete
+        before this step, a policy that drops rather than merges), with their query buffers
+        updated."""
+        rows: set[int] = set()
+        if not plan.states or plan.prompt_lens is None:
+            return rows
+        qsl = plan.query_start_loc
+        for r, (st, policy) in enumerate(zip(plan.states, policies)):
+            recall = st.settings.recall
+            if (
+                policy is None
+                or not recall.enabled
+                or not policy.default_selection
+                or plan.L_prev[r] >= plan.prompt_lens[r]
+            ):
+                continue
+            rows.add(r)
+            Q = query[qsl[r] : qsl[r + 1]].transpose(0, 1)  # [H_q, m, d]
+            ls = self._layer_state(plan, r, layer)
+            buf = Q if ls.recall_queries is None else torch.cat([ls.recall_queries, Q], dim=1)
+            ls.recall_queries = buf[:, -recall.window :].clone()
+        return rows
+
+    def _recall(self, layer, kv_cache, plan, r: int, G: int) -> torch.Tensor | None:
+        """At the end of row ``r``'s prompt: re-select its window from what it kept and its tier,
+        by the attention of the prompt's last queries; write the winners into ``[E, L)``. Returns
+        the kept positions ``[keep, H]`` (None when there is nothing to recall). A failure leaves
+        the window as the policy chose it (logged once, like a policy's)."""
+        rid, cfg = plan.req_ids[r], plan.states[r].settings.config
+        ls = self._layer_state(plan, r, layer)
+        tier = ls.tier.take(kv_cache.device) if ls.tier is not None else None
+        Qw, ls.recall_queries = ls.recall_queries, None
+        if tier is None or Qw is None:
+            return None
+        try:
+            L, e = plan.seq_lens[r], plan.e_new[r]
+            bs = kv_cache.shape[2]
+            slots = logical_slots(plan.block_table, r, e, L - e, bs)
+            K_w, V_w = self._kvevict_gather(layer, kv_cache, slots // bs, slots % bs)
+            h = torch.arange(K_w.shape[1], device=K_w.device)[None, :]
+            pos_w = self._kvevict_slot_pos[slots].long()
+            K = torch.cat([K_w, tier.K.to(K_w.dtype)])
+            V = torch.cat([V_w, tier.V.to(V_w.dtype)])
+            pos = torch.cat([pos_w, tier.pos])
+            q_pos = torch.arange(L - Qw.shape[1], L, device=K.device)
+            scores = recall_scores(
+                Qw.float(),
+                q_pos,
+                K.float(),
+                pos,
+                G,
+                self.scale,
+                getattr(self, "logits_soft_cap", None) or None,
+                cfg.recall.kernel,
+            )
+            idx = select_recalled(scores, pos, L - e, L - Qw.shape[1])  # [keep, H]
+            state = {}
+            for k, t in self._kvevict_slot_state.items():
+                old = tier.state.get(k, torch.zeros(tier.tokens, t.shape[1], dtype=t.dtype, device=t.device))
+                state[k] = torch.cat([t[slots], old.to(t.dtype)])[idx, h]
+            K_sel, V_sel, pos_sel = K[idx, h], V[idx, h], pos[idx, h]
+        except Exception as err:  # noqa: BLE001 - recall must never kill the engine either
+            logger.warning(
+                "kvevict: request %s: recall failed (%s: %s); it keeps what its policy kept",
+                rid,
+                type(err).__name__,
+                str(err)[:200],
+            )
+            return None
+        self._kvevict_write(layer, kv_cache, slots, K_sel, V_sel)
+        rec = metrics.worker_recorder()
+        if rec is not None:
+            rec.inc("recalled_tokens", cfg.policy, float((idx >= K_w.shape[0]).sum()))
+        self._kvevict_slot_pos[slots] = pos_sel.to(torch.int32)
+        for k, v in state.items():
+            self._kvevict_slot_state[k][slots] = v
+        return pos_sel

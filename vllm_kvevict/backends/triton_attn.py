@@ -6,10 +6,34 @@ Triton *eviction* kernels (:mod:`vllm_kvevict.kernels.triton_ops`), which run un
 
 from __future__ import annotations
 
-from vllm_kvevict.backends.common import make_backend
+from dataclasses import dataclass
+
+from vllm_kvevict.backends.base import KVEvictBackendMixin, KVEvictBuilderMixin, KVEvictImplMixin, KVEvictMetadata
 from vllm_kvevict.backends.flash_layout import FlashLayoutMixin
+from vllm_kvevict.backends.plan import StepPlan
 from vllm_kvevict.vllm_compat.attention import TRITON_ATTN, AttentionCGSupport
 
-KVEvictTritonAttentionBackend, KVEvictTritonAttentionImpl, KVEvictTritonAttentionMetadataBuilder = make_backend(
-    __name__, "TritonAttention", TRITON_ATTN, FlashLayoutMixin, cudagraph_support=AttentionCGSupport.NEVER
-)
+
+@dataclass
+class KVEvictTritonAttentionMetadata(KVEvictMetadata, TRITON_ATTN.metadata):
+    kvevict_plan: StepPlan | None = None
+
+
+class KVEvictTritonAttentionImpl(FlashLayoutMixin, KVEvictImplMixin, TRITON_ATTN.impl):
+    kvevict_base = TRITON_ATTN.name
+
+
+class KVEvictTritonAttentionMetadataBuilder(KVEvictBuilderMixin, TRITON_ATTN.builder):
+    kvevict_metadata = KVEvictTritonAttentionMetadata
+    # Host-planned windows and data-dependent compaction: no full CUDA graphs (flash_attn.py).
+    _cudagraph_support = AttentionCGSupport.NEVER
+
+
+class KVEvictTritonAttentionBackend(KVEvictBackendMixin, TRITON_ATTN.backend):
+    @staticmethod
+    def get_impl_cls() -> type[KVEvictTritonAttentionImpl]:
+        return KVEvictTritonAttentionImpl
+
+    @staticmethod
+    def get_builder_cls() -> type[KVEvictTritonAttentionMetadataBuilder]:
+        return KVEvictTritonAttentionMetadataBuilder

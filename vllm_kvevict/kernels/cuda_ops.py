@@ -1,5 +1,5 @@
 """The optional CUDA C++ implementation of the batched eviction operations: same signatures and
-semantics as :mod:`vllm_kvevict.kernels.reference` (the specification) for :func:`gather_paged`,
+semantics as :mod:`vllm_kvevict.kernels.torch_ops` (the specification) for :func:`gather_paged`,
 :func:`scatter_paged`, :func:`keydiff_scores` and :func:`key_norms`. Written against vLLM 0.32.0's
 KV-cache layouts (any strides of the ``[num_blocks, block_size, H, D]`` views).
 
@@ -38,7 +38,7 @@ from types import ModuleType
 import torch
 
 from vllm_kvevict import envs
-from vllm_kvevict.kernels.reference import EPS
+from vllm_kvevict.kernels.torch_ops import EPS
 
 logger = logging.getLogger(__name__)
 
@@ -247,7 +247,7 @@ def gather_paged(
     starts: torch.Tensor,
     ends: torch.Tensor,
 ) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
-    """:func:`vllm_kvevict.kernels.reference.gather_paged`: ``K, V [N, H, D]`` and ``cu [R + 1]``."""
+    """:func:`vllm_kvevict.kernels.torch_ops.gather_paged`: ``K, V [N, H, D]`` and ``cu [R + 1]``."""
     dev = _on_cuda(k_cache, "k_cache")
     ext = build()
     with torch.cuda.device(dev):
@@ -264,7 +264,7 @@ def scatter_paged(
     rows: torch.Tensor,
     dst_start: torch.Tensor,
 ) -> None:
-    """:func:`vllm_kvevict.kernels.reference.scatter_paged`, in place (``src`` must not alias ``dst``)."""
+    """:func:`vllm_kvevict.kernels.torch_ops.scatter_paged`, in place (``src`` must not alias ``dst``)."""
     dev = _on_cuda(dst, "dst")
     ext = build()
     with torch.cuda.device(dev):
@@ -272,7 +272,7 @@ def scatter_paged(
 
 
 def keydiff_scores(K: torch.Tensor, cu: torch.Tensor) -> torch.Tensor:
-    """:func:`vllm_kvevict.kernels.reference.keydiff_scores`: ``[N, H]`` float32."""
+    """:func:`vllm_kvevict.kernels.torch_ops.keydiff_scores`: ``[N, H]`` float32."""
     dev = _on_cuda(K, "K")
     ext = build()
     with torch.cuda.device(dev):
@@ -280,7 +280,7 @@ def keydiff_scores(K: torch.Tensor, cu: torch.Tensor) -> torch.Tensor:
 
 
 def key_norms(K: torch.Tensor) -> torch.Tensor:
-    """:func:`vllm_kvevict.kernels.reference.key_norms`: ``[N, H]`` float32."""
+    """:func:`vllm_kvevict.kernels.torch_ops.key_norms`: ``[N, H]`` float32."""
     dev = _on_cuda(K, "K")
     ext = build()
     with torch.cuda.device(dev):

@@ -16,7 +16,7 @@ from types import ModuleType
 import torch
 
 from vllm_kvevict import envs
-from vllm_kvevict.kernels import reference
+from vllm_kvevict.kernels import torch_ops
 
 OPS = (
     "gather_paged",
@@ -57,7 +57,7 @@ def backend_for(t: torch.Tensor, op: str | None = None) -> ModuleType:
     """The module whose function ``op`` runs on ``t``'s device."""
     choice = envs.KVEVICT_KERNELS
     if choice == "torch":
-        return reference
+        return torch_ops
     if choice == "cuda" and t.is_cuda and op in CUDA_OPS:
         return _cuda()
     if choice == "triton" or t.is_cuda:
@@ -66,7 +66,7 @@ def backend_for(t: torch.Tensor, op: str | None = None) -> ModuleType:
             return mod
         if choice == "triton":
             raise RuntimeError("kvevict: KVEVICT_KERNELS=triton but Triton does not import")
-    return reference
+    return torch_ops
 
 
 def gather_paged(k_cache, v_cache, block_table, rows, starts, ends):

@@ -1,5 +1,5 @@
 """Triton kernels for the batched eviction operations; same signatures and semantics as
-:mod:`vllm_kvevict.kernels.reference` (the specification, see its docstring). They also run on CPU
+:mod:`vllm_kvevict.kernels.torch_ops` (the specification, see its docstring). They also run on CPU
 tensors under ``TRITON_INTERPRET=1``, which is how CI tests them.
 
 Grids: ``gather_paged`` and ``scatter_paged`` run one program per (row, tile of tokens, KV head);
@@ -24,7 +24,7 @@ import torch
 import triton
 import triton.language as tl
 
-from vllm_kvevict.kernels.reference import EPS, cu_from_lengths
+from vllm_kvevict.kernels.torch_ops import EPS, cu_from_lengths
 
 TILE = 128
 
@@ -170,7 +170,7 @@ def key_norms(K):
 
 @triton.jit
 def _sort_key(s, p):
-    """int64 key ordering (score, position); see reference.sort_keys."""
+    """int64 key ordering (score, position); see torch_ops.sort_keys."""
     bits = (s + 0.0).to(tl.int32, bitcast=True).to(tl.int64)
     ordered = tl.where(bits < 0, bits ^ 0x7FFFFFFF, bits) + 2147483648
     return (ordered << 31) | p.to(tl.int64)
@@ -507,7 +507,7 @@ def _lshe_victims_kernel(dist_ptr, pos_ptr, vic_ptr, qpos_ptr, m, n, budget, sin
 
 
 def lshe_victims(dist, pos, victim, q_pos, budget: int, sinks: int, recent: int) -> None:
-    """LSH-E's victim choice (see reference.lshe_victims): one program per KV head, looping over the
+    """LSH-E's victim choice (see torch_ops.lshe_victims): one program per KV head, looping over the
     step's tokens in order and over the window in tiles; ``victim [H, n]`` updated in place."""
     H, m, n = dist.shape
     if m == 0 or n == 0:
@@ -533,7 +533,7 @@ def lshe_victims(dist, pos, victim, q_pos, budget: int, sinks: int, recent: int)
 def _simhash_kernel(
     x_ptr, r_ptr, out_ptr, M, s_xm, s_xd, C, D: tl.constexpr, TILE_M: tl.constexpr, BLOCK_D: tl.constexpr
 ):
-    """reference.simhash_codes: code |= [R_b . x >= 0] << b, the dot in float32 as an elementwise
+    """torch_ops.simhash_codes: code |= [R_b . x >= 0] << b, the dot in float32 as an elementwise
     product and tl.sum (not tl.dot: no TF32, and the rounding stays that of an fp32 reduction)."""
     i = tl.program_id(0) * TILE_M + tl.arange(0, TILE_M)
     d = tl.arange(0, BLOCK_D)
@@ -551,7 +551,7 @@ def _simhash_kernel(
 
 def simhash_codes(x, R):
     """``[M]`` int64 SimHash codes of ``x [M, d]``: bit b = ``[R_b . x >= 0]`` (see
-    reference.simhash_codes for the tie rule)."""
+    torch_ops.simhash_codes for the tie rule)."""
     M, D = x.shape
     out = torch.empty(M, dtype=torch.int64, device=x.device)
     if M == 0:
@@ -579,7 +579,7 @@ def _popcount64(x):
 
 @triton.jit
 def _hamming_kernel(q_ptr, k_ptr, out_ptr, m, n, G: tl.constexpr, TILE_M: tl.constexpr, TILE_N: tl.constexpr):
-    """reference.hamming_distances: out[h, i, j] = sum_g popcount(q[h G + g, i] ^ k[h, j])."""
+    """torch_ops.hamming_distances: out[h, i, j] = sum_g popcount(q[h G + g, i] ^ k[h, j])."""
     h = tl.program_id(0)
     i = tl.program_id(1) * TILE_M + tl.arange(0, TILE_M)
     j = tl.program_id(2) * TILE_N + tl.arange(0, TILE_N)
@@ -595,7 +595,7 @@ def _hamming_kernel(q_ptr, k_ptr, out_ptr, m, n, G: tl.constexpr, TILE_M: tl.con
 
 def hamming_distances(q_codes, k_codes, G: int):
     """``[H, m, n]`` int64: Hamming distances between packed codes, summed over each KV head's query
-    group (see reference.hamming_distances)."""
+    group (see torch_ops.hamming_distances)."""
     Hq, m = q_codes.shape
     H, n = k_codes.shape
     out = torch.empty(H, m, n, dtype=torch.int64, device=k_codes.device)
@@ -628,7 +628,7 @@ def _proj_norm_kernel(
     TILE_D: tl.constexpr,
     PREC: tl.constexpr,
 ):
-    """reference.projected_value_norms: per token, the mean over the group's heads of sum |v W_O^g|,
+    """torch_ops.projected_value_norms: per token, the mean over the group's heads of sum |v W_O^g|,
     a [TILE_T, TILE_D] tile of v W_O^g at a time (tl.dot over d), reduced to per-token sums in
     registers."""
     h = tl.program_id(0)
@@ -653,7 +653,7 @@ def _proj_norm_kernel(
 
 
 def projected_value_norms(V, W_O, G: int):
-    """``[H_kv, n]`` float32: ``mean_g ||v_i W_O^g||_1`` (see reference.projected_value_norms); no
+    """``[H_kv, n]`` float32: ``mean_g ||v_i W_O^g||_1`` (see torch_ops.projected_value_norms); no
     ``[n, D]`` product is ever written to memory. Products in float32: 16-bit inputs are exact in
     TF32, so they take the tensor cores at no loss; float32 inputs use IEEE fp32."""
     H, n, d = V.shape

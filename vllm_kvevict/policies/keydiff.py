@@ -22,5 +22,5 @@ class KeyDiff(Policy):
 
     def score_ragged(self, K, pos, cu, L, layer):
         # -cos(k_i, mu), mu the mean of the row's normalised keys, per (row, KV head); in torch:
-        # kernels/reference.py keydiff_scores, fused in Triton and CUDA.
+        # kernels/torch_ops.py keydiff_scores, fused in Triton and CUDA.
         return ops.keydiff_scores(K, cu)

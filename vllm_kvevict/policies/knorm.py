@@ -12,7 +12,7 @@ import torch
 from pydantic import Field
 
 from vllm_kvevict.kernels import ops
-from vllm_kvevict.kernels.reference import row_ids
+from vllm_kvevict.kernels.torch_ops import row_ids
 from vllm_kvevict.policies.base import MAX_TOKENS_PARAM, Policy, PolicyParams
 
 

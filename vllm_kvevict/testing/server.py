@@ -208,7 +208,7 @@ class VLLMServer:
         and lets the engine go on (the engine core takes the abort before its next step). Returns
         the request id the engine knew (``cmpl-<id>-0-...``: the release line's prefix).
         ``hold_file="hold-compacting"``: the client disconnects in the step in which its request's
-        window moves (``backends/fault.hold_if_asked``), so the engine core takes the abort right
+        window moves (``testing/hooks.hold_if_asked``), so the engine core takes the abort right
         after that step, before it schedules the request again."""
         hold_dir = Path(self.env["KVEVICT_TEST_HOLD"])
         hold_dir.mkdir(parents=True, exist_ok=True)

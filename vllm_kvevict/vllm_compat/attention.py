@@ -32,6 +32,7 @@ class BaseBackend(NamedTuple):
     backend: type
     impl: type
     builder: type
+    metadata: type  # the dataclass its builder builds
 
 
 def _load(name: str) -> BaseBackend:
@@ -39,26 +40,35 @@ def _load(name: str) -> BaseBackend:
         from vllm.v1.attention.backends.cpu_attn import (
             CPUAttentionBackend,
             CPUAttentionBackendImpl,
+            CPUAttentionMetadata,
             CPUAttentionMetadataBuilder,
         )
 
-        return BaseBackend(name, CPUAttentionBackend, CPUAttentionBackendImpl, CPUAttentionMetadataBuilder)
+        return BaseBackend(
+            name, CPUAttentionBackend, CPUAttentionBackendImpl, CPUAttentionMetadataBuilder, CPUAttentionMetadata
+        )
     if name == "FLASH_ATTN":
         from vllm.v1.attention.backends.flash_attn import (
             FlashAttentionBackend,
             FlashAttentionImpl,
+            FlashAttentionMetadata,
             FlashAttentionMetadataBuilder,
         )
 
-        return BaseBackend(name, FlashAttentionBackend, FlashAttentionImpl, FlashAttentionMetadataBuilder)
+        return BaseBackend(
+            name, FlashAttentionBackend, FlashAttentionImpl, FlashAttentionMetadataBuilder, FlashAttentionMetadata
+        )
     if name == "TRITON_ATTN":
         from vllm.v1.attention.backends.triton_attn import (
             TritonAttentionBackend,
             TritonAttentionImpl,
+            TritonAttentionMetadata,
             TritonAttentionMetadataBuilder,
         )
 
-        return BaseBackend(name, TritonAttentionBackend, TritonAttentionImpl, TritonAttentionMetadataBuilder)
+        return BaseBackend(
+            name, TritonAttentionBackend, TritonAttentionImpl, TritonAttentionMetadataBuilder, TritonAttentionMetadata
+        )
     raise AttributeError(name)
 
 

@@ -61,11 +61,6 @@ def unwrap(cls: type, name: str) -> None:
         setattr(cls, name, patch.original)
 
 
-def unwrap_all() -> None:
-    for cls, name in list(_PATCHES)[::-1]:
-        unwrap(cls, name)
-
-
 def is_wrapped(cls: type, name: str) -> bool:
     return (cls, name) in _PATCHES
 

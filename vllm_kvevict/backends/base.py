@@ -1,91 +1,42 @@
-"""What every kvevict attention backend shares, whatever vLLM backend it extends.
+"""What every kvevict attention backend shares, whatever vLLM backend it extends: three mixins
+that put the eviction into vLLM's own classes, and the metadata that carries the step's plan.
 
-The backend is registered on vLLM's CUSTOM backend, so ``get_name()`` returns ``"CUSTOM"``
-(:mod:`vllm_kvevict.vllm_compat.attention`). :func:`make_backend` builds the three classes of a
-kvevict backend from one of vLLM's (:class:`~vllm_kvevict.vllm_compat.attention.BaseBackend`) and a
-layout mixin that reads and writes tokens of that backend's cache.
+Each backend (``cpu.py``, ``flash_attn.py``, ``triton_attn.py``) defines its classes statically,
+as ``class KVEvictCPUImpl(CPULayoutMixin, KVEvictImplMixin, CPUAttentionBackendImpl)``: vLLM's own
+class last, the layout mixin that reads and writes tokens of that backend's cache first.
 
-Three mixins put the eviction into vLLM's own classes:
-
-* :class:`KVEvictBackendMixin`: ``customize_spec`` turns a plain full-attention layer's spec into a
-  :class:`~vllm_kvevict.scheduler.KVEvictSpec`, so the engine core frees evicted blocks;
-* :class:`KVEvictBuilderMixin`: plans the step's windows and hands the kernel the shifted view;
+* :class:`KVEvictBackendMixin`: ``get_name()`` is ``"CUSTOM"`` (the plugin registers on vLLM's
+  CUSTOM backend, :mod:`vllm_kvevict.vllm_compat.attention`); ``customize_spec`` turns a plain
+  full-attention layer's spec into a :class:`~vllm_kvevict.kv_manager.KVEvictSpec`, so the engine
+  core frees evicted blocks;
+* :class:`KVEvictBuilderMixin`: plans the step's windows, hands the kernel the shifted view and
+  returns the backend's metadata with the plan (:class:`KVEvictMetadata`);
 * :class:`KVEvictImplMixin`: after attention, records positions and compacts the rows whose
-  window moved.
+  window moved (recall: :class:`~vllm_kvevict.backends.recall.RecallMixin`).
 """
 
 from __future__ import annotations
 
 import contextlib
 import os
+from typing import ClassVar
 
 import torch
 
 from vllm_kvevict import envs, metrics, profiling
 from vllm_kvevict._logging import info_once, logger
 from vllm_kvevict.backends import fault
+from vllm_kvevict.backends.dump import dump_kept, dump_starts
 from vllm_kvevict.backends.evict import RowWork, evict_step
-from vllm_kvevict.backends.plan import cascade_prefix_len, plan_step, shifted_metadata
+from vllm_kvevict.backends.plan import StepPlan, cascade_prefix_len, notify_planned, plan_step, shifted_metadata
 from vllm_kvevict.backends.projection import output_projection
-from vllm_kvevict.backends.recall import Tier, TierEntry, logical_slots, recall_scores, select_recalled
+from vllm_kvevict.backends.recall import RecallMixin, Tier, TierEntry
 from vllm_kvevict.config import KVEvictConfig, config_from_vllm
 from vllm_kvevict.request import WORKER, LayerState
 from vllm_kvevict.vllm_compat import attention as vllm_attention
 from vllm_kvevict.vllm_compat import distributed as vllm_distributed
 from vllm_kvevict.vllm_compat import kv_cache as vllm_kv_cache
 from vllm_kvevict.vllm_compat import runner as vllm_runner
-
-
-def _dump(records: list[dict]) -> None:
-    """``KVEVICT_DUMP_DIR`` (debugging, tests): every compaction's kept positions, as JSON lines."""
-    import json
-
-    directory = envs.KVEVICT_DUMP_DIR
-    os.makedirs(directory, exist_ok=True)
-    with open(os.path.join(directory, f"kept-{os.getpid()}.jsonl"), "a") as f:
-        f.writelines(json.dumps(rec) + "\n" for rec in records)
-
-
-def _dump_kept(plan, rows: list[int], layer: int, kept: list[torch.Tensor], heads: list[int]) -> None:
-    """``kept[h]``: the positions KV head ``heads[h]`` of the model kept (this rank's heads)."""
-    rank = vllm_distributed.tensor_parallel()[0]
-    _dump(
-        [
-            {
-                "req_id": plan.req_ids[r] if plan.req_ids else None,
-                "layer": layer,
-                "e_prev": plan.e_prev[r],
-                "e_new": plan.e_new[r],
-                "L": plan.seq_lens[r],
-                "rank": rank,
-                "heads": heads,
-                "kept": pos.transpose(0, 1).tolist(),
-            }
-            for r, pos in zip(rows, kept)
-        ]
-    )
-
-
-def _dump_starts(plan, ctx) -> None:
-    """A request's first step (also after preemption, when vLLM recomputes it), which may start
-    on a prefix-cache hit (``shared`` tokens)."""
-    if ctx is None or ctx.dummy:
-        return
-    rank = vllm_distributed.tensor_parallel()[0]
-    _dump(
-        [
-            {
-                "req_id": plan.req_ids[r],
-                "start": True,
-                "num_tokens": ctx.num_tokens[r],
-                "rank": rank,
-                "shared": plan.L_prev[r],
-            }
-            for r in range(len(plan.seq_lens))
-            if plan.req_ids[r] in ctx.starts
-        ]
-    )
-
 
 # The worker's VllmConfig, seen while the model is built (inside vLLM's config context).
 # ``customize_spec`` runs later, outside that context, and reads it from here.
@@ -107,11 +58,6 @@ def _end_step(rec: metrics.Recorder) -> None:
     rec.end_step()
 
 
-def _worker_metrics() -> metrics.Recorder | None:
-    """This worker's metrics file (its tensor-parallel rank in the labels)."""
-    return metrics.recorder("worker", vllm_distributed.tensor_parallel()[0])
-
-
 class KVEvictBackendMixin:
     @staticmethod
     def get_name() -> str:
@@ -119,7 +65,7 @@ class KVEvictBackendMixin:
 
     @classmethod
     def customize_spec(cls, spec):
-        from vllm_kvevict.scheduler import KVEvictSpec
+        from vllm_kvevict.kv_manager import KVEvictSpec
 
         spec = super().customize_spec(spec)
         vllm_config = vllm_attention.current_vllm_config(or_none=True) or _worker_vllm_config
@@ -133,9 +79,32 @@ class KVEvictBackendMixin:
         return spec
 
 
+class KVEvictMetadata:
+    """Mixed into a backend's metadata dataclass (``@dataclass class KVEvictCPUMetadata(KVEvictMetadata,
+    CPUAttentionMetadata)`` with a ``kvevict_plan`` field): vLLM's metadata for the step, and the
+    step's plan of every row's window."""
+
+    kvevict_plan: StepPlan | None
+
+    @classmethod
+    def of(cls, md, plan: StepPlan):
+        """``md`` (the base backend's metadata, as its builder built it) with ``plan``."""
+        out = cls.__new__(cls)
+        out.__dict__.update(vars(md))
+        out.kvevict_plan = plan
+        return out
+
+
 class KVEvictBuilderMixin:
+    #: the backend's metadata class with the plan (:class:`KVEvictMetadata`)
+    kvevict_metadata: ClassVar[type[KVEvictMetadata]]
+
+    def __init__(self, kv_cache_spec, layer_names, vllm_config, device) -> None:
+        super().__init__(kv_cache_spec, layer_names, vllm_config, device)  # type: ignore[call-arg]
+        self._kvevict_builder_init(kv_cache_spec, vllm_config)
+
     def _kvevict_builder_init(self, kv_cache_spec, vllm_config) -> None:
-        from vllm_kvevict.scheduler import KVEvictSpec
+        from vllm_kvevict.kv_manager import KVEvictSpec
 
         self.kvevict_block_size = kv_cache_spec.block_size
         # Only the layers whose KV the engine core bounds by the window (not sliding-window ones).
@@ -144,7 +113,7 @@ class KVEvictBuilderMixin:
         if self.kvevict_config is not None:
             vllm_runner.install_step_hook()
             profiling.install_profile_hook()  # only with KVEVICT_PROFILE_DIR
-            rec = _worker_metrics()
+            rec = metrics.worker_recorder()
             if rec is not None:  # eviction time per model step, for /metrics
                 vllm_runner.add_step_listener("metrics", lambda: None, lambda _token, _wall: _end_step(rec))
 
@@ -154,8 +123,8 @@ class KVEvictBuilderMixin:
         step = vllm_runner.current_step()
         plan = plan_step(common_attn_metadata, self.kvevict_config, self.kvevict_block_size, step)
         if envs.KVEVICT_DUMP_DIR:
-            _dump_starts(plan, step)
-        fault.hold_if_asked(plan)
+            dump_starts(plan, step)
+        notify_planned(plan)
         if profiling.enabled():
             qsl = plan.query_start_loc
             profiling.note(
@@ -169,15 +138,19 @@ class KVEvictBuilderMixin:
         # Cascade attention reads a prefix shared by every row through row 0's *logical* block
         # table; a row whose table was shifted past its evicted blocks no longer starts there.
         common_prefix_len = cascade_prefix_len(plan, common_prefix_len)
-        md = super().build(common_prefix_len, cm, fast_build, **kwargs)
-        md.kvevict_plan = plan
-        return md
+        return self.kvevict_metadata.of(super().build(common_prefix_len, cm, fast_build, **kwargs), plan)
 
 
-class KVEvictImplMixin:
+class KVEvictImplMixin(RecallMixin):
     """Mixed into vLLM's attention impls: attention over the window, then compaction."""
 
     kvevict_config: KVEvictConfig
+    #: vLLM's name of the backend this impl extends (CPU_ATTN, FLASH_ATTN, TRITON_ATTN)
+    kvevict_base: ClassVar[str]
+
+    def __init__(self, *args, **kwargs) -> None:
+        super().__init__(*args, **kwargs)
+        self._kvevict_init(self.kvevict_base)
 
     def _kvevict_init(self, base_name: str) -> None:
         self.kvevict_config = _current_config()
@@ -210,9 +183,9 @@ class KVEvictImplMixin:
             info_once(f"kvevict: first forward through {type(self).__name__} ({name})", key="forward")
         with profiling.timed("attn_s", query.device):
             out = super().forward(layer, query, key, value, kv_cache, attn_metadata, *args, **kwargs)
-        plan = getattr(attn_metadata, "kvevict_plan", None)
+        plan = attn_metadata.kvevict_plan if isinstance(attn_metadata, KVEvictMetadata) else None
         if plan is not None:
-            rec = _worker_metrics()
+            rec = metrics.worker_recorder()
             with (
                 profiling.timed("evict_s", query.device),
                 rec.eviction_timer(query.device) if rec is not None else contextlib.nullcontext(),
@@ -292,85 +265,6 @@ class KVEvictImplMixin:
         if policy.needs_w_o and compacts:
             extra["W_O"] = self._w_o(layer)
         return RowWork(r, policy, compacts, extra)
-
-    def _recall_rows(self, plan, policies, query, layer) -> set[int]:
-        """Rows whose request keeps a recall tier in this step (recall on, its prompt not complete
-        before this step, a policy that drops rather than merges), with their query buffers
-        updated."""
-        rows: set[int] = set()
-        if not plan.states or plan.prompt_lens is None:
-            return rows
-        qsl = plan.query_start_loc
-        for r, (st, policy) in enumerate(zip(plan.states, policies)):
-            recall = st.settings.recall
-            if (
-                policy is None
-                or not recall.enabled
-                or not policy.default_selection
-                or plan.L_prev[r] >= plan.prompt_lens[r]
-            ):
-                continue
-            rows.add(r)
-            Q = query[qsl[r] : qsl[r + 1]].transpose(0, 1)  # [H_q, m, d]
-            ls = self._layer_state(plan, r, layer)
-            buf = Q if ls.recall_queries is None else torch.cat([ls.recall_queries, Q], dim=1)
-            ls.recall_queries = buf[:, -recall.window :].clone()
-        return rows
-
-    def _recall(self, layer, kv_cache, plan, r: int, G: int) -> torch.Tensor | None:
-        """At the end of row ``r``'s prompt: re-select its window from what it kept and its tier,
-        by the attention of the prompt's last queries; write the winners into ``[E, L)``. Returns
-        the kept positions ``[keep, H]`` (None when there is nothing to recall). A failure leaves
-        the window as the policy chose it (logged once, like a policy's)."""
-        rid, cfg = plan.req_ids[r], plan.states[r].settings.config
-        ls = self._layer_state(plan, r, layer)
-        tier = ls.tier.take(kv_cache.device) if ls.tier is not None else None
-        Qw, ls.recall_queries = ls.recall_queries, None
-        if tier is None or Qw is None:
-            return None
-        try:
-            L, e = plan.seq_lens[r], plan.e_new[r]
-            bs = kv_cache.shape[2]
-            slots = logical_slots(plan.block_table, r, e, L - e, bs)
-            K_w, V_w = self._kvevict_gather(layer, kv_cache, slots // bs, slots % bs)
-            h = torch.arange(K_w.shape[1], device=K_w.device)[None, :]
-            pos_w = self._kvevict_slot_pos[slots].long()
-            K = torch.cat([K_w, tier.K.to(K_w.dtype)])
-            V = torch.cat([V_w, tier.V.to(V_w.dtype)])
-            pos = torch.cat([pos_w, tier.pos])
-            q_pos = torch.arange(L - Qw.shape[1], L, device=K.device)
-            scores = recall_scores(
-                Qw.float(),
-                q_pos,
-                K.float(),
-                pos,
-                G,
-                self.scale,
-                getattr(self, "logits_soft_cap", None) or None,
-                cfg.recall.kernel,
-            )
-            idx = select_recalled(scores, pos, L - e, L - Qw.shape[1])  # [keep, H]
-            state = {}
-            for k, t in self._kvevict_slot_state.items():
-                old = tier.state.get(k, torch.zeros(tier.tokens, t.shape[1], dtype=t.dtype, device=t.device))
-                state[k] = torch.cat([t[slots], old.to(t.dtype)])[idx, h]
-            K_sel, V_sel, pos_sel = K[idx, h], V[idx, h], pos[idx, h]
-        except Exception as err:  # noqa: BLE001 - recall must never kill the engine either
-            logger.warning(
-                "kvevict: request %s: recall failed (%s: %s); it keeps what its policy kept",
-                rid,
-                type(err).__name__,
-                str(err)[:200],
-            )
-            return None
-        self._kvevict_write(layer, kv_cache, slots, K_sel, V_sel)
-        rec = _worker_metrics()
-        if rec is not None:
-            rec.inc("recalled_tokens", cfg.policy, float((idx >= K_w.shape[0]).sum()))
-        self._kvevict_slot_pos[slots] = pos_sel.to(torch.int32)
-        for k, v in state.items():
-            self._kvevict_slot_state[k][slots] = v
-        return pos_sel
 
     def _kvevict_after_attention(self, layer, query, kv_cache, plan) -> None:
         slot_pos = self._slot_pos(kv_cache)
@@ -452,7 +346,7 @@ class KVEvictImplMixin:
                     kept_by_row[r] = got
         rows = sorted(kept_by_row)
         if envs.KVEVICT_DUMP_DIR and rows:
-            _dump_kept(plan, rows, layer_idx, [kept_by_row[r] for r in rows], self._model_kv_heads())
+            dump_kept(plan, rows, layer_idx, [kept_by_row[r] for r in rows], self._model_kv_heads())
         if layer_idx == 0:
             for r in rows:
                 rid = plan.req_ids[r] if plan.req_ids else f"row {r}"
@@ -465,35 +359,3 @@ class KVEvictImplMixin:
                     plan.seq_lens[r],
                     plan.states[r].settings.policy_name,
                 )
-
-
-def make_backend(
-    module: str, prefix: str, base: vllm_attention.BaseBackend, layout: type, cudagraph_support=None
-) -> tuple[type, type, type]:
-    """The kvevict backend, impl and metadata builder over one of vLLM's backends: ``layout``
-    reads and writes tokens of that backend's cache (``_kvevict_gather``, ``_kvevict_write``,
-    ``_kvevict_views``); ``cudagraph_support`` overrides the builder's. Named
-    ``KVEvict<prefix>{Backend,Impl,MetadataBuilder}`` in ``module`` (where vLLM imports them from)."""
-
-    def impl_init(self, *args, **kwargs) -> None:
-        base.impl.__init__(self, *args, **kwargs)
-        self._kvevict_init(base.name)
-
-    def builder_init(self, kv_cache_spec, layer_names, vllm_config, device) -> None:
-        base.builder.__init__(self, kv_cache_spec, layer_names, vllm_config, device)
-        self._kvevict_builder_init(kv_cache_spec, vllm_config)
-
-    def named(name: str, bases: tuple, ns: dict) -> type:
-        return type(name, bases, {"__module__": module, "__qualname__": name, **ns})
-
-    impl = named(f"KVEvict{prefix}Impl", (layout, KVEvictImplMixin, base.impl), {"__init__": impl_init})
-    builder_ns = {"__init__": builder_init}
-    if cudagraph_support is not None:
-        builder_ns["_cudagraph_support"] = cudagraph_support
-    builder = named(f"KVEvict{prefix}MetadataBuilder", (KVEvictBuilderMixin, base.builder), builder_ns)
-    backend = named(
-        f"KVEvict{prefix}Backend",
-        (KVEvictBackendMixin, base.backend),
-        {"get_impl_cls": staticmethod(lambda: impl), "get_builder_cls": staticmethod(lambda: builder)},
-    )
-    return backend, impl, builder

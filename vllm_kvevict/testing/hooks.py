@@ -1,0 +1,95 @@
+"""Test hooks, installed in every process by ``register()`` only when a test asks for them through
+the environment (the engine tests start real servers, so this is how they reach the engine core and
+the workers). Nothing here is called from the forward path otherwise.
+
+* ``KVEVICT_TEST_FAULT=<policy>[,<policy>@prepare...]``: those policies' classes are replaced, in
+  this process's ``POLICIES``, by subclasses whose scoring (``<policy>``) or whose row preparation
+  by the backend (``<policy>@prepare``: where it reads the queries and ``W_O``, before the step)
+  raises, so a test can fault one request among many (backends/fault.py isolates it).
+* ``KVEVICT_TEST_HOLD=<dir>``: a plan listener (:func:`hold_if_asked`) stops a step before its
+  forward at a point of the test's choosing.
+"""
+
+from __future__ import annotations
+
+import os
+import time
+from pathlib import Path
+
+from vllm_kvevict import envs
+from vllm_kvevict._logging import logger
+from vllm_kvevict.policies import POLICIES, Policy
+
+TEST_FAULT_ENV = "KVEVICT_TEST_FAULT"
+#: the longest a held step waits for its test (then it goes on, with a warning)
+HOLD_DEADLINE_S = 600.0
+
+
+def install() -> None:
+    """What the environment asks for (idempotent)."""
+    faults = envs.KVEVICT_TEST_FAULT
+    for name, cls in list(POLICIES.items()):
+        faulty = faulty_class(cls, faults)
+        if faulty is not cls:
+            POLICIES[name] = faulty
+    if envs.KVEVICT_TEST_HOLD is not None:
+        from vllm_kvevict.backends.plan import add_plan_listener
+
+        add_plan_listener(hold_if_asked)
+
+
+class InjectedFault(RuntimeError):
+    pass
+
+
+def faulty_class(cls: type[Policy], names: frozenset[str]) -> type[Policy]:
+    """``cls``, or a subclass that raises: ``name`` in ``names`` makes its scoring raise (inside the
+    eviction step), ``name@prepare`` the backend's preparation of its rows."""
+    if getattr(cls, "kvevict_faulty", False):
+        return cls
+    if cls.name in names:
+
+        def fail(*_args, **_kwargs):
+            raise InjectedFault(f"fault injected into {cls.name} by {TEST_FAULT_ENV}")
+
+        methods = {
+            "score": fail,
+            "observe": fail,
+            **({"evict": fail} if cls.evict is not Policy.evict else {}),
+            **({"score_ragged": fail} if cls.score_ragged is not Policy.score_ragged else {}),
+        }
+    elif f"{cls.name}@prepare" in names:
+
+        def fail_prepare(_self):
+            raise InjectedFault(f"fault injected into the preparation of {cls.name} by {TEST_FAULT_ENV}")
+
+        methods = {"query_window": property(fail_prepare)}
+    else:
+        return cls
+    return type(f"Faulty{cls.__name__}", (cls,), {**methods, "kvevict_faulty": True})
+
+
+def hold_if_asked(plan) -> None:
+    """Under ``KVEVICT_TEST_HOLD=<dir>``: while the file ``<dir>/hold`` exists, a step that runs on
+    a window eviction has already moved (some row's ``e_prev > 0``) waits in the worker, before its
+    forward, having created ``<dir>/held``; while ``<dir>/hold-compacting`` exists, so does a step
+    in which some row compacts (``e_new > e_prev``). The request is then provably in the middle of
+    its prompt or its decoding (or in the step of a compaction), its earlier compactions done,
+    whatever the machine's speed: a test can disconnect its client and remove the file; the engine
+    core takes the abort before the next step."""
+    d = envs.KVEVICT_TEST_HOLD
+    if d is None:
+        return
+    if any(plan.e_prev) and Path(d, "hold").exists():
+        hold = Path(d, "hold")
+    elif any(b > a for a, b in zip(plan.e_prev, plan.e_new)) and Path(d, "hold-compacting").exists():
+        hold = Path(d, "hold-compacting")
+    else:
+        return
+    Path(d, "held").touch()
+    deadline = time.monotonic() + HOLD_DEADLINE_S
+    while hold.exists():
+        if time.monotonic() > deadline:
+            logger.warning("kvevict: %s held the step for %.0f s; going on", os.fspath(hold), HOLD_DEADLINE_S)
+            return
+        time.sleep(0.01)
