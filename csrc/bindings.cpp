@@ -1,3 +1,4 @@
+// SPDX-License-Identifier: Apache-2.0
 // Python bindings of the CUDA eviction kernels (kvevict_kernels.cu): argument checks, output
 // allocation and the calls to the launchers. Only torch's CPU headers are used (no c10/cuda, no
 // ATen/cuda), so this file builds against a CPU-only torch too; the CUDA stream comes from Python as

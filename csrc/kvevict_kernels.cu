@@ -1,5 +1,6 @@
+// SPDX-License-Identifier: Apache-2.0
 // CUDA kernels for the batched eviction operations of vllm-kvevict: the optional C++ counterpart of
-// vllm_kvevict/kernels/triton_ops.py, with the semantics of vllm_kvevict/kernels/reference.py (the
+// vllm_kvevict/kernels/triton_ops.py, with the semantics of vllm_kvevict/kernels/torch_ops.py (the
 // specification; read its module docstring). Written against vLLM 0.32.0's KV-cache layouts.
 //
 // Pure CUDA: only the CUDA runtime and fp16/bf16 headers, no torch, so this file compiles with nvcc

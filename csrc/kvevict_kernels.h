@@ -1,3 +1,4 @@
+// SPDX-License-Identifier: Apache-2.0
 // Host launchers of the CUDA eviction kernels (kvevict_kernels.cu), callable from code that sees no
 // CUDA header (bindings.cpp is compiled by the host compiler against torch's CPU headers only).
 //
@@ -5,7 +6,7 @@
 // the stream as an integer (torch.cuda.current_stream(device).cuda_stream), launches asynchronously
 // on that stream and returns a cudaError_t as an int (0: success; error_string() describes others).
 //
-// Semantics: those of vllm_kvevict/kernels/reference.py (the specification), written against
+// Semantics: those of vllm_kvevict/kernels/torch_ops.py (the specification), written against
 // vLLM 0.32.0's cache layouts (FlashAttention [num_blocks, 2, block_size, H, D] and the
 // [num_blocks, H, block_size, 2D] views the plugin's tests use; any strides work).
 #pragma once

@@ -1,4 +1,5 @@
 #!/usr/bin/env bash
+# SPDX-License-Identifier: Apache-2.0
 # The images' entrypoint: `vllm serve` with the kvevict attention backend, arguments passed through.
 #
 #   IMAGE MODEL [vllm serve options...]     e.g. IMAGE /models/my-model --served-model-name m

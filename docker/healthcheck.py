@@ -1,3 +1,4 @@
+# SPDX-License-Identifier: Apache-2.0
 """The images' HEALTHCHECK: exit 0 when the server's ``/health`` answers 200, else 1.
 
 The port (and host) are read from the running ``vllm serve`` command line (``--port N``,

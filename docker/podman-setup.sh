@@ -1,4 +1,5 @@
 #!/usr/bin/env bash
+# SPDX-License-Identifier: Apache-2.0
 # One-time set-up for building and running the images with podman on a machine without Docker or
 # registry access (docs/docker.md, "Podman"): podman, runc and debootstrap from Debian's packages
 # (installed as root when missing), and the base image localhost/debian:bookworm-minbase made by

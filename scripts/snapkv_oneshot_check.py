@@ -1,3 +1,4 @@
+# SPDX-License-Identifier: Apache-2.0
 """Transformers-only check behind docs/policies.md: one-shot SnapKV (window 32, avg-pool 7, group
 mean) at 25 % of a ~2K-token niah_single prompt (depth 0.5, seed 1) on SmolLM2, no vLLM involved.
 Prints, per layer, how many KV heads keep the needle's first digit token, then the greedy answer

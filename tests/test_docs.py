@@ -1,3 +1,4 @@
+# SPDX-License-Identifier: Apache-2.0
 """docs/operations.md says only what the code does: every metric it names is one the plugin
 exports, every metric the plugin exports is described there, and every ``kvevict: ...`` log line it
 quotes is one the code writes (its fixed text, between the placeholders)."""

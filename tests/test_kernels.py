@@ -1,3 +1,4 @@
+# SPDX-License-Identifier: Apache-2.0
 """Reading, writing and compacting vLLM's paged KV cache, against plain-tensor references."""
 
 from __future__ import annotations

@@ -1,3 +1,4 @@
+# SPDX-License-Identifier: Apache-2.0
 """The batched eviction operations: the torch reference against a per-row loop over the policies'
 own code (the specification), and the Triton kernels against the reference, under
 ``TRITON_INTERPRET=1`` on CPU (on a GPU, natively): small ragged row sets, several block sizes,

@@ -1,3 +1,4 @@
+# SPDX-License-Identifier: Apache-2.0
 """The policy kernels: LSH-E's bit-packed SimHash codes and Hamming distances, CriticalKV's projected
 value norms. The torch reference against plain specifications written here (numpy XOR + popcount,
 float64 einsum), the Triton kernels against the reference (under ``TRITON_INTERPRET=1`` on CPU, on a

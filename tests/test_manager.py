@@ -1,3 +1,4 @@
+# SPDX-License-Identifier: Apache-2.0
 """The engine-core side on vLLM's real KVCacheManager (no server): admission reserves each
 request's own window, and a request's bookkeeping ends on both of vLLM's free paths (``free`` and
 the deferred ``pop_blocks_for_free``)."""

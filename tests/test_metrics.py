@@ -1,3 +1,4 @@
+# SPDX-License-Identifier: Apache-2.0
 """The metrics files and their collector (vllm_kvevict/metrics.py), across real processes: each
 writes only its own file; the collector adds counters up (also of processes that have exited),
 keeps gauges of live processes only, and builds cumulative histogram buckets per rank."""

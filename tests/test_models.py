@@ -1,3 +1,4 @@
+# SPDX-License-Identifier: Apache-2.0
 """The offline test models: a tiny random Llama and SmolLM2 converted from the PyPI GGUF."""
 
 from __future__ import annotations

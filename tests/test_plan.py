@@ -1,3 +1,4 @@
+# SPDX-License-Identifier: Apache-2.0
 """Step planning on the worker (backends/plan.py): each row's window from its request's own
 settings (resolved once, kept while the runner holds the request); a dummy batch evicts nothing; a batch without the
 hook's context is refused, never planned with guessed configurations."""

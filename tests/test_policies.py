@@ -1,3 +1,4 @@
+# SPDX-License-Identifier: Apache-2.0
 """Policy scores on small tensors, checked against the papers' formulas computed here independently."""
 
 from __future__ import annotations

@@ -1,3 +1,4 @@
+# SPDX-License-Identifier: Apache-2.0
 """The attention/norm baselines (SnapKV, TOVA, H2O, K-norm, Random) and CAOTE/FastCAOTE against the
 formulas of ALGORITHMS.md 0.2 and 5, recomputed here independently with explicit loops (no helper of
 the policy modules is used), plus hypothesis property tests of the eviction contract."""

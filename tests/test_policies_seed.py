@@ -1,3 +1,4 @@
+# SPDX-License-Identifier: Apache-2.0
 """The seed algorithms CriticalKV, KVMerger and LSH-E against ALGORITHMS.md sections 2-4, recomputed
 here independently with explicit loops (no helper of the policy modules is used, except LSH-E's
 seeded projection matrix), plus hypothesis property tests of the eviction contract."""

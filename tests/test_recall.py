@@ -1,3 +1,4 @@
+# SPDX-License-Identifier: Apache-2.0
 """The recall tier and its selection (vllm_kvevict/backends/recall.py) against plain loops."""
 
 from __future__ import annotations

@@ -1,3 +1,4 @@
+# SPDX-License-Identifier: Apache-2.0
 """register(): the entry point, the CUSTOM override, the `kvevict` alias, the CPU selector, idempotence."""
 
 from __future__ import annotations

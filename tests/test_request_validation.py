@@ -1,3 +1,4 @@
+# SPDX-License-Identifier: Apache-2.0
 """Per-request keys driven with arbitrary JSON (hypothesis): every value is either accepted, and then
 the policy it configures runs on real tensors without an error, an overflow or a NaN, or refused
 with a :class:`RequestConfigError` whose one-line message names the ``kvevict_*`` key and quotes at

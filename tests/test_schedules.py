@@ -1,3 +1,4 @@
+# SPDX-License-Identifier: Apache-2.0
 """Prefix caching stays exact under any schedule (docs/architecture.md, "Prefix caching").
 
 vLLM's real ``Scheduler`` (and ``AsyncScheduler``, whose next step is scheduled before the previous

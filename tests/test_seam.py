@@ -1,3 +1,4 @@
+# SPDX-License-Identifier: Apache-2.0
 """The package's layering, checked on its source: one seam to vLLM, arrows pointing down, every
 environment variable in one table, and the seam's one patch helper."""
 
@@ -238,3 +239,17 @@ def test_register_patches_through_the_seam():
             if not isinstance(p.cls.__dict__[p.name], classmethod)
             else p.cls.__dict__[p.name].__func__.__kvevict_purpose__
         )
+
+
+def test_every_source_file_carries_the_license_identifier():
+    """SPDX headers: every Python, shell and CUDA source of the repository names its license."""
+    import subprocess
+
+    files = subprocess.run(["git", "ls-files"], cwd=ROOT, capture_output=True, text=True, check=True).stdout.split()
+    sources = [f for f in files if f.endswith((".py", ".sh", ".cu", ".h", ".cpp")) or f == ".ci/run"]
+    missing = [
+        f
+        for f in sources
+        if "SPDX-License-Identifier: Apache-2.0" not in "".join((ROOT / f).read_text().splitlines(keepends=True)[:2])
+    ]
+    assert sources and not missing, missing

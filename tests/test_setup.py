@@ -1,3 +1,4 @@
+# SPDX-License-Identifier: Apache-2.0
 """The setup script is idempotent: once set up, it installs nothing and says so."""
 
 from __future__ import annotations

@@ -1,3 +1,4 @@
+# SPDX-License-Identifier: Apache-2.0
 """The benchmark's task generators (vllm_kvevict/bench/tasks.py) and the quality report's
 bookkeeping (budget keys, summaries, table, plot), without a server."""
 

@@ -1,3 +1,4 @@
+# SPDX-License-Identifier: Apache-2.0
 """What the seam (vllm_kvevict/vllm_compat/) assumes of vLLM, checked against the installed vLLM:
 every method it wraps exists with the parameters its wrapper passes on, every class it subclasses
 has the constructor the plugin calls, every attribute the runner hook reads is set where the hook

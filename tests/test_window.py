@@ -1,3 +1,4 @@
+# SPDX-License-Identifier: Apache-2.0
 """The physical-window contract: evicted_tokens() properties, checked exhaustively on small ranges."""
 
 from __future__ import annotations

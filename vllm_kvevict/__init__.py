@@ -1,3 +1,4 @@
+# SPDX-License-Identifier: Apache-2.0
 """vllm-kvevict: KV-cache eviction for vLLM, as an attention-backend plugin.
 
 ``register`` is the ``vllm.general_plugins`` entry point; importing this package does not import vLLM.

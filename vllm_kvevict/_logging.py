@@ -1,3 +1,4 @@
+# SPDX-License-Identifier: Apache-2.0
 """The plugin's logger: a child of vLLM's ``vllm`` logger, so it shares vLLM's handlers and format."""
 
 from __future__ import annotations

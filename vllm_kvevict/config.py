@@ -1,3 +1,4 @@
+# SPDX-License-Identifier: Apache-2.0
 """Plugin configuration: one pydantic model, read from vLLM's ``--additional-config`` and an env var.
 
     vllm serve MODEL --attention-backend kvevict \\

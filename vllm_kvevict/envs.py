@@ -1,3 +1,4 @@
+# SPDX-License-Identifier: Apache-2.0
 """Every environment variable vllm-kvevict reads, in one table, read at use time.
 
 ``envs.KVEVICT_KERNELS`` reads the variable when it is accessed (not at import), parsed as the

@@ -1,3 +1,4 @@
+# SPDX-License-Identifier: Apache-2.0
 """``KVEvictSpec`` and its manager: free the leading blocks the window has left behind.
 
 vLLM's classes come through :mod:`vllm_kvevict.vllm_compat.kv_cache`. The worker's backend turns each plain ``FullAttentionSpec`` into a

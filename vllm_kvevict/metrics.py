@@ -1,3 +1,4 @@
+# SPDX-License-Identifier: Apache-2.0
 """The plugin's Prometheus metrics, served by vLLM's own ``/metrics`` (no second port).
 
 What eviction does happens in two kinds of process: the engine core frees blocks as windows move

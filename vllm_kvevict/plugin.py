@@ -1,3 +1,4 @@
+# SPDX-License-Identifier: Apache-2.0
 """Registration of the kvevict attention backend in every vLLM process, and the checks the plugin
 makes of configurations and requests.
 

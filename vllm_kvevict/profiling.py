@@ -1,3 +1,4 @@
+# SPDX-License-Identifier: Apache-2.0
 """Step-level timing of the eviction path, for ``kvevict-bench overhead`` (off unless asked).
 
 With ``KVEVICT_PROFILE_DIR`` set, every worker process appends one JSON line per model step to

@@ -1,3 +1,4 @@
+# SPDX-License-Identifier: Apache-2.0
 """A request's eviction settings, resolved once per process, and the per-process request registry.
 
 A request's ``kvevict_*`` keys (OpenAI ``vllm_xargs``, the Python API's ``extra_args``) travel to

@@ -1,3 +1,4 @@
+# SPDX-License-Identifier: Apache-2.0
 """The physical window: the one contract the scheduler and the workers share (docs/architecture.md).
 
 A request whose KV has been computed for ``L`` tokens keeps its KV in logical slots ``[E, L)``

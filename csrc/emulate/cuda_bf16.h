@@ -1,3 +1,4 @@
+// SPDX-License-Identifier: Apache-2.0
 // CPU stand-in for cuda_bf16.h (see cuda_runtime.h here): bfloat16 as the top 16 bits of a float,
 // rounded to nearest even like torch.
 #pragma once

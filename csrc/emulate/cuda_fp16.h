@@ -1,3 +1,4 @@
+// SPDX-License-Identifier: Apache-2.0
 // CPU stand-in for cuda_fp16.h (see cuda_runtime.h here): IEEE half through GCC's _Float16.
 #pragma once
 #include "cuda_runtime.h"

@@ -1,3 +1,4 @@
+// SPDX-License-Identifier: Apache-2.0
 // A CPU stand-in for the part of the CUDA runtime and device language kvevict_kernels.cu uses, so its
 // kernels can be *run* on a machine without a GPU (tests/test_csrc.py, KVEVICT_CSRC_EMULATE=1): the
 // test compiles a copy of the .cu with g++ -std=c++20 against these headers, after two textual

@@ -1,3 +1,4 @@
+# SPDX-License-Identifier: Apache-2.0
 """The OCI image tests (``-m docker``): hadolint, compose.yaml, and the CPU image built and served
 with podman. Slow (a clean build downloads torch and vLLM), so a plain ``pytest``/``make test``
 skips them; ``make test-docker`` (``pytest -m docker tests/docker``) runs them."""

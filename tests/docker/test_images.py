@@ -1,3 +1,4 @@
+# SPDX-License-Identifier: Apache-2.0
 """The OCI images (docker/): both Dockerfiles pass hadolint, compose.yaml has the structure the docs
 promise, and the CPU image, built with podman as on a machine without Docker or registry access
 (docker/podman-setup.sh, docs/docker.md), serves the bundled SmolLM2 with eviction on: OpenAI chat

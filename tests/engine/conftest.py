@@ -1,3 +1,4 @@
+# SPDX-License-Identifier: Apache-2.0
 """Fixtures for the engine tests that evict: a tiny GQA Llama and its transformers twin."""
 
 from __future__ import annotations

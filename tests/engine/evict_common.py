@@ -1,3 +1,4 @@
+# SPDX-License-Identifier: Apache-2.0
 """Helpers shared by the engine tests that evict: requests with logprobs, and the reference check."""
 
 from __future__ import annotations

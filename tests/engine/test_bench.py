@@ -1,3 +1,4 @@
+# SPDX-License-Identifier: Apache-2.0
 """The benchmark CLI's smoke presets, end to end against real servers on the bundled SmolLM2.
 
 Checks the outputs are well formed and the stock/no-eviction references are sane; the eviction

@@ -1,3 +1,4 @@
+# SPDX-License-Identifier: Apache-2.0
 """With eviction disabled, or a budget larger than the prompt, our backend equals stock CPU_ATTN.
 
 SmolLM2-135M-Instruct in float32, greedy: the generated tokens are identical and the per-token

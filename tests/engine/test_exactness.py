@@ -1,3 +1,4 @@
+# SPDX-License-Identifier: Apache-2.0
 """Exactness: the engine with eviction equals a transformers reference that evicts the same tokens.
 
 The engine dumps the positions it kept per (request, layer, KV head) at every compaction

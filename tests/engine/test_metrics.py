@@ -1,3 +1,4 @@
+# SPDX-License-Identifier: Apache-2.0
 """The plugin's metrics on vLLM's own ``/metrics``, scraped from a real server after a few requests
 and checked against what the engine did: blocks freed equal the sum of the per-request release
 lines, tokens evicted are those blocks' slots, one compaction per window move (counted from the

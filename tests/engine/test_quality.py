@@ -1,3 +1,4 @@
+# SPDX-License-Identifier: Apache-2.0
 """Quality on the bundled SmolLM2: single-needle retrieval (RULER niah_single format), ~3K-token
 prompts, needle depth swept; KeyDiff at a quarter of the prompt keeps >= 90% of the accuracy the
 same server reaches with eviction off. StreamingLLM's score is reported, not asserted.

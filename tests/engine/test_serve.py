@@ -1,3 +1,4 @@
+# SPDX-License-Identifier: Apache-2.0
 """A real `vllm serve` with the kvevict backend answers the OpenAI API; the worker log proves our backend ran."""
 
 from __future__ import annotations

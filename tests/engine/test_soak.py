@@ -1,3 +1,4 @@
+# SPDX-License-Identifier: Apache-2.0
 """Soak: 200+ mixed requests at once against one real server with a small KV pool.
 
 Chat and completions, streaming and not, ``n > 1``, prompts from tens to thousands of tokens,

@@ -1,3 +1,4 @@
+# SPDX-License-Identifier: Apache-2.0
 """Each bad configuration stops `vllm serve` at start-up with one clear line, before any weight loads."""
 
 from __future__ import annotations

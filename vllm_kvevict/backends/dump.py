@@ -1,3 +1,4 @@
+# SPDX-License-Identifier: Apache-2.0
 """``KVEVICT_DUMP_DIR`` (debugging, tests): every compaction's kept positions and every attempt's
 start, as JSON lines, one file per worker process (``kept-<pid>.jsonl``)."""
 

@@ -1,3 +1,4 @@
+# SPDX-License-Identifier: Apache-2.0
 """One step's eviction work on the paged cache: observe, score, select per KV head, write
 right-aligned. Engine code (it drives the policies over a step); the kernels it calls know
 nothing of policies.

@@ -1,3 +1,4 @@
+# SPDX-License-Identifier: Apache-2.0
 """Fault isolation for the eviction step: one request's policy error never kills the engine.
 
 vLLM declares the engine core dead when the attention forward raises, and every later request then

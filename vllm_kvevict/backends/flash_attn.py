@@ -1,3 +1,4 @@
+# SPDX-License-Identifier: Apache-2.0
 """The kvevict attention backends on CUDA: vLLM's ``FLASH_ATTN`` with eviction, and the choice of base.
 
 Two of vLLM's backends subclassed, the same way:

@@ -1,3 +1,4 @@
+# SPDX-License-Identifier: Apache-2.0
 """Token-level reads and writes of the FLASH_ATTN / TRITON_ATTN KV cache layout.
 
 vLLM 0.32.0 and 0.33.0 bind each layer's cache as ``[num_blocks, num_kv_heads, block_size, 2 * head_dim]``

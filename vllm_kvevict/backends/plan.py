@@ -1,3 +1,4 @@
+# SPDX-License-Identifier: Apache-2.0
 """Per-step planning on the worker: which window each request attends over, and which compact.
 
 Device-agnostic (every builder shares it). The runner's ``CommonAttentionMetadata`` carries

@@ -1,3 +1,4 @@
+# SPDX-License-Identifier: Apache-2.0
 """The attention output projection ``W_O`` of a layer, for the policies that read it (CriticalKV,
 CAOTE): found beside the attention module in the worker's model, by the names model families use.
 """

@@ -1,3 +1,4 @@
+# SPDX-License-Identifier: Apache-2.0
 """The recall tier: evicted tokens kept outside vLLM's pool, recalled when the prompt completes.
 
 Chunk-wise eviction decides what to keep before the end of the prompt is seen; in a long-context

@@ -1,3 +1,4 @@
+# SPDX-License-Identifier: Apache-2.0
 """The kvevict attention backend on vLLM's ``TRITON_ATTN``: the CUDA base where FlashAttention
 refuses the configuration (:func:`vllm_kvevict.backends.flash_attn.choose_base` decides; the
 CUDA-graph behaviour, documented there, is the same for both bases). Not to be confused with the

@@ -1,1 +1,2 @@
+# SPDX-License-Identifier: Apache-2.0
 """Benchmarks: long-context quality under eviction, against the same engine without eviction."""

@@ -1,3 +1,4 @@
+# SPDX-License-Identifier: Apache-2.0
 """``python -m vllm_kvevict.bench``: the same as ``kvevict-bench``."""
 
 import sys

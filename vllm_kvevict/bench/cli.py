@@ -1,3 +1,4 @@
+# SPDX-License-Identifier: Apache-2.0
 """``kvevict-bench`` (also ``python -m vllm_kvevict.bench``): quality, throughput and memory.
 
     kvevict-bench quality --preset smoke            # retrieval accuracy per policy and budget

@@ -1,3 +1,4 @@
+# SPDX-License-Identifier: Apache-2.0
 """Kernel benchmark below vLLM: the batched eviction step against the attention it serves and the
 device's copy bandwidth, at a model's shapes (default Llama-3.1-8B: 32 query heads, 8 KV heads,
 head_dim 128, bf16), for several request counts and context lengths.

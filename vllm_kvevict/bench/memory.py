@@ -1,3 +1,4 @@
+# SPDX-License-Identifier: Apache-2.0
 """KV blocks in use over time for one long request: stock vLLM versus kvevict.
 
     kvevict-bench memory --prompt-len 4000 --output-len 256 --budget 512 --policy keydiff

@@ -1,3 +1,4 @@
+# SPDX-License-Identifier: Apache-2.0
 """What eviction costs inside the engine: time in the eviction path per step, as a fraction of the
 step, for every policy, on one kvevict server.
 

@@ -1,3 +1,4 @@
+# SPDX-License-Identifier: Apache-2.0
 """Prefix caching with eviction: shared prefixes and multi-turn chat, at equal KV memory.
 
     kvevict-bench prefix --preset smoke|full

@@ -1,3 +1,4 @@
+# SPDX-License-Identifier: Apache-2.0
 """Quality under eviction: retrieval accuracy per policy and budget, against the same server with
 eviction off (per-request ``kvevict_enabled: false``) as the reference.
 

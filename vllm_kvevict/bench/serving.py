@@ -1,3 +1,4 @@
+# SPDX-License-Identifier: Apache-2.0
 """Shared by the serving benchmarks: start stock vLLM or kvevict with the same KV cache, send a
 workload through the OpenAI API (streaming, to time the first token), and watch ``/metrics``.
 """

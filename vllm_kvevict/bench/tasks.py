@@ -1,3 +1,4 @@
+# SPDX-License-Identifier: Apache-2.0
 """Long-context tasks generated locally from a seed (no downloads), after RULER's categories
 (Hsieh et al., 2024, "RULER: What's the Real Context Size of Your Long-Context Language Models?",
 section 3): retrieval (needle variants, key-value), multi-hop tracing (variable tracking) and

@@ -1,3 +1,4 @@
+# SPDX-License-Identifier: Apache-2.0
 """Serving throughput at equal KV memory: stock vLLM versus kvevict, started one after the other.
 
     kvevict-bench throughput --num-requests 16 --prompt-len 2000 --output-len 128 --kv-prompts 4 \\

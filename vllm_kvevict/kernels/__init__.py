@@ -1,3 +1,4 @@
+# SPDX-License-Identifier: Apache-2.0
 """Gather, scoring, selection and compaction operations over paged KV caches, with no knowledge of
 vLLM or of policies (block tables, ragged rows and plain tensors in, tensors out).
 

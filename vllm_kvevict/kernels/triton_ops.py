@@ -1,3 +1,4 @@
+# SPDX-License-Identifier: Apache-2.0
 """Triton kernels for the batched eviction operations; same signatures and semantics as
 :mod:`vllm_kvevict.kernels.torch_ops` (the specification, see its docstring). They also run on CPU
 tensors under ``TRITON_INTERPRET=1``, which is how CI tests them.

@@ -1,3 +1,4 @@
+# SPDX-License-Identifier: Apache-2.0
 """Eviction policies, one small file each; ``POLICIES`` maps the config name to the class."""
 
 from __future__ import annotations

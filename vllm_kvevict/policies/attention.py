@@ -1,3 +1,4 @@
+# SPDX-License-Identifier: Apache-2.0
 """Helpers for the attention-based policies (the attention probabilities SnapKV, TOVA, H2O and their users read).
 
 The engine's kernels do not return probabilities, so the policies that need them recompute the

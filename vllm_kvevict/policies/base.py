@@ -1,3 +1,4 @@
+# SPDX-License-Identifier: Apache-2.0
 """The interface every eviction policy implements (docs/policies.md).
 
 Policies work on plain tensors of one (sequence, layer) and know nothing of vLLM: the attention

@@ -1,3 +1,4 @@
+# SPDX-License-Identifier: Apache-2.0
 """CAOTE and FastCAOTE: the closed-form attention-output error of evicting each token
 (CAOTE paper Sec. 3, Eqs. 8, 21, 23).
 

@@ -1,3 +1,4 @@
+# SPDX-License-Identifier: Apache-2.0
 """CriticalKV: two-stage selection that bounds the output perturbation (CriticalKV
 paper Alg. 1 and 2, Thm. 3.5).
 

@@ -1,3 +1,4 @@
+# SPDX-License-Identifier: Apache-2.0
 """H2O: heavy hitters by accumulated attention (Zhang et al. 2023).
 
     phi(A) = A_prev + A^T 1      every query's attention, summed per key, accumulated over steps

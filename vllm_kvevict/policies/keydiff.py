@@ -1,3 +1,4 @@
+# SPDX-License-Identifier: Apache-2.0
 """KeyDiff: keep the keys least similar to the anchor (KeyDiff paper, Eq. 8).
 
     k_hat_i = k_i / ||k_i||

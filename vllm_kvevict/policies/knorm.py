@@ -1,3 +1,4 @@
+# SPDX-License-Identifier: Apache-2.0
 """K-norm: keep the keys with the lowest L2 norm (Devoto et al. 2024).
 
     s_i = - ||k_i||_2

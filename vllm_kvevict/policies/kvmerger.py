@@ -1,3 +1,4 @@
+# SPDX-License-Identifier: Apache-2.0
 """KVMerger: merge runs of similar adjacent keys into their pivot (KVMerger
 paper Alg. 1 and 2, Eqs. 5-8).
 

@@ -1,3 +1,4 @@
+# SPDX-License-Identifier: Apache-2.0
 """LSH-E: evict the cached key whose SimHash is farthest from the query's (LSH-E
 paper Sec. 3, Alg. 1).
 

@@ -1,3 +1,4 @@
+# SPDX-License-Identifier: Apache-2.0
 """``none``: keep everything. With this policy the backend behaves exactly like vLLM's own."""
 
 from __future__ import annotations

@@ -1,3 +1,4 @@
+# SPDX-License-Identifier: Apache-2.0
 """Random eviction, seeded: the floor any policy must beat.
 
 Each token's score is a hash of (seed, layer, KV head, position), uniform in [0, 1): the same

@@ -1,3 +1,4 @@
+# SPDX-License-Identifier: Apache-2.0
 """SnapKV: observation-window attention, pooled (Li et al. 2024).
 
     A     = softmax(Q_win K^T * scale)        Q_win = the last ``window`` queries (default 32)

@@ -1,3 +1,4 @@
+# SPDX-License-Identifier: Apache-2.0
 """StreamingLLM ("Sink"): keep the first ``sink_tokens`` tokens and the most recent ones.
 
 Xiao et al., *Efficient Streaming Language Models with Attention Sinks*; as used by the seed papers

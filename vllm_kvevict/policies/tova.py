@@ -1,3 +1,4 @@
+# SPDX-License-Identifier: Apache-2.0
 """TOVA: keep the tokens the latest query attends to most (Oren et al. 2024).
 
     phi(A) = A[-1, :]       attention of the last query of the chunk/step to every key

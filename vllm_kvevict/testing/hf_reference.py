@@ -1,3 +1,4 @@
+# SPDX-License-Identifier: Apache-2.0
 """A Hugging Face transformers reference that evicts exactly the tokens the engine evicted.
 
 The engine (with ``KVEVICT_DUMP_DIR`` set) records every compaction: after computing ``L`` tokens

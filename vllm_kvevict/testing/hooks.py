@@ -1,3 +1,4 @@
+# SPDX-License-Identifier: Apache-2.0
 """Test hooks, installed in every process by ``register()`` only when a test asks for them through
 the environment (the engine tests start real servers, so this is how they reach the engine core and
 the workers). Nothing here is called from the forward path otherwise.

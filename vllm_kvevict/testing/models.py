@@ -1,3 +1,4 @@
+# SPDX-License-Identifier: Apache-2.0
 """Offline test models.
 
     python -m vllm_kvevict.testing.models smollm2 [--print-path]

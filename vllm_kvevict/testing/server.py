@@ -1,3 +1,4 @@
+# SPDX-License-Identifier: Apache-2.0
 """Start and stop a real ``vllm serve`` subprocess on a loopback port (for tests and benchmarks)."""
 
 from __future__ import annotations

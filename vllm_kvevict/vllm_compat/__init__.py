@@ -1,3 +1,4 @@
+# SPDX-License-Identifier: Apache-2.0
 """The one seam between vllm-kvevict and vLLM.
 
 Every import of a vLLM internal, every patch of a vLLM class and every difference between the vLLM

@@ -1,3 +1,4 @@
+# SPDX-License-Identifier: Apache-2.0
 """Attention: the backend registry, the base backends the plugin subclasses, platform selectors.
 
 Written against vLLM 0.32.0; checked against 0.33.0's sources (``v1/attention/backends/registry.py``,

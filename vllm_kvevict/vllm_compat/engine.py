@@ -1,3 +1,4 @@
+# SPDX-License-Identifier: Apache-2.0
 """The API server and engine set-up: configuration finalisation, request checks.
 
 Written against vLLM 0.32.0 (``platforms/interface.py`` ``check_and_update_config``,

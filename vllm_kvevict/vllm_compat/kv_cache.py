@@ -1,3 +1,4 @@
+# SPDX-License-Identifier: Apache-2.0
 """The engine core's KV cache: spec and manager bases, the spec registry, per-request hooks.
 
 Written against vLLM 0.32.0 (``v1/kv_cache_interface.py``, ``v1/core/single_type_kv_cache_manager.py``,

@@ -1,3 +1,4 @@
+# SPDX-License-Identifier: Apache-2.0
 """Where vLLM serves ``/metrics`` from: the registry a custom collector must be in.
 
 Written against vLLM 0.32.0 (``v1/metrics/prometheus.py`` ``get_prometheus_registry``,

@@ -1,3 +1,4 @@
+# SPDX-License-Identifier: Apache-2.0
 """The one way the plugin patches a vLLM class: :func:`wrap_method`.
 
 Idempotent (a second wrap of the same method under the same name is a no-op, so ``register()`` can

