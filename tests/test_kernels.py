@@ -106,3 +106,15 @@ def test_compact_step_keeps_policy_choice_right_aligned():
             Kc, Vc = flash_cache.gather_tokens(cache, dst // bs, dst % bs)
             assert torch.equal(Kc[:, h], K[want, h]) and torch.equal(Vc[:, h], V[want, h])
             assert slot_pos[dst, h].tolist() == want.tolist()
+
+
+def test_per_head_equals_the_advanced_index():
+    """torch_ops.per_head (one index_select on the flattened token x head axis) is x[idx, arange(H)]."""
+    from vllm_kvevict.kernels import torch_ops
+
+    g = torch.Generator().manual_seed(0)
+    for shape in ((50, 3, 8), (50, 3), (7, 1, 4)):
+        x = torch.randn(*shape, generator=g)
+        idx = torch.randint(0, shape[0], (20, shape[1]), generator=g)
+        h = torch.arange(shape[1])[None, :]
+        assert torch.equal(torch_ops.per_head(x, idx), x[idx, h])

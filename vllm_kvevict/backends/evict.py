@@ -90,8 +90,6 @@ def evict_step(
         K_all, V_all = gather(blocks, offs)  # [N, H, D]
     pos_all = slot_pos[slots_all]  # [N, H]
     bounds = cu.tolist()
-    H = K_all.shape[1]
-    h = torch.arange(H, device=K_all.device)[None, :]
     kept_tok: dict[int, torch.Tensor] = {}  # row -> [keep, H] indices into the packed tokens
     row_scores: dict[int, torch.Tensor] = {}  # row -> [n, H] the scores it was selected by
     merged: dict[int, tuple[torch.Tensor, torch.Tensor]] = {}  # row -> new K, V [keep, H, D]
@@ -185,7 +183,7 @@ def evict_step(
             slot_state,
             views,
         )
-    return [pos_all[kept_tok[r], h] for r in out]
+    return [torch_ops.per_head(pos_all, kept_tok[r]) for r in out]
 
 
 def _dropped(r, i, bounds, kept_tok, row_scores, K_all, V_all, pos_all, slots_all, slot_state):
@@ -194,13 +192,15 @@ def _dropped(r, i, bounds, kept_tok, row_scores, K_all, V_all, pos_all, slots_al
 
     lo, n = bounds[i], bounds[i + 1] - bounds[i]
     drop = complement(n, kept_tok[r] - lo) + lo  # [n - keep, H] into the packed tokens
-    h = torch.arange(K_all.shape[1], device=K_all.device)[None, :]
     score = row_scores.get(r)
     score = (
-        score[drop - lo, h].float() if score is not None else torch.full(drop.shape, float("-inf"), device=drop.device)
+        torch_ops.per_head(score, drop - lo).float()
+        if score is not None
+        else torch.full(drop.shape, float("-inf"), device=drop.device)
     )
-    state = {k: s[slots_all][drop, h].clone() for k, s in slot_state.items()}
-    return K_all[drop, h], V_all[drop, h], pos_all[drop, h].long(), score, state
+    state = {k: torch_ops.per_head(s[slots_all], drop) for k, s in slot_state.items()}
+    take = torch_ops.per_head
+    return take(K_all, drop), take(V_all, drop), take(pos_all, drop).long(), score, state
 
 
 def _attention(
@@ -286,8 +286,7 @@ def _write_kept(
         return
     blocks, offs, _ = torch_ops.logical_tokens(plan.block_table, rows, dst, dst + keep, block_size)
     slots = blocks * block_size + offs
-    h = torch.arange(K_all.shape[1], device=K_all.device)[None, :]
-    write(slots, K_src[idx_kv, h], V_src[idx_kv, h])
-    slot_pos[slots] = pos_all[idx, h]
+    write(slots, torch_ops.per_head(K_src, idx_kv), torch_ops.per_head(V_src, idx_kv))
+    slot_pos[slots] = torch_ops.per_head(pos_all, idx)
     for k in slot_state:
-        slot_state[k][slots] = state_all[k][idx, h]
+        slot_state[k][slots] = torch_ops.per_head(state_all[k], idx)

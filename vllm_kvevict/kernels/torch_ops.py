@@ -47,6 +47,15 @@ def cu_from_lengths(lengths: torch.Tensor) -> torch.Tensor:
     return torch.nn.functional.pad(torch.cumsum(lengths.long(), 0), (1, 0))
 
 
+def per_head(x: torch.Tensor, idx: torch.Tensor) -> torch.Tensor:
+    """``x[idx[j, h], h]`` for every ``j`` and head ``h``: ``[m, H, ...]`` from ``x [n, H, ...]`` and
+    ``idx [m, H]`` (each head its own tokens). One ``index_select`` on the flattened (token, head)
+    axis: several times faster on CPU than the advanced index ``x[idx, arange(H)]``."""
+    H = x.shape[1]
+    flat = (idx.long() * H + torch.arange(H, device=idx.device)).reshape(-1)
+    return x.reshape(-1, *x.shape[2:]).index_select(0, flat).view(*idx.shape, *x.shape[2:])
+
+
 def ranges(starts: torch.Tensor, ends: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
     """The integers ``[starts[r], ends[r])`` of every row ``r``, packed; the row of each; ``cu``."""
     cu = cu_from_lengths((ends - starts).long())
