@@ -17,7 +17,7 @@ import torch
 
 from vllm_kvevict.backends import cpu_layout as cpu_cache
 from vllm_kvevict.backends import flash_layout as flash_cache
-from vllm_kvevict.backends.evict import RowWork, evict_step
+from vllm_kvevict.backends.evict import RowInputs, RowWork, evict_step
 from vllm_kvevict.backends.plan import StepPlan
 from vllm_kvevict.config import parse_config
 from vllm_kvevict.policies import POLICIES as POLICY_CLASSES
@@ -77,17 +77,17 @@ def _setup(layout: str, dtype: torch.dtype):
         cls = POLICY_CLASSES[name]
         pol = cls(cls.Params(recent_ratio=0.1, heavy_ratio=0.1, threshold=0.0) if name == "kvmerger" else None)
         L = LENS[r]
-        extra = {
-            "L": L,
-            "budget": L - E_NEW[r],
-            "Q": Q[:, qsl[r] : qsl[r + 1]],
-            "q_pos": torch.arange(L - 8, L),
-            "Q_window": torch.randn(HQ, 32, D, generator=g),
-            "w_pos": torch.arange(L - 32, L),
-            "W_O": W_O,
-            "scale": D**-0.5,
-        }
-        work.append(RowWork(r, pol, E_NEW[r] > E_PREV[r], extra))
+        inputs = RowInputs(
+            L=L,
+            budget=L - E_NEW[r],
+            Q=Q[:, qsl[r] : qsl[r + 1]],
+            q_pos=torch.arange(L - 8, L),
+            Q_window=torch.randn(HQ, 32, D, generator=g),
+            w_pos=torch.arange(L - 32, L),
+            W_O=W_O,
+            scale=D**-0.5,
+        )
+        work.append(RowWork(r, pol, E_NEW[r] > E_PREV[r], inputs))
     return cache, write, slot_pos, state, plan, work
 
 

@@ -6,6 +6,8 @@ on a real server, one of them faulty) is in tests/engine/test_hardening.py."""
 
 from __future__ import annotations
 
+import dataclasses
+
 import pytest
 import torch
 
@@ -46,13 +48,13 @@ def test_faulty_row_falls_back_and_others_are_untouched(monkeypatch, caplog):
     # Reference: the same step with the faulty row's policy replaced by the safe one up front.
     cache_r, _, pos_r, state_r, plan_r, work_r = _setup("flash", torch.float32)
     w = work_r[FAULTY_ROW]
-    work_r[FAULTY_ROW] = RowWork(w.row, fault.SAFE_POLICY, w.compact, w.extra)
+    work_r[FAULTY_ROW] = RowWork(w.row, fault.SAFE_POLICY, w.compact, w.inputs)
     kept_r = _step(cache_r, pos_r, state_r, plan_r)(work_r)
 
     cache, _, slot_pos, state, plan, work = _setup("flash", torch.float32)
     w = work[FAULTY_ROW]
     faulty = hooks.faulty_class(type(w.policy), frozenset({"snapkv"}))(w.policy.params)
-    work[FAULTY_ROW] = RowWork(w.row, faulty, w.compact, w.extra)
+    work[FAULTY_ROW] = RowWork(w.row, faulty, w.compact, w.inputs)
     step = _step(cache, slot_pos, state, plan)
     with pytest.raises(RuntimeError, match="fault injected into snapkv"):
         step(work)  # the batched step raises, having written nothing
@@ -70,23 +72,24 @@ def test_faulty_row_falls_back_and_others_are_untouched(monkeypatch, caplog):
 
 
 def test_fallback_runs_without_what_broke_the_policy():
-    """Whatever made a row's policy fail (here an extra its view does not take, the way recall's
-    flag once reached the observing policies' views) cannot break the safe policy: it runs on the
-    keys and positions alone, for a compacting row and for an observing row that does not compact
-    in this step (where the engine once died: the retry raised again, out of the step)."""
+    """Whatever made a row's policy fail (here queries of the wrong head size among its inputs)
+    cannot break the safe policy: it runs on the keys and positions alone, for a compacting row and
+    for an observing row that does not compact in this step (where the engine once died: the retry
+    raised again, out of the step)."""
     cache_r, _, pos_r, state_r, plan_r, work_r = _setup("flash", torch.float32)
     cache, _, slot_pos, state, plan, work = _setup("flash", torch.float32)
     observing = next(i for i, w in enumerate(work) if w.policy.observes)
     bad = {observing, FAULTY_ROW}
     for i in bad:
         w = work[i]
-        work[i] = RowWork(w.row, w.policy, i == FAULTY_ROW, {**w.extra, "no_such_field": 1})
-        work_r[i] = RowWork(w.row, fault.SAFE_POLICY, i == FAULTY_ROW, {})
+        broken = dataclasses.replace(w.inputs, Q=w.inputs.Q[..., :-1], Q_window=w.inputs.Q_window[..., :-1])
+        work[i] = RowWork(w.row, w.policy, i == FAULTY_ROW, broken)
+        work_r[i] = RowWork(w.row, fault.SAFE_POLICY, i == FAULTY_ROW)
     kept_r = _step(cache_r, pos_r, state_r, plan_r)(work_r)
     step = _step(cache, slot_pos, state, plan)
-    with pytest.raises(TypeError):
+    with pytest.raises(RuntimeError):
         step(work)
-    done, kept = fault.isolate(plan, work, step, TypeError("batched"))
+    done, kept = fault.isolate(plan, work, step, RuntimeError("batched"))
     assert [x.policy is fault.SAFE_POLICY for x in done] == [i in bad for i in range(len(work))]
     assert torch.equal(cache, cache_r) and torch.equal(slot_pos, pos_r)
     assert all(torch.equal(a, b) for a, b in zip(kept, kept_r))

@@ -83,7 +83,7 @@ def test_compact_step_keeps_policy_choice_right_aligned():
     pol = get_policy("keydiff")
     kept = evict_step(
         plan,
-        [RowWork(r, pol, True, {}) for r in plan.compact_rows],
+        [RowWork(r, pol, True) for r in plan.compact_rows],
         bs,
         gather=lambda b, o: flash_cache.gather_tokens(cache, b, o),
         write=lambda s, K, V: flash_cache.write_tokens(cache, s, K, V),

@@ -157,7 +157,7 @@ def test_triton_select_extreme_scores(tri):
 
 def _step(monkeypatch, batched: bool, kernels: str):
     from vllm_kvevict.backends import flash_layout as flash_cache
-    from vllm_kvevict.backends.evict import RowWork, evict_step
+    from vllm_kvevict.backends.evict import RowInputs, RowWork, evict_step
     from vllm_kvevict.backends.plan import StepPlan
     from vllm_kvevict.kernels import ops
     from vllm_kvevict.policies import get_policy
@@ -189,7 +189,7 @@ def _step(monkeypatch, batched: bool, kernels: str):
     )
     kd, kn, sl, rnd = (get_policy(p) for p in ("keydiff", "knorm", "streamingllm", "random"))
     pols = [kd, kn, kd, sl, rnd, kd]
-    work = [RowWork(r, p, True, {"L": lens[r]}) for r, p in enumerate(pols)]
+    work = [RowWork(r, p, True, RowInputs(L=lens[r])) for r, p in enumerate(pols)]
     kept = evict_step(
         plan,
         work,

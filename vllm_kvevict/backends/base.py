@@ -28,7 +28,7 @@ from vllm_kvevict import envs, metrics, profiling
 from vllm_kvevict._logging import info_once, logger
 from vllm_kvevict.backends import fault
 from vllm_kvevict.backends.dump import dump_kept, dump_starts
-from vllm_kvevict.backends.evict import RowWork, evict_step
+from vllm_kvevict.backends.evict import RowInputs, RowWork, evict_step
 from vllm_kvevict.backends.plan import StepPlan, cascade_prefix_len, notify_planned, plan_step, shifted_metadata
 from vllm_kvevict.backends.projection import output_projection
 from vllm_kvevict.backends.recall import RecallMixin, Tier, TierEntry
@@ -250,22 +250,25 @@ class KVEvictImplMixin(RecallMixin):
             return None
         qsl, L = plan.query_start_loc, plan.seq_lens[r]
         Q = query[qsl[r] : qsl[r + 1]].transpose(0, 1)  # [H_q, m, d]
-        extra = {
-            "L": L,
-            "budget": plan.states[r].settings.budget,
-            "scale": self.scale,
-            "softcap": getattr(self, "logits_soft_cap", None) or None,
-        }
-        if policy.needs_queries:
-            extra.update(Q=Q, q_pos=plan.positions[qsl[r] : qsl[r + 1]].long())
+        queries = (Q, plan.positions[qsl[r] : qsl[r + 1]].long()) if policy.needs_queries else (None, None)
+        window: tuple[torch.Tensor | None, torch.Tensor | None] = (None, None)
         if w:
             Qw = self._query_window(plan, r, Q, w, layer)
-            extra.update(Q_window=Qw, w_pos=torch.arange(L - Qw.shape[1], L, device=Qw.device))
+            window = (Qw, torch.arange(L - Qw.shape[1], L, device=Qw.device))
         if not compacts and not policy.observes:
             return None  # only the query window moved
-        if policy.needs_w_o and compacts:
-            extra["W_O"] = self._w_o(layer)
-        return RowWork(r, policy, compacts, extra)
+        inputs = RowInputs(
+            L=L,
+            budget=plan.states[r].settings.budget,
+            scale=self.scale,
+            softcap=getattr(self, "logits_soft_cap", None) or None,
+            Q=queries[0],
+            q_pos=queries[1],
+            Q_window=window[0],
+            w_pos=window[1],
+            W_O=self._w_o(layer) if policy.needs_w_o and compacts else None,
+        )
+        return RowWork(r, policy, compacts, inputs)
 
     def _kvevict_after_attention(self, layer, query, kv_cache, plan) -> None:
         slot_pos = self._slot_pos(kv_cache)

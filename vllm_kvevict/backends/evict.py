@@ -31,6 +31,22 @@ Gather = Callable[
 Write = Callable[[torch.Tensor, torch.Tensor, torch.Tensor], None]  # (slots, K, V)
 
 
+@dataclass(frozen=True)
+class RowInputs:
+    """What the backend knows of a row besides its KV: the :class:`KVView` fields beyond K, V,
+    positions and per-slot state (each as the view documents it; None: not given)."""
+
+    L: int | None = None
+    budget: int | None = None
+    scale: float | None = None
+    softcap: float | None = None
+    Q: torch.Tensor | None = None
+    q_pos: torch.Tensor | None = None
+    Q_window: torch.Tensor | None = None
+    w_pos: torch.Tensor | None = None
+    W_O: torch.Tensor | None = None
+
+
 @dataclass
 class RowWork:
     """One row's part of the step: its policy and what the backend knows besides the KV."""
@@ -38,7 +54,7 @@ class RowWork:
     row: int
     policy: Policy
     compact: bool
-    extra: dict  # KVView fields beyond K/V/pos/state: Q, q_pos, Q_window, w_pos, W_O, L, budget, ...
+    inputs: RowInputs = RowInputs()
     keep_evicted: bool = False  # recall: hand what this row drops to ``evicted``
 
 
@@ -114,7 +130,15 @@ def evict_step(
                     layer=layer,
                     G=G,
                     state=state,
-                    **w.extra,
+                    L=w.inputs.L,
+                    budget=w.inputs.budget,
+                    scale=w.inputs.scale,
+                    softcap=w.inputs.softcap,
+                    Q=w.inputs.Q,
+                    q_pos=w.inputs.q_pos,
+                    Q_window=w.inputs.Q_window,
+                    w_pos=w.inputs.w_pos,
+                    W_O=w.inputs.W_O,
                 ),
             )
         )

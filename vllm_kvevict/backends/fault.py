@@ -88,7 +88,7 @@ def isolate(plan, work: list, step: Callable[[list], list[torch.Tensor]], err: B
             # The safe policy reads nothing but keys and positions: none of the row's extras (queries,
             # W_O, ...) go with it, whatever broke the policy cannot break it; what it drops is
             # still handed to the recall tier.
-            w = RowWork(w.row, SAFE_POLICY, w.compact, {}, w.keep_evicted)
+            w = RowWork(w.row, SAFE_POLICY, w.compact, keep_evicted=w.keep_evicted)
             out = step([w])
         done.append(w)
         kept += out
