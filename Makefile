@@ -11,7 +11,7 @@ VLLM033_TESTS ?= tests/test_vllm_contract.py tests/test_manager.py tests/test_re
                  tests/test_config.py tests/test_request_validation.py tests/test_window.py tests/test_seam.py \
                  tests/test_schedules.py
 
-.PHONY: setup model serve lint test test-vllm033 clean-venv
+.PHONY: setup model serve lint test test-slow test-vllm033 clean-venv
 
 setup:
 	@bash scripts/setup.sh
@@ -27,6 +27,11 @@ serve: setup
 test: setup lint
 	@$(PY) -m pytest $(PYTEST_ARGS); rc=$$?; \
 	if [ $$rc -eq 5 ]; then echo "make test: pytest collected no tests" >&2; exit 1; fi; exit $$rc
+
+# The slow opt-in suite (tests marked slow: the quality run, the benchmarks' smoke runs), not in
+# make test: run it before resolving an issue that touches what they measure.
+test-slow: setup
+	@$(PY) -m pytest -m slow $(PYTEST_ARGS)
 
 lint: setup
 	@$(VENV)/bin/ruff check .

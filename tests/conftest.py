@@ -23,6 +23,16 @@ if not os.path.exists("/dev/nvidiactl"):
 CPU_SERVER_ARGS = cpu_args("256M")
 
 
+def pytest_collection_modifyitems(config, items):
+    """Tests marked ``slow`` run only when asked for by marker (``make test-slow``: ``-m slow``)."""
+    if "slow" in (config.getoption("markexpr") or ""):
+        return
+    skip = pytest.mark.skip(reason="slow: run with make test-slow")
+    for item in items:
+        if item.get_closest_marker("slow") is not None:
+            item.add_marker(skip)
+
+
 @pytest.fixture(scope="module")
 def tri():
     """The Triton kernels module; on CPU interpreted (TRITON_INTERPRET is set above, before Triton is

@@ -36,6 +36,7 @@ def _bench(tmp_path, *args: str) -> dict:
     return report | {"_stdout": proc.stdout}
 
 
+@pytest.mark.slow
 def test_quality_smoke(smollm2_model, tmp_path):
     r = _bench(tmp_path, "quality")
     assert set(r["summary"]) == {"none", "keydiff", "streamingllm"}
@@ -48,6 +49,7 @@ def test_quality_smoke(smollm2_model, tmp_path):
     assert r["server"]["prefix_cache_hit_tokens"] == 0 and r["server"]["blocks_freed_by_eviction"] > 0
 
 
+@pytest.mark.slow
 def test_throughput_smoke(smollm2_model, tmp_path):
     r = _bench(tmp_path, "throughput")
     assert set(r["results"]) == {"stock", "kvevict-0.25"}
@@ -62,6 +64,7 @@ def test_throughput_smoke(smollm2_model, tmp_path):
     assert r["kvevict_over_stock"]["kvevict-0.25"]["output_tok_per_s"] > 0
 
 
+@pytest.mark.slow
 def test_memory_smoke(smollm2_model, tmp_path):
     r = _bench(tmp_path, "memory")
     stock, kv = r["series"]["stock"], r["series"]["kvevict"]
@@ -99,6 +102,7 @@ def test_overhead_smoke(smollm2_model, tmp_path):
     assert 0 < p["tier_peak_bytes"] <= 30 * 768 * 3 * (2 * 64 * 4 + 8 + 4)
 
 
+@pytest.mark.slow
 def test_prefix_smoke(smollm2_model, tmp_path):
     """Shared prefixes (vLLM's own bench serve, prefix_repetition) and multi-turn chat on stock vLLM
     and kvevict with and without prefix caching: kvevict reuses the prefix its first compaction

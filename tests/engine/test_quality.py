@@ -13,7 +13,7 @@ import pytest
 from vllm_kvevict.bench.quality import format_table, run_quality
 from vllm_kvevict.testing.server import CPU_BASE_ARGS, VLLMServer
 
-pytestmark = [pytest.mark.engine, pytest.mark.smollm2, pytest.mark.timeout(1500)]
+pytestmark = [pytest.mark.engine, pytest.mark.smollm2, pytest.mark.slow, pytest.mark.timeout(1500)]
 
 
 def test_keydiff_quarter_budget_keeps_retrieval(smollm2_model, server_log, tmp_path):
