@@ -297,7 +297,7 @@ def test_soak(server, hf_model, tmp_path):
             hf_model, r, attempts, expect_compaction=any(a.events for a in attempts_for(attempts, r["id"]))
         )
     figures["preempted_in_sample"] = sum(len(attempts_for(attempts, r["id"])) > 1 for _, r in sample)
-    for _p, r in sample:
+    for p, r in sample:
         alone = complete(server, r["prompt"], p["max_tokens"], p["xargs"] or None)
         attempts = load_attempts(server.dump_dir)
         load_att, alone_att = attempts_for(attempts, r["id"]), attempts_for(attempts, alone["id"])
