@@ -73,7 +73,7 @@ def test_dummy_batch_evicts_nothing():
     cm = _cm([4096, 4096], [1024, 1024])
     plan = plan_step(cm, SERVER, BS, _step([], [], [], dummy=True))
     assert plan.e_prev == plan.e_new == [0, 0] and plan.compact_rows == []
-    assert plan.states == [] and plan.settings(0) is None
+    assert plan.states == []
 
 
 @pytest.mark.parametrize("step", [None, _step(["a"], [512], [None])])
@@ -191,6 +191,7 @@ def test_an_attempt_starts_its_query_window_afresh():
 
     impl = SimpleNamespace()
     impl._layer_state = lambda plan, r, layer: KVEvictImplMixin._layer_state(impl, plan, r, layer)
+    impl._layer_key = lambda layer: KVEvictImplMixin._layer_key(impl, layer)
     layer = SimpleNamespace(layer_name="model.layers.0.self_attn.attn")
 
     def window(L_prev, m, start):

@@ -23,7 +23,7 @@ begin and end at different times.
 
 from __future__ import annotations
 
-from collections.abc import Callable, Collection, Hashable, Iterator
+from collections.abc import Callable, Collection, Hashable
 from dataclasses import dataclass, field
 from functools import lru_cache
 from typing import TYPE_CHECKING, Any
@@ -83,11 +83,8 @@ def resolve(server: KVEvictConfig, extra_args: Any, block_size: int) -> RequestS
 @lru_cache(maxsize=1024)
 def _resolve(server: KVEvictConfig, overrides: tuple[tuple[str, Any], ...] | None, block_size: int) -> RequestSettings:
     cfg = request_config(server, overrides)
-    keys = tuple(
-        f"kvevict_{k}"
-        for k in ("enabled", "policy", "params", "budget", "trigger", "recall")
-        if k in dict(overrides or ())
-    )
+    given = dict(overrides or ())
+    keys = tuple(f"kvevict_{k}" for k in ("enabled", "policy", "params", "budget", "trigger", "recall") if k in given)
     return RequestSettings(config=cfg, window=cfg.window(block_size), policy=policy_object(cfg), keys=keys)
 
 
@@ -172,9 +169,6 @@ class Registry:
 
     def __len__(self) -> int:
         return len(self._states)
-
-    def __iter__(self) -> Iterator[str]:
-        return iter(list(self._states))
 
     def states(self) -> list[RequestState]:
         return list(self._states.values())

@@ -228,12 +228,16 @@ class KVEvictImplMixin(RecallMixin):
             self._kvevict_w_o = w.reshape(self.num_heads, -1, w.shape[-1]).contiguous()
         return self._kvevict_w_o
 
+    def _layer_key(self, layer):
+        """The key of this layer in a request's per-layer state (its name; this impl without one)."""
+        return getattr(layer, "layer_name", None) or id(self)
+
     def _layer_state(self, plan, r: int, layer) -> LayerState:
         """What this worker keeps of row ``r``'s request in this layer (it starts empty with every
         attempt: :meth:`~vllm_kvevict.request.RequestState.restart`)."""
         if not plan.states:
             raise RuntimeError("kvevict: query-window policies and recall need the runner hook (request ids)")
-        return plan.states[r].layer(getattr(layer, "layer_name", None) or id(self))
+        return plan.states[r].layer(self._layer_key(layer))
 
     def _query_window(self, plan, r: int, Q: torch.Tensor, w: int, layer=None) -> torch.Tensor:
         """The request's last ``w`` queries ``[H_q, <=w, d]``, this step's included."""
@@ -334,7 +338,7 @@ class KVEvictImplMixin(RecallMixin):
                 ls.tier = Tier()
             ls.tier.add(TierEntry(K, V, pos, score, state), plan.states[r].settings.recall.cap)
         if profiling.enabled():  # the tiers at their fullest: before this step's recalls take them
-            key = getattr(layer, "layer_name", None) or id(self)
+            key = self._layer_key(layer)
             profiling.add(
                 tier_bytes=sum(
                     st.layers[key].tier.nbytes

@@ -20,7 +20,7 @@ from dataclasses import dataclass
 import torch
 
 from vllm_kvevict.config import KVEvictConfig
-from vllm_kvevict.request import WORKER, RequestSettings, RequestState, resolve
+from vllm_kvevict.request import WORKER, RequestState, resolve
 from vllm_kvevict.vllm_compat.runner import RunnerStep
 from vllm_kvevict.window import step_window
 
@@ -43,10 +43,6 @@ class StepPlan:
     query_start_loc: list[int]  # [rows + 1] this step's tokens of row r: [qsl[r], qsl[r + 1])
     prompt_lens: list[int] | None = None  # per row (None in a dummy batch)
     starts: frozenset[str] = frozenset()  # requests starting an attempt in this step
-
-    def settings(self, r: int) -> RequestSettings | None:
-        """Row ``r``'s settings (None in a dummy batch)."""
-        return self.states[r].settings if self.states else None
 
     def completes_prompt(self, r: int) -> bool:
         """Whether row ``r``'s prompt is completed in this step."""
