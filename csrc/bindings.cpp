@@ -73,7 +73,7 @@ kvevict::PagedLayout layout_of(const Tensor& paged, const Tensor& block_table) {
   return l;
 }
 
-// reference.gather_paged
+// torch_ops.gather_paged
 std::tuple<Tensor, Tensor, Tensor> gather_paged(const Tensor& k_cache, const Tensor& v_cache,
                                                 const Tensor& block_table, const Tensor& rows, const Tensor& starts,
                                                 const Tensor& ends, int64_t stream) {
@@ -117,7 +117,7 @@ std::tuple<Tensor, Tensor, Tensor> gather_paged(const Tensor& k_cache, const Ten
   return {K, V, cu};
 }
 
-// reference.scatter_paged (in place)
+// torch_ops.scatter_paged (in place)
 void scatter_paged(Tensor dst, const Tensor& src, const Tensor& idx, const Tensor& cu, const Tensor& cu_keep,
                    const Tensor& block_table, const Tensor& rows, const Tensor& dst_start, int64_t stream) {
   check_cuda(dst, "dst");
@@ -170,7 +170,7 @@ void check_keys(const Tensor& K, const char* op) {
               K.scalar_type());
 }
 
-// reference.keydiff_scores
+// policies/keydiff.py keydiff_scores
 Tensor keydiff_scores(const Tensor& K, const Tensor& cu, double eps, int64_t stream) {
   check_keys(K, "keydiff_scores");
   const int64_t N = K.size(0), H = K.size(1), D = K.size(2);
@@ -190,7 +190,7 @@ Tensor keydiff_scores(const Tensor& K, const Tensor& cu, double eps, int64_t str
   return out;
 }
 
-// reference.key_norms
+// policies/knorm.py key_norms
 Tensor key_norms(const Tensor& K, int64_t stream) {
   check_keys(K, "key_norms");
   const int64_t N = K.size(0), H = K.size(1), D = K.size(2);
@@ -208,13 +208,13 @@ Tensor key_norms(const Tensor& K, int64_t stream) {
 
 PYBIND11_MODULE(TORCH_EXTENSION_NAME, m) {
   m.doc() = "vllm-kvevict CUDA kernels (see vllm_kvevict/kernels/cuda_ops.py for the Python entry points)";
-  m.def("gather_paged", &gather_paged, "reference.gather_paged -> (K, V, cu)", py::arg("k_cache"),
+  m.def("gather_paged", &gather_paged, "torch_ops.gather_paged -> (K, V, cu)", py::arg("k_cache"),
         py::arg("v_cache"), py::arg("block_table"), py::arg("rows"), py::arg("starts"), py::arg("ends"),
         py::arg("stream"));
-  m.def("scatter_paged", &scatter_paged, "reference.scatter_paged, in place", py::arg("dst"), py::arg("src"),
+  m.def("scatter_paged", &scatter_paged, "torch_ops.scatter_paged, in place", py::arg("dst"), py::arg("src"),
         py::arg("idx"), py::arg("cu"), py::arg("cu_keep"), py::arg("block_table"), py::arg("rows"),
         py::arg("dst_start"), py::arg("stream"));
-  m.def("keydiff_scores", &keydiff_scores, "reference.keydiff_scores -> [N, H] float32", py::arg("K"),
+  m.def("keydiff_scores", &keydiff_scores, "torch_ops.keydiff_scores -> [N, H] float32", py::arg("K"),
         py::arg("cu"), py::arg("eps"), py::arg("stream"));
-  m.def("key_norms", &key_norms, "reference.key_norms -> [N, H] float32", py::arg("K"), py::arg("stream"));
+  m.def("key_norms", &key_norms, "torch_ops.key_norms -> [N, H] float32", py::arg("K"), py::arg("stream"));
 }

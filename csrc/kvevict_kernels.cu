@@ -90,7 +90,7 @@ __device__ __forceinline__ int64_t slot_offset(const Paged& p, int64_t row, int6
 }
 
 // ---------------------------------------------------------------------------------------------
-// reference.gather_paged. Grid: one block per tile of packed output tokens. Vec is the unit moved by
+// torch_ops.gather_paged. Grid: one block per tile of packed output tokens. Vec is the unit moved by
 // one load/store (uint4 = 16 bytes when head_dim and strides allow, down to one element); a (token,
 // head) row is `nvec` Vecs, `s_v` apart in the cache (1, or the element stride of a strided head_dim).
 
@@ -123,7 +123,7 @@ __global__ void __launch_bounds__(kThreads) gather_paged_kernel(
 }
 
 // ---------------------------------------------------------------------------------------------
-// reference.scatter_paged. Grid: one block per tile of kept tokens (rows of idx). A (token, head) row
+// torch_ops.scatter_paged. Grid: one block per tile of kept tokens (rows of idx). A (token, head) row
 // is `nunits` units `s_u` apart in the cache: same dtype, To = From = Vec (a copy, 16-byte units where
 // head_dim and strides allow); otherwise one element per unit, converted (src.to(dst.dtype)).
 
@@ -157,7 +157,7 @@ __global__ void __launch_bounds__(kThreads) scatter_paged_kernel(
 }
 
 // ---------------------------------------------------------------------------------------------
-// reference.keydiff_scores, in two kernels. Grid (row, KV head, chunk): chunk s of a row of n tokens
+// policies/keydiff.py keydiff_scores, in two kernels. Grid (row, KV head, chunk): chunk s of a row of n tokens
 // is tokens [s * ceil(n / S), (s + 1) * ceil(n / S)). One warp per token, lanes over head_dim.
 //
 // Pass 1 (keydiff_partial_kernel): each chunk's sum of normalised keys k / max(||k||, EPS) into
@@ -241,7 +241,7 @@ __global__ void __launch_bounds__(kThreads) keydiff_cos_kernel(
 }
 
 // ---------------------------------------------------------------------------------------------
-// reference.key_norms: one warp per (token, head) row of K [N, H, D].
+// policies/knorm.py key_norms: one warp per (token, head) row of K [N, H, D].
 
 template <typename T>
 __global__ void __launch_bounds__(kThreads) key_norms_kernel(const T* __restrict__ K, float* __restrict__ out,

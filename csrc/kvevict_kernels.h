@@ -29,14 +29,14 @@ struct PagedLayout {
   int64_t stride_block, stride_offset, stride_head, stride_dim;  // of the paged tensor, in elements
 };
 
-// reference.gather_paged: out_k/out_v [N, H, D] contiguous; packed token n of row r (cu[r] <= n <
+// torch_ops.gather_paged: out_k/out_v [N, H, D] contiguous; packed token n of row r (cu[r] <= n <
 // cu[r + 1]) is logical token starts[r] + n - cu[r] of block-table row rows[r]. k and v share the
 // layout. cu/rows/starts: int64 device arrays of R + 1, R, R entries; N = cu[R].
 int gather_paged(const void* k, const void* v, void* out_k, void* out_v, int64_t elem_size, int64_t H,
                  int64_t D, const PagedLayout& layout, const int64_t* cu, const int64_t* rows,
                  const int64_t* starts, int64_t R, int64_t N, int device, intptr_t stream);
 
-// reference.scatter_paged: dst[slot of logical token dst_start[r] + j, h, :] =
+// torch_ops.scatter_paged: dst[slot of logical token dst_start[r] + j, h, :] =
 // src[cu[r] + idx[cu_keep[r] + j, h], h, :] for j < cu_keep[r + 1] - cu_keep[r]; src [N, H, D]
 // contiguous, idx [M, H] int64 contiguous, M = cu_keep[R]. dst_dtype == src_dtype: a copy (any
 // element size 1/2/4/8); otherwise converted like torch's .to(dst.dtype) among float32/float16/
@@ -49,12 +49,12 @@ int scatter_paged(void* dst, int dst_dtype, const void* src, int src_dtype, int6
 // How many token chunks keydiff_scores splits each row into (its scratch is [R, H, splits, D] floats).
 int64_t keydiff_splits(int64_t N);
 
-// reference.keydiff_scores: out [N, H] float32 = -cos(k, mu_r), K [N, H, D] contiguous (float32,
+// policies/keydiff.py keydiff_scores: out [N, H] float32 = -cos(k, mu_r), K [N, H, D] contiguous (float32,
 // float16 or bfloat16), cu int64 [R + 1]; partial: float32 scratch [R, H, keydiff_splits(N), D].
 int keydiff_scores(const void* K, int dtype, const int64_t* cu, float* partial, float* out, int64_t R,
                    int64_t N, int64_t H, int64_t D, float eps, int device, intptr_t stream);
 
-// reference.key_norms: out [N, H] float32 = ||K[n, h, :]||_2, K [N, H, D] contiguous.
+// policies/knorm.py key_norms: out [N, H] float32 = ||K[n, h, :]||_2, K [N, H, D] contiguous.
 int key_norms(const void* K, int dtype, float* out, int64_t N, int64_t H, int64_t D, int device,
               intptr_t stream);
 

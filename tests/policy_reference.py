@@ -18,7 +18,7 @@ def make_policy(name, **kw):
 
 
 def fresh_state(policy, H, n):
-    return {k: torch.full((H, n), init, dtype=dt) for k, (dt, init) in policy.slot_state.items()}
+    return {k: torch.full((H, n), init, dtype=dt) for k, (dt, init) in policy.needs.state.items()}
 
 
 def compacted_pos(H, n, L, tail, seed):
@@ -51,7 +51,8 @@ def build(
     layer=0,
 ):
     """A view with every input explicit. ``Qall [H*G, L, d]``: one query per position of the
-    sequence; Q = the last m of them (this step), Q_window = the last w."""
+    sequence; Q = what the policy reads of them (``Needs.queries``): the last w (its query window,
+    or ``w``), the last one (``newest``), or the last m (this step's)."""
     g = torch.Generator().manual_seed(seed)
     L = n if L is None else L
     K = torch.randn(H, n, d, generator=g)
@@ -62,7 +63,13 @@ def build(
         assert L == n
         pos = torch.arange(n).expand(H, n).clone()
     m = n if m is None else m
-    w = policy.query_window if w is None else w
+    w = policy.needs.query_window if w is None else w
+    if w:
+        Q, q_pos = Qall[:, L - w :].clone(), torch.arange(L - w, L)
+    else:
+        Q, q_pos = Qall[:, L - m :].clone(), torch.arange(L - m, L)
+        if policy.needs.queries == "newest":
+            Q, q_pos = Q[:, -1:], q_pos[-1:]
     view = KVView(
         K=K,
         V=V,
@@ -70,10 +77,8 @@ def build(
         layer=layer,
         G=G,
         L=L,
-        Q=Qall[:, L - m :].clone(),
-        q_pos=torch.arange(L - m, L),
-        Q_window=Qall[:, L - w :].clone() if w else None,
-        w_pos=torch.arange(L - w, L) if w else None,
+        Q=Q,
+        q_pos=q_pos,
         scale=scale,
         softcap=softcap,
         W_O=W_O,

@@ -13,6 +13,7 @@ import torch
 
 from vllm_kvevict.bench import kernels as bench
 from vllm_kvevict.kernels import torch_ops as ref
+from vllm_kvevict.kernels.ops import FUSED
 from vllm_kvevict.policies.base import topk_newer
 
 
@@ -36,7 +37,7 @@ def test_eviction_step_keeps_the_top_tokens_right_aligned(monkeypatch, score, ke
         Vr = before_v[table[r][i // bs].long(), i % bs]
         pos = i[None, :].expand(H, n)
         if score == "keydiff":
-            s = ref.keydiff_scores(Kr, torch.tensor([0, n])).T
+            s = FUSED["keydiff_scores"](Kr, torch.tensor([0, n])).T
         else:  # the window's attention summed per key, mean over each KV head's query group
             p = ref.attention_probs(Qw[r], Kr.transpose(0, 1), torch.arange(n - 32, n), pos, Hq // H, D**-0.5)
             s = p.sum(dim=1).reshape(H, Hq // H, n).mean(dim=1)

@@ -30,6 +30,9 @@ import torch
 from tests.test_kernels_batched import paged_case
 from vllm_kvevict.kernels import cuda_ops
 from vllm_kvevict.kernels import torch_ops as ref
+from vllm_kvevict.kernels.ops import FUSED
+from vllm_kvevict.policies.keydiff import keydiff_scores
+from vllm_kvevict.policies.knorm import key_norms
 
 CUDA = torch.cuda.is_available()
 TOOLKIT = cuda_ops.cuda_home()
@@ -187,7 +190,7 @@ def check_gather_scores(ops, case: int, layout: str, dtype: torch.dtype):
     assert K2.dtype == K.dtype and K2.shape == K.shape and K2.is_contiguous()
     assert cu2.dtype == torch.int64 and torch.equal(cu, cu2)
     assert torch.equal(K, K2) and torch.equal(V, V2)  # a copy: bit-exact
-    for got, want in ((ops.keydiff_scores(K, cu), ref.keydiff_scores(K, cu)), (ops.key_norms(K), ref.key_norms(K))):
+    for got, want in ((keydiff_scores(K, cu), FUSED["keydiff_scores"](K, cu)), (key_norms(K), FUSED["key_norms"](K))):
         assert got.dtype == torch.float32 and got.shape == want.shape
         torch.testing.assert_close(got, want, atol=1e-5, rtol=1e-5)
     return base, views, bt, rows, st, en, K, V, cu
@@ -198,7 +201,7 @@ def check_scatter(ops, case: int, layout: str, dtype: torch.dtype):
     base, views, bt, rows, st, en, K, V, cu = check_gather_scores(ops, case, layout, dtype)
     lens = (en - st).tolist()
     H = K.shape[1]
-    s = ref.keydiff_scores(K, cu)
+    s = FUSED["keydiff_scores"](K, cu)
     pos = torch.arange(K.shape[0] * H, device=K.device).reshape(-1, H)
     keep = torch.tensor([max(1, n // 3) if n else 0 for n in lens], device=K.device)
     idx, cu_keep = ref.select_topk(s, pos, cu, keep)
@@ -253,8 +256,8 @@ def test_keydiff_rows_split_into_chunks(ops, dtype):
     dev = "cuda" if CUDA else "cpu"
     K = (torch.randn(int(cu[-1]), 2, 64, generator=g) + 0.3).to(dtype).to(dev)  # a common direction
     cu = cu.to(dev)
-    torch.testing.assert_close(ops.keydiff_scores(K, cu), ref.keydiff_scores(K, cu), atol=1e-5, rtol=1e-5)
-    torch.testing.assert_close(ops.key_norms(K), ref.key_norms(K), atol=1e-5, rtol=1e-5)
+    torch.testing.assert_close(keydiff_scores(K, cu), FUSED["keydiff_scores"](K, cu), atol=1e-5, rtol=1e-5)
+    torch.testing.assert_close(key_norms(K), FUSED["key_norms"](K), atol=1e-5, rtol=1e-5)
 
 
 def test_cuda_ops_empty_sets(ops):
@@ -262,7 +265,7 @@ def test_cuda_ops_empty_sets(ops):
     kc, vc = views(base)
     K, V, cu = ops.gather_paged(kc, vc, bt, rows, st, st)  # every row empty
     assert K.shape == (0, *kc.shape[2:]) and cu.tolist() == [0] * (rows.numel() + 1)
-    assert ops.keydiff_scores(K, cu).shape == (0, kc.shape[2]) and ops.key_norms(K).shape == (0, kc.shape[2])
+    assert keydiff_scores(K, cu).shape == (0, kc.shape[2]) and key_norms(K).shape == (0, kc.shape[2])
     K, V, cu = ops.gather_paged(kc, vc, bt, rows[:0], st[:0], en[:0])  # no rows at all
     assert K.shape[0] == 0 and cu.tolist() == [0]
 
@@ -278,10 +281,10 @@ def test_cuda_ops_run_on_the_current_stream(ext):
     want = ref.gather_paged(kc, vc, bt, rows, st, en)
     with torch.cuda.stream(s):
         got = ops.gather_paged(kc, vc, bt, rows, st, en)
-        norms = ops.key_norms(got[0])
+        norms = key_norms(got[0])
     s.synchronize()
     assert torch.equal(want[0], got[0]) and torch.equal(want[1], got[1])
-    torch.testing.assert_close(norms, ref.key_norms(want[0]), atol=1e-5, rtol=1e-5)
+    torch.testing.assert_close(norms, FUSED["key_norms"](want[0]), atol=1e-5, rtol=1e-5)
 
 
 def test_ops_dispatch(monkeypatch):
@@ -291,7 +294,7 @@ def test_ops_dispatch(monkeypatch):
 
     monkeypatch.setenv("KVEVICT_KERNELS", "cuda")
     assert ops.backend_for(torch.empty(1), "gather_paged") is ref
-    assert set(ops.CUDA_OPS) <= set(ops.OPS)
+    assert set(ops.CUDA_OPS) <= set(ops.OPS) | set(ops.FUSED)
     for name in ops.CUDA_OPS:
         assert callable(getattr(cuda_ops, name))
     if CUDA:

@@ -21,6 +21,7 @@ from vllm_kvevict.backends.evict import RowInputs, RowWork, evict_step
 from vllm_kvevict.backends.plan import StepPlan
 from vllm_kvevict.config import parse_config
 from vllm_kvevict.policies import POLICIES as POLICY_CLASSES
+from vllm_kvevict.policies.base import step_queries
 from vllm_kvevict.request import RequestState, resolve
 
 CUDA = torch.cuda.is_available()
@@ -77,13 +78,16 @@ def _setup(layout: str, dtype: torch.dtype):
         cls = POLICY_CLASSES[name]
         pol = cls(cls.Params(recent_ratio=0.1, heavy_ratio=0.1, threshold=0.0) if name == "kvmerger" else None)
         L = LENS[r]
+        Qw = torch.randn(HQ, 32, D, generator=g)
+        if pol.needs.query_window:  # the request's last 32 queries, kept by the backend
+            q, q_pos = Qw, torch.arange(L - 32, L)
+        else:
+            q, q_pos = step_queries(pol.needs, Q[:, qsl[r] : qsl[r + 1]], torch.arange(L - 8, L))
         inputs = RowInputs(
             L=L,
             budget=L - E_NEW[r],
-            Q=Q[:, qsl[r] : qsl[r + 1]],
-            q_pos=torch.arange(L - 8, L),
-            Q_window=torch.randn(HQ, 32, D, generator=g),
-            w_pos=torch.arange(L - 32, L),
+            Q=q,
+            q_pos=q_pos,
             W_O=W_O,
             scale=D**-0.5,
         )

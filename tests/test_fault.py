@@ -78,11 +78,11 @@ def test_fallback_runs_without_what_broke_the_policy():
     raised again, out of the step)."""
     cache_r, _, pos_r, state_r, plan_r, work_r = _setup("flash", torch.float32)
     cache, _, slot_pos, state, plan, work = _setup("flash", torch.float32)
-    observing = next(i for i, w in enumerate(work) if w.policy.observes)
+    observing = next(i for i, w in enumerate(work) if w.policy.needs.observes)
     bad = {observing, FAULTY_ROW}
     for i in bad:
         w = work[i]
-        broken = dataclasses.replace(w.inputs, Q=w.inputs.Q[..., :-1], Q_window=w.inputs.Q_window[..., :-1])
+        broken = dataclasses.replace(w.inputs, Q=w.inputs.Q[..., :-1])
         work[i] = RowWork(w.row, w.policy, i == FAULTY_ROW, broken)
         work_r[i] = RowWork(w.row, fault.SAFE_POLICY, i == FAULTY_ROW)
     kept_r = _step(cache_r, pos_r, state_r, plan_r)(work_r)

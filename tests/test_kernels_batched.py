@@ -13,6 +13,7 @@ import pytest
 import torch
 
 from vllm_kvevict.kernels import torch_ops as ref
+from vllm_kvevict.kernels.ops import FUSED
 from vllm_kvevict.policies.base import KVView, topk_newer
 from vllm_kvevict.policies.keydiff import KeyDiff
 
@@ -67,7 +68,7 @@ def test_reference_matches_policy_loop(case):
             assert torch.equal(V[int(cu[r]) + j], vc[b[tok // bs], tok % bs])
     pos = (torch.arange(K.shape[0], device=DEV)[:, None] * 7 % 1000).expand(-1, H).contiguous()
     keep = torch.tensor([max(1, n // 3) for n in lens], device=DEV)
-    scores = ref.keydiff_scores(K, cu)
+    scores = FUSED["keydiff_scores"](K, cu)
     idx, cu_keep = ref.select_topk(scores, pos, cu, keep)
     assert torch.equal(idx, per_row_loop(K, pos, cu, torch.minimum(keep, cu[1:] - cu[:-1])))
     for r in range(len(lens)):  # one row alone (its own code path) selects the same
@@ -115,9 +116,9 @@ def test_triton_gather_scores_select_scatter(tri, case, dtype):
     K2, V2, cu2 = tri.gather_paged(kc, vc, bt, rows, st, en)
     assert torch.equal(cu, cu2) and torch.equal(K, K2) and torch.equal(V, V2)  # a copy: bit-exact
 
-    s = ref.keydiff_scores(K, cu)
+    s = FUSED["keydiff_scores"](K, cu)
     torch.testing.assert_close(tri.keydiff_scores(K, cu), s, atol=1e-5, rtol=1e-5)
-    torch.testing.assert_close(tri.key_norms(K), ref.key_norms(K), atol=1e-5, rtol=1e-5)
+    torch.testing.assert_close(tri.key_norms(K), FUSED["key_norms"](K), atol=1e-5, rtol=1e-5)
 
     pos = torch.randperm(max(1, K.shape[0] * H), generator=torch.Generator().manual_seed(case))[: K.shape[0] * H]
     pos = pos.reshape(K.shape[0], H).to(DEV)
@@ -289,8 +290,45 @@ def test_triton_lshe_victims(tri, case):
     assert torch.equal(want, got_d.cpu())
 
 
+def _victims_by_the_letter(dist, pos, victim, q_pos, budget, sinks, recent):
+    """Alg. 1 line 1 read literally: token by token, head by head, key by key."""
+    vic = victim.clone()
+    for i, t in enumerate(q_pos.tolist()):
+        for h in range(pos.shape[0]):
+            alive = [j for j in range(pos.shape[1]) if pos[h, j] < t and vic[h, j] < 0]
+            if len(alive) < budget:
+                continue
+            eligible = [j for j in alive if pos[h, j] >= sinks and pos[h, j] < t - recent]
+            if eligible:  # the farthest, then the oldest
+                j = max(eligible, key=lambda j: (int(dist[h, i, j]), -int(pos[h, j])))
+                vic[h, j] = t
+    return vic
+
+
+@pytest.mark.parametrize("order", ["in order", "shuffled"])
+@pytest.mark.parametrize("case", range(3))
+def test_lshe_victims_follow_the_algorithm(case, order):
+    """The torch path's victims (token by token, with what does not depend on earlier choices
+    computed for all tokens at once) equal the algorithm read literally, also when the tokens do
+    not come in position order."""
+    g = torch.Generator().manual_seed(10 + case)
+    H, n, m, budget, sinks, recent = [(2, 40, 12, 20, 4, 3), (3, 90, 30, 40, 2, 10), (1, 9, 5, 3, 0, 0)][case]
+    pos = torch.stack([torch.randperm(n, generator=g) for _ in range(H)])
+    q_pos = torch.arange(n - m, n)
+    if order == "shuffled":
+        q_pos = q_pos[torch.randperm(m, generator=g)]
+    dist = torch.randint(0, 5, (H, m, n), generator=g)
+    victim = torch.full((H, n), -1, dtype=torch.int64)
+    victim[:, : n // 10] = torch.where(pos[:, : n // 10] < n - m - 5, n - m - 1, -1)
+    got = victim.clone()
+    ref.lshe_victims(dist, pos, got, q_pos, budget, sinks, recent)
+    want = _victims_by_the_letter(dist, pos, victim, q_pos, budget, sinks, recent)
+    assert (want != victim).any() and torch.equal(got, want)
+
+
 def test_every_op_has_both_implementations(tri):
-    """ops.OPS: each dispatched op exists in the reference and in Triton, with ops' parameter names."""
+    """ops.OPS: each dispatched op exists in the reference and in Triton, with ops' parameter names;
+    each fused policy score (ops.FUSED) in Triton, with its statement's."""
     import inspect
 
     from vllm_kvevict.kernels import ops
@@ -298,3 +336,7 @@ def test_every_op_has_both_implementations(tri):
     for name in ops.OPS:
         params = [list(inspect.signature(getattr(mod, name)).parameters) for mod in (ops, ref, tri)]
         assert params[0] == params[1] == params[2], name
+    # the policies' scores: stated in torch in the policy's file, fused in Triton, same parameters
+    assert set(FUSED) == {"keydiff_scores", "key_norms"}
+    for name, statement in FUSED.items():
+        assert list(inspect.signature(getattr(tri, name)).parameters) == list(inspect.signature(statement).parameters)

@@ -6,6 +6,7 @@ from __future__ import annotations
 import torch
 
 from vllm_kvevict.policies import POLICIES, KVView, get_policy
+from vllm_kvevict.policies.base import topk_newer
 
 
 def _view(h=2, n=24, d=16, seed=0):
@@ -46,7 +47,7 @@ def test_keydiff_zero_and_duplicate_keys_are_finite():
 def test_streamingllm_keeps_sinks_and_most_recent():
     v = _view(n=40)
     pol = get_policy("streamingllm")
-    kept = pol.select(pol.score(v), 10, v)
+    kept = topk_newer(pol.score(v), 10, v.pos)
     expected = torch.tensor(list(range(4)) + list(range(34, 40)))
     for h in range(kept.shape[0]):
         assert torch.equal(kept[h], expected)
@@ -54,19 +55,18 @@ def test_streamingllm_keeps_sinks_and_most_recent():
 
 def test_select_count_order_and_tie_rule():
     v = _view(h=1, n=6)
-    pol = get_policy("none")
     scores = torch.tensor([[1.0, 3.0, 3.0, 0.0, 3.0, 2.0]])
-    kept = pol.select(scores, 3, v)
+    kept = topk_newer(scores, 3, v.pos)
     assert kept.tolist() == [[1, 2, 4]]  # three 3.0s
-    kept = pol.select(scores, 2, v)
+    kept = topk_newer(scores, 2, v.pos)
     assert kept.tolist() == [[2, 4]]  # ties: the newer tokens win
-    assert pol.select(scores, 10, v).tolist() == [list(range(6))]
+    assert topk_newer(scores, 10, v.pos).tolist() == [list(range(6))]
 
 
 def test_heads_select_independently():
     v = _view(h=3, n=32, seed=1)
     pol = get_policy("keydiff")
-    kept = pol.select(pol.score(v), 8, v)
+    kept = topk_newer(pol.score(v), 8, v.pos)
     assert kept.shape == (3, 8)
     assert not all(torch.equal(kept[0], kept[h]) for h in range(1, 3))
 

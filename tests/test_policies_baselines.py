@@ -89,7 +89,7 @@ def ref_snapkv(view, Qall, window, kernel=7, pooling="avg"):
 def test_snapkv_defaults():
     p = POLICIES["snapkv"].Params()
     assert (p.window, p.kernel, p.pooling) == (32, 7, "avg")
-    assert get_policy("snapkv").query_window == 32
+    assert get_policy("snapkv").needs.query_window == 32
 
 
 @pytest.mark.parametrize("pooling", ["avg", "max"])
@@ -123,7 +123,7 @@ def test_snapkv_avg_pool_counts_zero_padding():
     view, Qall = build(pol, H=1, G=1, n=12, d=4, seed=5)
     view.K[:] = 0.0
     view.K[0, 1] = torch.tensor([30.0, 0, 0, 0])
-    view.Q_window[:] = torch.tensor([1.0, 0, 0, 0])
+    view.Q[:] = torch.tensor([1.0, 0, 0, 0])
     Qall[:, -2:] = torch.tensor([1.0, 0, 0, 0])
     ref, win = ref_snapkv(view, Qall, 2, 7, "avg")
     s = pol.score(view)
@@ -170,7 +170,7 @@ def test_tova_last_query_group_mean(G, compacted):
 def test_h2o_accumulates_column_sums_over_steps(G):
     recent, n1, n, H = 3, 9, 21, 2
     pol = make_policy("h2o", recent_tokens=recent)
-    (name,) = pol.slot_state
+    (name,) = pol.needs.state
     full, Qall = build(pol, H=H, G=G, n=n, m=n - n1, seed=4)
     # step 1: the first n1 tokens (their queries); step 2: the rest appended, state carried over
     v1 = KVView(
@@ -316,10 +316,10 @@ def test_caote_closed_form_error(fast, base, G):
     name = "fastcaote" if fast else "caote"
     window, n = 4, 22
     pol = make_policy(name, base=base, snapkv={"window": window})
-    assert pol.needs_queries
+    assert pol.needs.attention
     view, Qall = build(pol, G=G, n=n, m=n if base == "h2o" else 3, seed=12)
-    assert view.Q_window is not None or base != "snapkv"
-    if pol.observes:
+    assert view.Q.shape[1] == {"h2o": n, "tova": 1, "snapkv": window}[base]
+    if pol.needs.observes:
         pol.observe(view)
     L = view.L
     protected = torch.zeros(2, n, dtype=torch.bool)
@@ -393,8 +393,6 @@ def clone_view(v):
         L=v.L,
         Q=v.Q.clone(),
         q_pos=v.q_pos.clone(),
-        Q_window=None if v.Q_window is None else v.Q_window.clone(),
-        w_pos=None if v.w_pos is None else v.w_pos.clone(),
         scale=v.scale,
         softcap=v.softcap,
         W_O=v.W_O.clone(),
@@ -405,7 +403,7 @@ def clone_view(v):
 
 
 def run_policy(pol, view, keep):
-    if pol.observes:
+    if pol.needs.observes:
         pol.observe(view)
     s = pol.score(view)
     kept, merged = pol.evict(view, keep)

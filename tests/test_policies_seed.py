@@ -81,7 +81,7 @@ def test_criticalkv_defaults():
     assert (p.base, p.alpha, p.eps) == ("snapkv", 0.5, 1e-4)
     assert (p.snapkv.window, p.snapkv.kernel, p.snapkv.pooling) == (32, 7, "max")
     pol = get_policy("criticalkv")
-    assert pol.needs_w_o and pol.query_window == 32 and pol.default_trigger == "once"
+    assert pol.needs.w_o and pol.needs.query_window == 32 and pol.needs.trigger == "once"
 
 
 def ref_projected_norms(V, W_O, G):
@@ -500,8 +500,6 @@ def clone_view(v):
         L=v.L,
         Q=v.Q.clone(),
         q_pos=v.q_pos.clone(),
-        Q_window=None if v.Q_window is None else v.Q_window.clone(),
-        w_pos=None if v.w_pos is None else v.w_pos.clone(),
         scale=v.scale,
         softcap=v.softcap,
         W_O=v.W_O.clone(),
@@ -533,7 +531,7 @@ def test_property_criticalkv(data):
     H, n = view.pos.shape
     keep = data.draw(st.integers(pol.params.min_budget(), n), label="keep")
     v2 = clone_view(view)
-    if pol.observes:
+    if pol.needs.observes:
         pol.observe(view)
     view.keep = keep
     s = pol.score(view)
@@ -548,7 +546,7 @@ def test_property_criticalkv(data):
     # every +inf slot (window and stage 1) is kept
     for h in range(H):
         assert set(torch.nonzero(torch.isinf(s[h])).flatten().tolist()) <= set(kept[h].tolist())
-    if pol.observes:
+    if pol.needs.observes:
         pol.observe(v2)
     assert torch.equal(pol.evict(v2, keep)[0], kept)
 

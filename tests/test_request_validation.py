@@ -96,7 +96,7 @@ def _run_policy(cfg) -> None:
     if n > 512:  # keep the example fast: the budget only decides how many tokens are kept
         n = 512
     view, _ = build(policy, H=2, G=2, n=n, d=8, budget=min(cfg.budget, n - 1))
-    if policy.observes:
+    if policy.needs.observes:
         policy.observe(view)
     keep = min(cfg.budget, n - 1)
     kept, merged = policy.evict(view, keep)

@@ -19,7 +19,7 @@ from typing import Annotated, Any, Literal
 from pydantic import BaseModel, BeforeValidator, ConfigDict, Field, ValidationError, field_validator, model_validator
 
 from vllm_kvevict import envs
-from vllm_kvevict.policies import POLICIES, PolicyParams
+from vllm_kvevict.policies import POLICIES, Needs, PolicyParams
 from vllm_kvevict.window import Trigger, WindowConfig
 
 ENV_VAR = "KVEVICT_CONFIG"
@@ -139,8 +139,13 @@ class KVEvictConfig(_build_model()):  # type: ignore[misc]
         return self.enabled and self.policy != "none"
 
     @property
+    def policy_needs(self) -> Needs:
+        """What the configured policy reads and when it runs (its :class:`Needs`)."""
+        return POLICIES[self.policy](self.policy_params).needs
+
+    @property
     def effective_trigger(self) -> Trigger:
-        return self.trigger or POLICIES[self.policy].default_trigger
+        return self.trigger or self.policy_needs.trigger
 
     def window(self, block_size: int) -> WindowConfig:
         """The physical-window parameters for a KV cache with this block size."""
@@ -148,7 +153,7 @@ class KVEvictConfig(_build_model()):  # type: ignore[misc]
             budget=self.budget,
             block_size=block_size,
             trigger=self.effective_trigger,
-            decode=POLICIES[self.policy].evicts_during_decode,
+            decode=self.policy_needs.decode,
             enabled=self.eviction_active,
         )
 

@@ -153,11 +153,21 @@ def is_set(name: str) -> bool:
     return bool(os.environ.get(VARS[name].name, ""))
 
 
+#: (name, raw value) -> parsed: the environment is read at every access (a test may change it), but
+#: each value is parsed once (the eviction path reads a few variables in every layer)
+_parsed: dict[tuple[str, str], Any] = {}
+
+
 def __getattr__(name: str) -> Any:
     var = VARS.get(name)
     if var is None:
         raise AttributeError(f"module {__name__!r} has no attribute {name!r}")
-    return var.parse(os.environ.get(name, var.default))
+    raw = os.environ.get(name, var.default)
+    try:
+        return _parsed[name, raw]
+    except KeyError:
+        value = _parsed[name, raw] = var.parse(raw)
+        return value
 
 
 def markdown_table() -> str:

@@ -346,7 +346,7 @@ class KVEvictManager(FullAttentionManager):
         window = settings.window
         if not window.enabled:
             return num_tokens
-        if settings.policy.slot_state:
+        if settings.policy.needs.state:
             return 0
         bound = settings.admission_blocks(self.kv_cache_spec.evict_max_in_flight)
         if bound is not None:

@@ -188,6 +188,8 @@ def recorder(role: str, rank: int = 0) -> Recorder | None:
 
 def worker_recorder() -> Recorder | None:
     """A worker's recorder: its tensor-parallel rank in the labels."""
+    if _recorder is not None:  # every layer asks: once made, the answer stands
+        return _recorder
     from vllm_kvevict.vllm_compat import distributed as vllm_distributed
 
     return recorder("worker", vllm_distributed.tensor_parallel()[0])

@@ -33,6 +33,7 @@ from vllm_kvevict.backends.plan import StepPlan, cascade_prefix_len, notify_plan
 from vllm_kvevict.backends.projection import output_projection
 from vllm_kvevict.backends.recall import RecallMixin, Tier, TierEntry
 from vllm_kvevict.config import KVEvictConfig, config_from_vllm
+from vllm_kvevict.policies.base import step_queries
 from vllm_kvevict.request import WORKER, LayerState
 from vllm_kvevict.vllm_compat import attention as vllm_attention
 from vllm_kvevict.vllm_compat import distributed as vllm_distributed
@@ -247,46 +248,47 @@ class KVEvictImplMixin(RecallMixin):
         return buf
 
     def _row_work(self, plan, r: int, policy, compacts: bool, query, layer) -> RowWork | None:
-        """What row ``r``'s policy needs besides the KV (its queries, query window, W_O), or None
-        when it has nothing to do in this step."""
-        w = policy.query_window
-        if not compacts and not policy.observes and not w:
+        """What row ``r``'s policy needs besides the KV (its :class:`~vllm_kvevict.policies.Needs`:
+        queries, W_O), or None when it has nothing to do in this step."""
+        needs = policy.needs
+        w = needs.query_window
+        if not compacts and not needs.observes and not w:
             return None
         qsl, L = plan.query_start_loc, plan.seq_lens[r]
         Q = query[qsl[r] : qsl[r + 1]].transpose(0, 1)  # [H_q, m, d]
-        queries = (Q, plan.positions[qsl[r] : qsl[r + 1]].long()) if policy.needs_queries else (None, None)
-        window: tuple[torch.Tensor | None, torch.Tensor | None] = (None, None)
-        if w:
+        if w:  # the query window moves every step
             Qw = self._query_window(plan, r, Q, w, layer)
-            window = (Qw, torch.arange(L - Qw.shape[1], L, device=Qw.device))
-        if not compacts and not policy.observes:
-            return None  # only the query window moved
+            Q_sel, q_pos = Qw, torch.arange(L - Qw.shape[1], L, device=Qw.device)
+        else:
+            Q_sel, q_pos = step_queries(needs, Q, plan.positions[qsl[r] : qsl[r + 1]].long())
+        if not compacts and not needs.observes:
+            return None
         inputs = RowInputs(
             L=L,
             budget=plan.states[r].settings.budget,
             scale=self.scale,
             softcap=getattr(self, "logits_soft_cap", None) or None,
-            Q=queries[0],
-            q_pos=queries[1],
-            Q_window=window[0],
-            w_pos=window[1],
-            W_O=self._w_o(layer) if policy.needs_w_o and compacts else None,
+            Q=Q_sel,
+            q_pos=q_pos,
+            W_O=self._w_o(layer) if needs.w_o and compacts else None,
         )
         return RowWork(r, policy, compacts, inputs)
 
     def _kvevict_after_attention(self, layer, query, kv_cache, plan) -> None:
         slot_pos = self._slot_pos(kv_cache)
-        slots = plan.slot_mapping
-        valid = slots >= 0
-        slot_pos[slots[valid]] = plan.positions[valid].to(torch.int32)[:, None]
+        written = plan.memo.get("written")
+        if written is None:  # the same in every layer of the step
+            valid = plan.slot_mapping >= 0
+            written = plan.memo["written"] = (plan.slot_mapping[valid], plan.positions[valid].to(torch.int32)[:, None])
+        slot_pos[written[0]] = written[1]
         compact = set(plan.compact_rows)
         if not plan.states:  # a dummy batch: no request behind its rows
             return
         policies = [fault.policy_of(st) if st.settings.evicts else None for st in plan.states]
         # Per-slot state: this step's slots start from the policy's initial value.
         for p in {id(p): p for p in policies if p is not None}.values():
-            for name, (dtype, init) in p.slot_state.items():
-                self._state(kv_cache, name, dtype, init)[slots[valid]] = init
+            for name, (dtype, init) in p.needs.state.items():
+                self._state(kv_cache, name, dtype, init)[written[0]] = init
         recall_rows = self._recall_rows(plan, policies, query, layer)
         work = []
         for r, policy in enumerate(policies):

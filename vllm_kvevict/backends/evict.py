@@ -42,9 +42,64 @@ class RowInputs:
     softcap: float | None = None
     Q: torch.Tensor | None = None
     q_pos: torch.Tensor | None = None
-    Q_window: torch.Tensor | None = None
-    w_pos: torch.Tensor | None = None
     W_O: torch.Tensor | None = None
+
+
+@dataclass(frozen=True)
+class Geometry:
+    """Where a set of rows' windows are, the same in every layer of a step: computed once per step
+    (:func:`step_geometry`), so a layer's eviction does only its math."""
+
+    rows: torch.Tensor  # [R] the rows, in work order
+    starts: torch.Tensor  # [R] e_prev
+    ends: torch.Tensor  # [R] L
+    blocks: torch.Tensor  # [N] physical block of every window token, packed by row
+    offsets: torch.Tensor  # [N]
+    slots: torch.Tensor  # [N] blocks * block_size + offsets
+    cu: torch.Tensor  # [R + 1]
+    bounds: list[int]  # cu, on the host
+    out: list[int]  # the compacting rows
+    keep: torch.Tensor  # [len(out)] L - e_new of each
+    cu_keep: torch.Tensor
+    out_rows: torch.Tensor  # [len(out)]
+    dst: torch.Tensor  # [len(out)] e_new of each
+    dst_slots: torch.Tensor  # [sum keep] the slots of their logical tokens [e_new, L), packed
+
+
+def step_geometry(plan, work: list[RowWork], block_size: int) -> Geometry:
+    """The windows of ``work``'s rows (and where the compacting ones write), computed by the step's
+    first layer and kept on the plan for the others."""
+    key = (block_size, *((w.row, w.compact) for w in work))
+    geo = plan.memo.get(key)
+    if geo is not None:
+        return geo
+    dev = plan.block_table.device
+    rows = torch.tensor([w.row for w in work], device=dev)
+    starts = torch.tensor([plan.e_prev[w.row] for w in work], device=dev)
+    ends = torch.tensor([plan.seq_lens[w.row] for w in work], device=dev)
+    blocks, offs, cu = torch_ops.logical_tokens(plan.block_table, rows, starts, ends, block_size)
+    out = [w.row for w in work if w.compact]
+    keep = torch.tensor([plan.seq_lens[r] - plan.e_new[r] for r in out], device=dev, dtype=torch.long)
+    out_rows = torch.tensor(out, device=dev, dtype=torch.long)
+    dst = torch.tensor([plan.e_new[r] for r in out], device=dev, dtype=torch.long)
+    b, o, _ = torch_ops.logical_tokens(plan.block_table, out_rows, dst, dst + keep, block_size)
+    geo = plan.memo[key] = Geometry(
+        rows,
+        starts,
+        ends,
+        blocks,
+        offs,
+        blocks * block_size + offs,
+        cu,
+        cu.tolist(),
+        out,
+        keep,
+        torch_ops.cu_from_lengths(keep),
+        out_rows,
+        dst,
+        b * block_size + o,
+    )
+    return geo
 
 
 @dataclass
@@ -83,29 +138,23 @@ def evict_step(
     written by one block-table kernel each (:func:`~vllm_kvevict.kernels.ops.gather_paged`,
     :func:`~vllm_kvevict.kernels.ops.scatter_paged`); otherwise through ``gather``/``write`` at
     explicit slots. Compacting rows whose policy is
-    :attr:`~vllm_kvevict.policies.base.Policy.batched` are scored together, one call per policy for
-    all its rows; the others are scored through their policy row by row, their attention rows
-    (:meth:`~vllm_kvevict.policies.base.Policy.attention_queries`) computed for all of them by one
-    :func:`~vllm_kvevict.kernels.ops.column_sums`. Every row with the default
-    selection (:attr:`~vllm_kvevict.policies.base.Policy.default_selection`) is then selected in one
-    :func:`~vllm_kvevict.kernels.ops.select_topk` call, whatever its policy; merging policies select
-    (and rewrite K/V) themselves.
+    :attr:`~vllm_kvevict.policies.base.Policy.ragged` are scored together, one call per policy for
+    all its rows; the others are scored through their policy row by row, the attention their
+    policies read (``Needs.attention``) computed for all of them by one
+    :func:`~vllm_kvevict.kernels.ops.column_sums`. Every row of a policy that scores is then
+    selected in one :func:`~vllm_kvevict.kernels.ops.select_topk` call, whatever its policy;
+    merging policies (``Needs.merges``) select and rewrite K/V themselves.
     """
     if not work:
         return []
     batched = envs.KVEVICT_BATCHED  # 0: every row through its policy one by one (A/B timing, debugging)
-    dev = plan.block_table.device
-    rows = torch.tensor([w.row for w in work], device=dev)
-    starts = torch.tensor([plan.e_prev[w.row] for w in work], device=dev)
-    ends = torch.tensor([plan.seq_lens[w.row] for w in work], device=dev)
-    blocks, offs, cu = torch_ops.logical_tokens(plan.block_table, rows, starts, ends, block_size)
-    slots_all = blocks * block_size + offs
+    geo = step_geometry(plan, work, block_size)
+    slots_all, bounds = geo.slots, geo.bounds
     if views is not None:  # one read for every row, through the block table
-        K_all, V_all, _ = ops.gather_paged(views[0], views[1], plan.block_table, rows, starts, ends)
+        K_all, V_all, _ = ops.gather_paged(views[0], views[1], plan.block_table, geo.rows, geo.starts, geo.ends)
     else:
-        K_all, V_all = gather(blocks, offs)  # [N, H, D]
+        K_all, V_all = gather(geo.blocks, geo.offsets)  # [N, H, D]
     pos_all = slot_pos[slots_all]  # [N, H]
-    bounds = cu.tolist()
     kept_tok: dict[int, torch.Tensor] = {}  # row -> [keep, H] indices into the packed tokens
     row_scores: dict[int, torch.Tensor] = {}  # row -> [n, H] the scores it was selected by
     merged: dict[int, tuple[torch.Tensor, torch.Tensor]] = {}  # row -> new K, V [keep, H, D]
@@ -114,12 +163,12 @@ def evict_step(
     groups: dict[int, list[int]] = {}  # batched policy -> indices into work
     row_views: list[tuple[int, KVView]] = []  # the rows scored (or observed) through their policy
     for i, w in enumerate(work):
-        if w.compact and batched and w.policy.batched:
+        if w.compact and batched and w.policy.ragged:
             groups.setdefault(id(w.policy), []).append(i)
             continue
         sl = slice(bounds[i], bounds[i + 1])
         K, V, pos = K_all[sl], V_all[sl], pos_all[sl]
-        state = {k: slot_state[k][slots_all[sl]].transpose(0, 1).contiguous() for k in w.policy.slot_state}
+        state = {k: slot_state[k][slots_all[sl]].transpose(0, 1).contiguous() for k in w.policy.needs.state}
         row_views.append(
             (
                 i,
@@ -136,8 +185,6 @@ def evict_step(
                     softcap=w.inputs.softcap,
                     Q=w.inputs.Q,
                     q_pos=w.inputs.q_pos,
-                    Q_window=w.inputs.Q_window,
-                    w_pos=w.inputs.w_pos,
                     W_O=w.inputs.W_O,
                 ),
             )
@@ -148,13 +195,13 @@ def evict_step(
     for i, view in row_views:
         w, sl = work[i], slice(bounds[i], bounds[i + 1])
         r = w.row
-        if w.policy.observes:
+        if w.policy.needs.observes:
             w.policy.observe(view)
             observed.append((sl, view.state))
         if not w.compact:
             continue
         keep = plan.seq_lens[r] - plan.e_new[r]
-        if batched and w.policy.default_selection:  # scored here, selected with every other row below
+        if batched and not w.policy.needs.merges:  # scored here, selected with every other row below
             view.keep = keep
             to_select.append((i, w.policy.score(view).transpose(0, 1)))
             continue
@@ -192,21 +239,7 @@ def evict_step(
                     w.row, i, bounds, kept_tok, row_scores, K_all, V_all, pos_all, slots_all, slot_state
                 )
     if out:
-        _write_kept(
-            plan,
-            out,
-            kept_tok,
-            merged,
-            K_all,
-            V_all,
-            pos_all,
-            slots_all,
-            block_size,
-            write,
-            slot_pos,
-            slot_state,
-            views,
-        )
+        _write_kept(plan, geo, kept_tok, merged, K_all, V_all, pos_all, block_size, write, slot_pos, slot_state, views)
     return [torch_ops.per_head(pos_all, kept_tok[r]) for r in out]
 
 
@@ -235,9 +268,9 @@ def _attention(
     pos_all: torch.Tensor,
     G: int,
 ) -> None:
-    """Set ``view.attn`` of every row whose policy reads attention (``attention_queries``): one ragged
+    """Set ``view.attn`` of every row whose policy reads attention (``Needs.attention``): one ragged
     :func:`~vllm_kvevict.kernels.ops.column_sums` over all of them, queries and keys packed."""
-    need = [(i, v, q) for i, v in row_views if (q := work[i].policy.attention_queries(v)) is not None]
+    need = [(i, v, v.queries()) for i, v in row_views if work[i].policy.needs.attention]
     if not need:
         return
     dev = K_all.device
@@ -270,12 +303,12 @@ def _packed(bounds: list[int], idxs: list[int], device) -> tuple[torch.Tensor | 
 
 
 def _write_kept(
-    plan, out, kept_tok, merged, K_all, V_all, pos_all, slots_all, block_size, write, slot_pos, slot_state, views
+    plan, geo: Geometry, kept_tok, merged, K_all, V_all, pos_all, block_size, write, slot_pos, slot_state, views
 ) -> None:
     """Write each row's kept tokens, in order, into its logical tokens ``[e_new, L)``, with their
     positions and per-slot state. Everything is read (``K_all``, ``pos_all``, the state) before
     anything is written, so overlapping source and destination are safe."""
-    dev = plan.block_table.device
+    dev, out = plan.block_table.device, geo.out
     idx = torch.cat([kept_tok[r] for r in out])  # [sum keep, H], into the packed tokens
     idx_kv, K_src, V_src = idx, K_all, V_all
     if merged:  # merging rows read their new K/V, appended after the packed tokens
@@ -290,11 +323,7 @@ def _write_kept(
         idx_kv = torch.cat(parts)
         K_src = torch.cat([K_all, *(merged[r][0] for r in out if r in merged)])
         V_src = torch.cat([V_all, *(merged[r][1] for r in out if r in merged)])
-    state_all = {k: s[slots_all] for k, s in slot_state.items()}  # every state moves, whichever policy owns it
-    keep = torch.tensor([kept_tok[r].shape[0] for r in out], device=dev)
-    cu_keep = torch_ops.cu_from_lengths(keep)
-    rows = torch.tensor(out, device=dev)
-    dst = torch.tensor([plan.e_new[r] for r in out], device=dev)
+    state_all = {k: s[geo.slots] for k, s in slot_state.items()}  # every state moves, whichever policy owns it
     if views is not None:
         # One block-table kernel per tensor; ``idx`` already indexes the packed tokens, so every
         # row's source offset is 0.
@@ -306,10 +335,9 @@ def _write_kept(
             (slot_pos.view(nb, block_size, -1), pos_all, idx),
             *((slot_state[k].view(nb, block_size, -1), state_all[k], idx) for k in slot_state),
         ):
-            ops.scatter_paged(cache, src, i, zero, cu_keep, plan.block_table, rows, dst)
+            ops.scatter_paged(cache, src, i, zero, geo.cu_keep, plan.block_table, geo.out_rows, geo.dst)
         return
-    blocks, offs, _ = torch_ops.logical_tokens(plan.block_table, rows, dst, dst + keep, block_size)
-    slots = blocks * block_size + offs
+    slots = geo.dst_slots
     write(slots, torch_ops.per_head(K_src, idx_kv), torch_ops.per_head(V_src, idx_kv))
     slot_pos[slots] = torch_ops.per_head(pos_all, idx)
     for k in slot_state:

@@ -43,6 +43,9 @@ class StepPlan:
     query_start_loc: list[int]  # [rows + 1] this step's tokens of row r: [qsl[r], qsl[r + 1])
     prompt_lens: list[int] | None = None  # per row (None in a dummy batch)
     starts: frozenset[str] = frozenset()  # requests starting an attempt in this step
+    #: what every layer of the step computes alike (the rows' token indices), computed by the first
+    #: (:func:`vllm_kvevict.backends.evict.step_geometry`)
+    memo: dict = dataclasses.field(default_factory=dict, compare=False, repr=False)
 
     def completes_prompt(self, r: int) -> bool:
         """Whether row ``r``'s prompt is completed in this step."""

@@ -31,6 +31,7 @@ import torch
 from vllm_kvevict import metrics
 from vllm_kvevict._logging import logger
 from vllm_kvevict.kernels import ops, torch_ops
+from vllm_kvevict.policies.attention import pool1d
 
 
 @dataclass
@@ -162,8 +163,7 @@ def recall_scores(
     s = A.view(A.shape[0], -1, G).mean(-1)  # [n, H]
     if kernel > 1 and s.shape[0] > 1:
         order = torch.argsort(pos, dim=0, stable=True)  # [n, H]: candidates by position, per head
-        by_pos = torch.gather(s, 0, order).T[:, None, :]  # [H, 1, n]
-        pooled = torch.nn.functional.max_pool1d(by_pos, kernel, stride=1, padding=kernel // 2)[:, 0, :].T
+        pooled = pool1d(torch.gather(s, 0, order).T, kernel, "max").T  # SnapKV's pooling, by position
         s = torch.empty_like(s).scatter_(0, order, pooled)
     return s
 
@@ -210,12 +210,7 @@ class RecallMixin:
         qsl = plan.query_start_loc
         for r, (st, policy) in enumerate(zip(plan.states, policies)):
             recall = st.settings.recall
-            if (
-                policy is None
-                or not recall.enabled
-                or not policy.default_selection
-                or plan.L_prev[r] >= plan.prompt_lens[r]
-            ):
+            if policy is None or not recall.enabled or policy.needs.merges or plan.L_prev[r] >= plan.prompt_lens[r]:
                 continue
             rows.add(r)
             Q = query[qsl[r] : qsl[r + 1]].transpose(0, 1)  # [H_q, m, d]

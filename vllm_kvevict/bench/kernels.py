@@ -35,6 +35,7 @@ import torch
 from torch.nn.attention.bias import causal_lower_right
 
 from vllm_kvevict.kernels import ops
+from vllm_kvevict.policies.keydiff import keydiff_scores
 
 
 def _timer(device: torch.device, fn, reps: int) -> float:
@@ -92,7 +93,7 @@ def eviction_step(k, v, table, rows, starts, ends, budget: int, score: str = "ke
         .expand(-1, K.shape[1])
         .contiguous()
     )
-    scores = ops.keydiff_scores(K, cu) if score == "keydiff" else snapkv_scores(K, pos, cu, Qw, G)
+    scores = keydiff_scores(K, cu) if score == "keydiff" else snapkv_scores(K, pos, cu, Qw, G)
     keep = torch.full((rows.numel(),), budget, device=K.device)
     idx, cu_keep = ops.select_topk(scores, pos, cu, keep)
     dst = ends - (cu_keep[1:] - cu_keep[:-1])

@@ -273,7 +273,7 @@ def scatter_paged(
 
 
 def keydiff_scores(K: torch.Tensor, cu: torch.Tensor) -> torch.Tensor:
-    """:func:`vllm_kvevict.kernels.torch_ops.keydiff_scores`: ``[N, H]`` float32."""
+    """:func:`vllm_kvevict.policies.keydiff.keydiff_scores` (the statement): ``[N, H]`` float32."""
     dev = _on_cuda(K, "K")
     ext = build()
     with torch.cuda.device(dev):
@@ -281,7 +281,7 @@ def keydiff_scores(K: torch.Tensor, cu: torch.Tensor) -> torch.Tensor:
 
 
 def key_norms(K: torch.Tensor) -> torch.Tensor:
-    """:func:`vllm_kvevict.kernels.torch_ops.key_norms`: ``[N, H]`` float32."""
+    """:func:`vllm_kvevict.policies.knorm.key_norms` (the statement): ``[N, H]`` float32."""
     dev = _on_cuda(K, "K")
     ext = build()
     with torch.cuda.device(dev):

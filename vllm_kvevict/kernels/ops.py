@@ -11,8 +11,11 @@ does not pick it: it has not been measured against Triton on a GPU yet.
 
 from __future__ import annotations
 
+import functools
+from collections.abc import Callable
 from functools import cache
 from types import ModuleType
+from typing import TypeVar
 
 import torch
 
@@ -21,8 +24,6 @@ from vllm_kvevict.kernels import torch_ops
 
 OPS = (
     "gather_paged",
-    "keydiff_scores",
-    "key_norms",
     "select_topk",
     "scatter_paged",
     "column_sums",
@@ -70,16 +71,33 @@ def backend_for(t: torch.Tensor, op: str | None = None) -> ModuleType:
     return torch_ops
 
 
+F = TypeVar("F", bound=Callable[..., torch.Tensor])
+#: the policies' scores with fused kernels: op name -> the torch statement (in the policy's file)
+FUSED: dict[str, Callable[..., torch.Tensor]] = {}
+
+
+def fused(op: str) -> Callable[[F], F]:
+    """Register a policy's score, stated in torch in its own file, as the specification of the
+    fused kernels named ``op`` (``triton_ops.<op>``; ``cuda_ops.<op>`` where :data:`CUDA_OPS` lists
+    it): the decorated function dispatches by device like every operation here, and runs the
+    statement itself on the torch path (the CPU engine). Tests compare every kernel with
+    :data:`FUSED` ``[op]``."""
+
+    def register(statement: F) -> F:
+        FUSED[op] = statement
+
+        @functools.wraps(statement)
+        def dispatch(*args):
+            mod = backend_for(args[0], op)
+            return statement(*args) if mod is torch_ops else getattr(mod, op)(*args)
+
+        return dispatch  # type: ignore[return-value]
+
+    return register
+
+
 def gather_paged(k_cache, v_cache, block_table, rows, starts, ends):
     return backend_for(k_cache, "gather_paged").gather_paged(k_cache, v_cache, block_table, rows, starts, ends)
-
-
-def keydiff_scores(K, cu):
-    return backend_for(K, "keydiff_scores").keydiff_scores(K, cu)
-
-
-def key_norms(K):
-    return backend_for(K, "key_norms").key_norms(K)
 
 
 def select_topk(scores, pos, cu, keep):

@@ -5,13 +5,12 @@ written to be both readable and vectorised.
 
 Every operation works on a *ragged set* of rows at once (every request that compacts in a step):
 row ``r`` owns the packed tokens ``[cu[r], cu[r + 1])`` of ``[N, H, ...]`` tensors, one entry per
-token and KV head. Nothing loops over rows in Python but :func:`column_sums`.
+token and KV head. Nothing loops over rows in Python but :func:`column_sums`. The scores of the
+policies that have fused kernels (KeyDiff, K-norm) are stated in the policies' own files and
+registered with :func:`vllm_kvevict.kernels.ops.fused`.
 
 * :func:`gather_paged`: K and V of logical tokens ``[starts[r], ends[r])`` of each row, read through
   vLLM's block table from the FlashAttention views ``[num_blocks, block_size, H, D]``.
-* :func:`keydiff_scores`: ``-cos(k_i, mu)`` with ``mu`` the mean of the row's normalised keys, per
-  KV head (KeyDiff Eq. 8).
-* :func:`key_norms`: ``||k_i||_2``.
 * :func:`select_topk`: the ``keep[r]`` best tokens of each row and head, ties to the larger
   position (docs/policies.md, "Ties"), as row-local indices in ascending order, packed ``[sum keep, H]``.
 * :func:`column_sums`: the softmax attention each key receives from its row's queries, causal by
@@ -87,26 +86,6 @@ def gather_paged(
     return k_cache[blocks, offs], v_cache[blocks, offs], cu
 
 
-def keydiff_scores(K: torch.Tensor, cu: torch.Tensor) -> torch.Tensor:
-    """``[N, H]`` float32: ``-cos(k_i, mu_r)``, ``mu_r`` the mean normalised key of row ``r`` (per head)."""
-    Kf = K.float()
-    norm = Kf.norm(dim=-1)  # [N, H]
-    k_hat = Kf / norm.clamp_min(EPS)[..., None]
-    R = cu.numel() - 1
-    if R == 1:  # one row: its mean, broadcast
-        mu_t = k_hat.mean(dim=0, keepdim=True).expand_as(k_hat)
-    else:
-        rid = row_ids(cu)
-        mu = torch.zeros(R, *K.shape[1:], dtype=torch.float32, device=K.device).index_add_(0, rid, k_hat)
-        mu_t = (mu / (cu[1:] - cu[:-1]).clamp_min(1)[:, None, None].float())[rid]  # [N, H, D]
-    return -((Kf * mu_t).sum(-1) / (mu_t.norm(dim=-1) * norm).clamp_min(EPS))
-
-
-def key_norms(K: torch.Tensor) -> torch.Tensor:
-    """``[N, H]`` float32 L2 norms of the keys."""
-    return K.float().norm(dim=-1)
-
-
 def sort_keys(scores: torch.Tensor, pos: torch.Tensor) -> torch.Tensor:
     """``int64`` keys ordering (score, position) lexicographically, both ascending: the float's bits
     made order-preserving (``-0.0`` as ``+0.0``) in the high 32 bits, the position in the low 31."""
@@ -128,17 +107,16 @@ def select_topk(
     R = cu.numel() - 1
     keep = torch.minimum(keep.long().to(cu.device), cu[1:] - cu[:-1])
     key = sort_keys(scores, pos)
+    if R == 1:  # one row: its top keys, in token order
+        top = torch.topk(key, int(keep[0]), dim=0, sorted=False).indices
+        return torch.sort(top, dim=0).values, cu_from_lengths(keep)
     kept = torch.zeros(N, H, dtype=torch.bool, device=scores.device)
-    if R == 1:  # one row: its top keys
-        kept.scatter_(0, torch.topk(key, int(keep[0]), dim=0, sorted=False).indices, True)
-        row_start = cu[:1].expand(N)
-    else:
-        rid = row_ids(cu)
-        order = torch.argsort(key, dim=0, descending=True, stable=True)  # best first, per head
-        order = torch.gather(order, 0, torch.argsort(rid[order], dim=0, stable=True))  # grouped by row
-        row_start = cu[:-1][rid]  # [N]: each token's row's first index
-        rank = torch.arange(N, device=cu.device)[:, None] - row_start[:, None]  # rank within its row
-        kept.scatter_(0, order, (rank < keep[rid][:, None]).expand(N, H))
+    rid = row_ids(cu)
+    order = torch.argsort(key, dim=0, descending=True, stable=True)  # best first, per head
+    order = torch.gather(order, 0, torch.argsort(rid[order], dim=0, stable=True))  # grouped by row
+    row_start = cu[:-1][rid]  # [N]: each token's row's first index
+    rank = torch.arange(N, device=cu.device)[:, None] - row_start[:, None]  # rank within its row
+    kept.scatter_(0, order, (rank < keep[rid][:, None]).expand(N, H))
     tok = kept.T.nonzero()[:, 1].view(H, int(keep.sum())).T  # [sum keep, H]: each head's kept tokens, in order
     return (tok - row_start[tok]).contiguous(), cu_from_lengths(keep)
 
@@ -180,13 +158,20 @@ def attention_probs(
     repeated); a query that sees no key has probabilities 0."""
     Hq, m, d = Q.shape
     H, n = K.shape[:2]
-    s = torch.matmul(Q.float().reshape(H, G * m, d), K.float().transpose(1, 2)).view(H, G, m, n)
-    s.mul_(scale)
+    Qf = Q.float().reshape(H, G * m, d)
+    if not softcap:  # the scale folded into the queries: an [m, d] product, not [m, n]
+        Qf = Qf * scale
+    s = torch.matmul(Qf, K.float().transpose(1, 2)).view(H, G, m, n)
     if softcap:
-        s = softcap * torch.tanh(s / softcap)
+        s = softcap * torch.tanh(s.mul_(scale) / softcap)
     q_pos = q_pos.to(k_pos.device)
-    hidden = k_pos[:, None, :] > q_pos[None, :, None]  # [H_kv, m, n], shared by the group
-    s.masked_fill_(hidden[:, None], float("-inf"))
+    # Only the keys some query cannot see need the mask: from the first such column on (in a
+    # window, the step's own tokens).
+    late = (k_pos > q_pos.min()).any(dim=0) if m else torch.zeros(n, dtype=torch.bool)
+    if bool(late.any()):
+        c = int(late.to(torch.uint8).argmax())
+        hidden = k_pos[:, None, c:] > q_pos[None, :, None]  # [H_kv, m, n - c], shared by the group
+        s[..., c:].masked_fill_(hidden[:, None], float("-inf"))
     p = torch.softmax(s, dim=-1)
     if n == 0 or bool((q_pos[None, :] < k_pos.min(dim=1, keepdim=True).values).any()):
         p = p.nan_to_num_(0.0)  # some query sees no key: its row is 0, not NaN
@@ -226,25 +211,40 @@ def column_sums(
 def lshe_victims(dist, pos, victim, q_pos, budget: int, sinks: int, recent: int) -> None:
     """Alg. 1 line 1 for each token t of ``q_pos`` in order: once the non-victim tokens before t
     number ``budget``, the eligible one with the largest ``dist[:, i]`` (then the oldest) becomes
-    t's victim. ``victim`` ``[H, n]`` is updated in place. A sequential loop: numpy on the host
-    (the per-token work is a few vector ops over the window)."""
+    t's victim. ``victim`` ``[H, n]`` is updated in place. A sequential loop: numpy on the host.
+    What does not depend on earlier choices is computed for every token at once (which keys each
+    token may evict, how many tokens precede it), so each token costs one ``argmax`` per head, and
+    a victim is struck from every later token's candidates as it is chosen."""
     H = pos.shape[0]
-    key = ((dist.long() << 32) - pos[:, None, :]).cpu().numpy()  # [H, rows, n]: distance, then oldest
+    lowest = np.iinfo(np.int64).min
     posn = pos.cpu().numpy()
+    qp = q_pos.cpu().numpy()
     vic = victim.cpu().numpy().copy()
-    dead = (vic >= 0) | (posn < sinks)  # sinks are never eligible; victims are gone
-    rows = np.arange(H)
-    for i, t in enumerate(q_pos.tolist()):
-        before = posn < t
-        full = (before & (vic < 0)).sum(axis=1) >= budget
-        if not full.any():
+    key = dist.cpu().numpy().astype(np.int64)  # [H, rows, n]: distance, then the oldest
+    key <<= 32
+    key -= posn[:, None, :]
+    # never eligible for token t: a victim already, a sink, not before t, or among its recent tokens
+    gone = (vic >= 0) | (posn < sinks)
+    np.putmask(key, (posn[:, None, :] >= qp[None, :, None] - recent) | gone[:, None, :], lowest)
+    # the non-victims before each token; a victim chosen for token t is before every later token
+    # when the tokens come in position order (as a step's do), else subtracted where it is
+    earlier = posn[:, None, :] < qp[None, :, None]  # [H, rows, n]
+    alive_before = (earlier & (vic < 0)[:, None, :]).sum(axis=2)  # [H, rows]
+    in_order = bool((qp[1:] > qp[:-1]).all())
+    chosen = np.zeros(H, dtype=np.int64)  # victims chosen so far, per head (in order)
+    heads = np.arange(H)
+    for i, t in enumerate(qp.tolist()):
+        j = key[:, i].argmax(axis=1)  # [H]
+        hs = np.nonzero((alive_before[:, i] - chosen >= budget) & (key[heads, i, j] != lowest))[0]
+        if hs.size == 0:
             continue
-        blocked = dead | ~before | (posn >= t - recent)
-        k = np.where(blocked, np.iinfo(np.int64).min, key[:, i])
-        j = k.argmax(axis=1)
-        ok = full & ~blocked[rows, j]
-        vic[rows[ok], j[ok]] = t
-        dead[rows[ok], j[ok]] = True
+        js = j[hs]
+        vic[hs, js] = t
+        key[hs, i + 1 :, js] = lowest
+        if in_order:
+            chosen[hs] += 1
+        else:
+            alive_before[hs, i + 1 :] -= earlier[hs, i + 1 :, js]
     victim.copy_(torch.from_numpy(vic).to(victim.device))
 
 

@@ -3,7 +3,7 @@
 
 from __future__ import annotations
 
-from vllm_kvevict.policies.base import KVView, Policy, PolicyParams
+from vllm_kvevict.policies.base import KVView, Needs, Policy, PolicyParams
 from vllm_kvevict.policies.caote import CAOTE, FastCAOTE
 from vllm_kvevict.policies.criticalkv import CriticalKV
 from vllm_kvevict.policies.h2o import H2O
@@ -36,7 +36,7 @@ POLICIES: dict[str, type[Policy]] = {
     )
 }
 
-__all__ = ["POLICIES", "KVView", "Policy", "PolicyParams", "get_policy"]
+__all__ = ["POLICIES", "KVView", "Needs", "Policy", "PolicyParams", "get_policy"]
 
 
 def get_policy(name: str, params: PolicyParams | None = None) -> Policy:

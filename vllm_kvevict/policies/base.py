@@ -1,18 +1,23 @@
 # SPDX-License-Identifier: Apache-2.0
-"""The interface every eviction policy implements (docs/policies.md).
+"""The interface every eviction policy implements (docs/architecture.md, "Adding a policy").
 
-Policies work on plain tensors of one (sequence, layer) and know nothing of vLLM: the attention
-backend (or the transformers reference, vllm_kvevict/testing/hf_reference.py) gathers a
-:class:`KVView` and
+Policies work on plain tensors of one (sequence, layer) and know nothing of vLLM. A policy is its
+parameters (a pydantic :class:`PolicyParams`), what it reads (one frozen :class:`Needs`), and its
+equation:
 
-* every step, for policies with per-slot state (H2O accumulators, LSH codes), calls
-  :meth:`Policy.observe`, which updates ``view.state`` in place;
-* when the window moves, asks for scores and lets :meth:`Policy.select` pick the kept slots per KV
-  head (and :meth:`Policy.merge` rewrite them, for merging policies).
+* :meth:`Policy.score` ``(view) -> [H_kv, n]``: higher = keep, ``+inf`` = protected; the engine
+  keeps the top ``keep`` per KV head (ties to the newer token). A policy that reads only the keys
+  and positions writes :meth:`Policy.score_ragged` instead (many rows at once), and ``score`` is
+  derived from it;
+* :meth:`Policy.observe` ``(view)``, for policies with per-slot state (``Needs.state``): every
+  step, updates ``view.state`` in place (H2O's accumulator, LSH-E's codes);
+* :meth:`Policy.merge` ``(view, keep)``, for merging policies (``Needs.merges``) instead of
+  ``score``: the kept slots and their new K/V.
 
-Higher score = keep. Every KV head keeps the same number of tokens (one block table serves all
-heads of a layer), but heads may keep different tokens. Slot order within a head is position
-order, always: compaction keeps the kept slots in order.
+The attention backend (or the transformers reference, vllm_kvevict/testing/hf_reference.py)
+gathers a :class:`KVView` holding what :class:`Needs` asked for and calls :meth:`Policy.evict`.
+Every KV head keeps the same number of tokens (one block table serves all heads of a layer), but
+heads may keep different tokens. Slot order within a head is position order, always.
 """
 
 from __future__ import annotations
@@ -48,21 +53,63 @@ class PolicyParams(BaseModel):
         return 1
 
 
+Queries = Literal["none", "newest", "step", "window"]
+
+
+@dataclass(frozen=True)
+class Needs:
+    """What a policy reads besides the window's keys, values and positions, and when it runs; the
+    engine provides exactly this.
+
+    ``queries``: which queries ``view.Q`` holds: ``newest`` (the step's last), ``step`` (every query
+    of the step), ``window`` (the sequence's last ``window`` queries, kept by the engine across
+    steps). ``attention``: ``view.attn`` is the softmax attention of those queries, summed per slot.
+    ``w_o``: ``view.W_O``, the layer's output projection. ``state``: per-slot tensors ``{name:
+    (dtype, initial value)}`` kept beside the KV cache and moved with the tokens (the policy then
+    observes every step). ``decode``: it compacts while decoding too. ``trigger``: when it compacts
+    if the configuration does not say (``chunked``: every prefill chunk; ``once``: at prompt end).
+    ``merges``: it rewrites the kept K/V (:meth:`Policy.merge`) instead of scoring."""
+
+    queries: Queries = "none"
+    window: int = 0
+    attention: bool = False
+    w_o: bool = False
+    state: dict[str, tuple[torch.dtype, float]] = field(default_factory=dict, hash=False)
+    decode: bool = False
+    trigger: Literal["chunked", "once"] = "chunked"
+    merges: bool = False
+
+    def __post_init__(self) -> None:
+        if (self.queries == "window") != (self.window > 0):
+            raise ValueError("a query window is the window queries' length: window > 0 exactly with queries='window'")
+        if self.attention and self.queries == "none":
+            raise ValueError("attention is the attention of the policy's queries: name them")
+
+    @property
+    def observes(self) -> bool:
+        """Whether :meth:`Policy.observe` runs every step (a policy with per-slot state)."""
+        return bool(self.state)
+
+    @property
+    def query_window(self) -> int:
+        """How many of the sequence's latest queries the engine keeps for the policy (0: none)."""
+        return self.window
+
+
 @dataclass
 class KVView:
-    """What a policy sees of one (sequence, layer) at a trigger point.
+    """What a policy sees of one (sequence, layer) at a step.
 
     ``K``/``V``: ``[H_kv, n, d]`` keys (post-RoPE, as stored) and values of the window: cached +
     written by this step. ``pos``: ``[H_kv, n]`` absolute token position of each slot (heads
-    diverge after compaction). ``L``: tokens computed so far (every position is ``< L``).
-    ``Q``/``q_pos``: ``[H_q, m, d]`` queries (post-RoPE) of the tokens of this step, and their
-    positions ``[m]``; ``Q_window``/``w_pos``: the last ``query_window`` queries of the sequence
-    (this step's included). ``scale``/``softcap``: the model's attention scaling. ``W_O``:
-    ``[H_q, d, D]`` this layer's output projection per query head. ``state``: per-slot tensors
-    ``[H_kv, n]`` named by :attr:`Policy.slot_state`, moved with the tokens. ``budget``: the
-    configured budget; ``keep``: the count kept at this compaction (at least the budget, less than
-    a block more). ``attn``: ``[H_q, n]``, the attention of :meth:`Policy.attention_queries` summed
-    per slot, when the engine has computed it for every row of the step at once.
+    diverge after compaction). ``layer``: the layer's index. ``G``: query heads per KV head.
+    ``L``: tokens computed so far (every position is ``< L``). ``Q``/``q_pos``: ``[H_q, m, d]``
+    the queries (post-RoPE) the policy's :attr:`Needs.queries` names, and their positions ``[m]``.
+    ``scale``/``softcap``: the model's attention scaling. ``W_O``: ``[H_q, d, D]`` this layer's
+    output projection per query head. ``budget``: the configured budget; ``keep``: the count kept
+    at this compaction (at least the budget, less than a block more). ``state``: per-slot tensors
+    ``[H_kv, n]`` named by :attr:`Needs.state`. ``attn``: ``[H_q, n]``, the attention of ``Q``
+    summed per slot, when the engine has computed it for every row of the step at once.
     """
 
     K: torch.Tensor
@@ -73,8 +120,6 @@ class KVView:
     L: int | None = None
     Q: torch.Tensor | None = None
     q_pos: torch.Tensor | None = None
-    Q_window: torch.Tensor | None = None
-    w_pos: torch.Tensor | None = None
     scale: float | None = None
     softcap: float | None = None
     W_O: torch.Tensor | None = None
@@ -88,16 +133,10 @@ class KVView:
         return self.K.shape[0]
 
     def queries(self) -> tuple[torch.Tensor, torch.Tensor]:
-        """``Q`` and ``q_pos``: this step's queries (a policy that declares ``needs_queries``)."""
+        """``Q`` and ``q_pos`` (a policy that names its queries in :attr:`Needs.queries`)."""
         if self.Q is None or self.q_pos is None:
-            raise ValueError("this policy reads the step's queries (view.Q, view.q_pos); none were given")
+            raise ValueError("this policy reads queries (view.Q, view.q_pos); none were given")
         return self.Q, self.q_pos
-
-    def window_queries(self) -> tuple[torch.Tensor, torch.Tensor]:
-        """``Q_window`` and ``w_pos``: the sequence's latest queries (a policy with a ``query_window``)."""
-        if self.Q_window is None or self.w_pos is None:
-            raise ValueError("this policy reads the latest queries (view.Q_window, view.w_pos); none were given")
-        return self.Q_window, self.w_pos
 
     @property
     def kept(self) -> int:
@@ -118,79 +157,31 @@ class KVView:
         return int(self.pos.max()) + 1 if self.pos.numel() else 0
 
 
+def step_queries(needs: Needs, Q: torch.Tensor, q_pos: torch.Tensor) -> tuple[torch.Tensor | None, torch.Tensor | None]:
+    """What ``view.Q``/``q_pos`` hold of a step's queries ``Q [H_q, m, d]`` for a policy whose
+    :attr:`Needs.queries` is ``newest`` or ``step`` (None, None: it reads none of them)."""
+    if needs.queries == "step":
+        return Q, q_pos
+    if needs.queries == "newest":
+        return Q[:, -1:], q_pos[-1:]
+    return None, None
+
+
 P = TypeVar("P", bound=PolicyParams)
 
 
 class Policy(Generic[P]):
-    """Base class: subclasses set ``name``, ``Params`` and implement :meth:`score`."""
+    """Base class: subclasses set ``name``, ``Params``, ``needs`` and implement :meth:`score`
+    (or :meth:`score_ragged`; merging policies :meth:`merge`)."""
 
     name: ClassVar[str]
     Params: ClassVar[type[PolicyParams]] = PolicyParams
-    #: the policy also compacts while decoding (every block_size generated tokens)
-    evicts_during_decode: ClassVar[bool] = False
-    #: trigger when the configuration leaves it unset: "chunked" (every step) or "once" (prompt end)
-    default_trigger: ClassVar[Literal["chunked", "once"]] = "chunked"
-    #: the policy needs ``W_O`` (the backend finds the layer's output projection once)
-    needs_w_o: ClassVar[bool] = False
+    #: what the policy reads and when it runs; a policy whose needs depend on its parameters sets
+    #: it in ``__init__``
+    needs: Needs = Needs()
 
     def __init__(self, params: P | None = None):
         self.params: P = params if params is not None else self.Params()  # type: ignore[assignment]
-
-    # What the backend must provide; instance-level because they may depend on the parameters.
-    @property
-    def query_window(self) -> int:
-        """How many of the latest queries the policy reads (``view.Q_window``); 0 = none."""
-        return 0
-
-    @property
-    def needs_queries(self) -> bool:
-        """Whether ``view.Q`` (this step's queries) is read."""
-        return self.query_window > 0 or self.observes
-
-    @property
-    def slot_state(self) -> dict[str, tuple[torch.dtype, float]]:
-        """Per-slot state ``{name: (dtype, initial value)}``, kept beside the KV cache."""
-        return {}
-
-    @property
-    def observes(self) -> bool:
-        """Whether :meth:`observe` must run every step (not only when compacting)."""
-        return bool(self.slot_state)
-
-    def observe(self, view: KVView) -> None:
-        """Update ``view.state`` with this step's tokens (``view.Q``/``q_pos``); in place."""
-
-    def attention_queries(self, view: KVView) -> tuple[torch.Tensor, torch.Tensor] | None:
-        """The queries ``[H_q, m, d]`` and their positions ``[m]`` whose attention to the window the
-        policy reads in a step (in :meth:`observe` if it observes, else in :meth:`score`); None:
-        it reads none. One set per step, so the engine computes every row's in one call."""
-        return None
-
-    def attention(self, view: KVView) -> torch.Tensor:
-        """``[H_q, n]`` float32: the softmax attention each slot receives from
-        :meth:`attention_queries`, scaled and soft-capped as the model does, causal by position
-        (SnapKV, TOVA, H2O), summed over the queries; query head ``h`` reads KV head ``h // G``.
-        ``view.attn`` when the engine has computed it (one ragged
-        :func:`~vllm_kvevict.kernels.ops.column_sums` for every row of the step); computed here
-        otherwise (the transformers reference, tests), never as ``[H_q, m, n]``."""
-        if view.attn is not None:
-            return view.attn
-        queries = self.attention_queries(view)
-        if queries is None:
-            raise ValueError(f"{self.name} reads no attention")
-        Q, q_pos = queries
-        one = lambda n: torch.tensor([0, n], device=view.K.device)  # noqa: E731 - a single row
-        return ops.column_sums(
-            Q.transpose(0, 1),
-            view.K.transpose(0, 1),
-            q_pos.to(view.K.device),
-            view.pos.T,
-            one(Q.shape[1]),
-            one(view.K.shape[1]),
-            view.G,
-            view.attn_scale,
-            view.softcap,
-        ).T
 
     def score(self, view: KVView) -> torch.Tensor:
         """``[H_kv, n]`` float32 scores, higher = keep; ``+inf`` marks protected slots.
@@ -210,47 +201,54 @@ class Policy(Generic[P]):
         """The score of a policy that reads only the keys and positions, for the packed tokens of
         many rows at once (``K [N, H, d]``, ``pos [N, H]``, row ``r`` = ``[cu[r], cu[r+1])``, its
         length ``L[r]``): ``[N, H]``. Such a policy writes only this (its formula, once);
-        :meth:`score` is derived from it. A policy that does not define it scores row by row
-        (:meth:`score`)."""
+        :meth:`score` is derived from it."""
         raise NotImplementedError(f"{type(self).__name__} scores row by row (score), not score_ragged")
 
+    def observe(self, view: KVView) -> None:
+        """Update ``view.state`` with this step's tokens, in place (policies with ``Needs.state``)."""
+
+    def merge(self, view: KVView, keep: int) -> tuple[torch.Tensor, tuple[torch.Tensor, torch.Tensor] | None]:
+        """Merging policies (``Needs.merges``): the kept slots ``[H_kv, keep]`` (ascending per head)
+        and their new ``(K, V)`` ``[H_kv, keep, d]`` (None: unchanged)."""
+        raise NotImplementedError(f"{self.name} does not merge")
+
+    # What the engine calls; not overridden.
     @property
-    def default_selection(self) -> bool:
-        """Whether the kept set is the plain top-k of :meth:`score` (no own selection or merging):
-        the engine then selects this policy's rows together with every other such row."""
-        cls = type(self)
-        return cls.select is Policy.select and cls.merge is Policy.merge and cls.evict is Policy.evict
+    def ragged(self) -> bool:
+        """Whether the engine may score this policy's rows together, through :meth:`score_ragged`
+        (:func:`vllm_kvevict.backends.evict.evict_step`): it reads keys and positions only."""
+        n = self.needs
+        return type(self).score_ragged is not Policy.score_ragged and n.queries == "none" and not (n.state or n.merges)
 
-    @property
-    def batched(self) -> bool:
-        """Whether the engine may score this policy's rows together
-        (:func:`vllm_kvevict.backends.evict.evict_step`): it has :meth:`score_ragged` and uses the
-        default selection, no state, queries or merging."""
-        cls = type(self)
-        return (
-            cls.score_ragged is not Policy.score_ragged
-            and self.default_selection
-            and not self.needs_queries
-            and not self.observes
-        )
-
-    def select(self, scores: torch.Tensor, keep: int, view: KVView) -> torch.Tensor:
-        """Indices ``[H_kv, keep]`` of the kept slots, in ascending slot order per head.
-
-        Deterministic tie rule (docs/policies.md, "Ties"): among equal scores the newer token
-        (larger position) is kept.
-        """
-        return topk_newer(scores, keep, view.pos)
-
-    def merge(self, view: KVView, kept: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor] | None:
-        """Merging policies: new ``(K, V)`` ``[H_kv, keep, d]`` for the kept slots; None = unchanged."""
-        return None
+    def attention(self, view: KVView) -> torch.Tensor:
+        """``[H_q, n]`` float32: the softmax attention each slot receives from ``view.Q``, scaled
+        and soft-capped as the model does, causal by position, summed over the queries; query head
+        ``h`` reads KV head ``h // G``. ``view.attn`` when the engine has computed it (one ragged
+        :func:`~vllm_kvevict.kernels.ops.column_sums` for every row of the step); computed here
+        otherwise (the transformers reference, tests), never as ``[H_q, m, n]``."""
+        if view.attn is not None:
+            return view.attn
+        Q, q_pos = view.queries()
+        one = lambda n: torch.tensor([0, n], device=view.K.device)  # noqa: E731 - a single row
+        return ops.column_sums(
+            Q.transpose(0, 1),
+            view.K.transpose(0, 1),
+            q_pos.to(view.K.device),
+            view.pos.T,
+            one(Q.shape[1]),
+            one(view.K.shape[1]),
+            view.G,
+            view.attn_scale,
+            view.softcap,
+        ).T
 
     def evict(self, view: KVView, keep: int) -> tuple[torch.Tensor, tuple[torch.Tensor, torch.Tensor] | None]:
-        """Kept slot indices ``[H_kv, keep]`` and, for merging policies, their new K/V."""
+        """Kept slot indices ``[H_kv, keep]`` (ascending per head) and, for merging policies, their
+        new K/V; otherwise the top ``keep`` of :meth:`score` (ties to the newer, docs/policies.md)."""
         view.keep = keep
-        kept = self.select(self.score(view), keep, view)
-        return kept, self.merge(view, kept)
+        if self.needs.merges:
+            return self.merge(view, keep)
+        return topk_newer(self.score(view), keep, view.pos), None
 
 
 def topk_newer(scores: torch.Tensor, keep: int, pos: torch.Tensor) -> torch.Tensor:

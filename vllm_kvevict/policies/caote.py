@@ -15,16 +15,17 @@ before its evictions (KeyDiff's order) instead of over the kept entries only (Eq
 
 from __future__ import annotations
 
+from dataclasses import replace
 from typing import ClassVar, Literal, TypeVar
 
 import torch
 from pydantic import Field
 
-from vllm_kvevict.policies.base import KVView, Policy, PolicyParams
+from vllm_kvevict.policies.base import KVView, Needs, Policy, PolicyParams
+from vllm_kvevict.policies.h2o import H2O, h2o_observe
 from vllm_kvevict.policies.h2o import STATE as H2O_STATE
-from vllm_kvevict.policies.h2o import h2o_observe, h2o_queries
-from vllm_kvevict.policies.snapkv import SnapKVParams, snapkv_queries, snapkv_scores
-from vllm_kvevict.policies.tova import tova_queries, tova_scores
+from vllm_kvevict.policies.snapkv import SnapKVParams, snapkv_needs, snapkv_scores
+from vllm_kvevict.policies.tova import TOVA, tova_scores
 
 Base = Literal["h2o", "tova", "snapkv"]
 ONE_MINUS_MIN = 1e-6
@@ -44,22 +45,15 @@ BP = TypeVar("BP", bound=BaseScoreParams)
 
 
 class BaseScorePolicy(Policy[BP]):
-    """A policy on top of a base score: declares what the base needs and computes it."""
+    """A policy on top of a base score: reads what the base reads (its queries, attention and
+    state; its own class says when it runs) and computes it."""
 
-    @property
-    def query_window(self) -> int:
-        return self.params.snapkv.window if self.params.base == "snapkv" else 0
-
-    @property
-    def needs_queries(self) -> bool:
-        return True
-
-    @property
-    def slot_state(self):
-        return {H2O_STATE: (torch.float32, 0.0)} if self.params.base == "h2o" else {}
-
-    def attention_queries(self, view: KVView):
-        return {"h2o": h2o_queries, "tova": tova_queries, "snapkv": snapkv_queries}[self.params.base](view)
+    def __init__(self, params: BP | None = None):
+        super().__init__(params)
+        p = self.params
+        base = {"h2o": H2O.needs, "tova": TOVA.needs, "snapkv": snapkv_needs(p.snapkv)}[p.base]
+        own = type(self).needs
+        self.needs = replace(base, decode=own.decode, trigger=own.trigger, w_o=own.w_o)
 
     def observe(self, view: KVView) -> None:
         if self.params.base == "h2o":
@@ -86,7 +80,7 @@ def caote_scores(h: torch.Tensor, V: torch.Tensor, fast: bool) -> torch.Tensor:
 class CAOTE(BaseScorePolicy[BaseScoreParams]):
     name = "caote"
     Params = BaseScoreParams
-    evicts_during_decode = True
+    needs = Needs(decode=True)
     fast: ClassVar[bool] = False
 
     def score(self, view: KVView) -> torch.Tensor:

@@ -26,7 +26,7 @@ import torch
 from pydantic import Field
 
 from vllm_kvevict.kernels import ops
-from vllm_kvevict.policies.base import KVView, topk_newer
+from vllm_kvevict.policies.base import KVView, Needs, topk_newer
 from vllm_kvevict.policies.caote import Base, BaseScoreParams, BaseScorePolicy
 from vllm_kvevict.policies.snapkv import SnapKVParams
 
@@ -47,8 +47,7 @@ class CriticalKVParams(BaseScoreParams):
 class CriticalKV(BaseScorePolicy[CriticalKVParams]):
     name = "criticalkv"
     Params = CriticalKVParams
-    default_trigger = "once"
-    needs_w_o = True
+    needs = Needs(w_o=True, trigger="once")
 
     def score(self, view: KVView) -> torch.Tensor:
         """Stage-1 winners (and the window) score ``+inf``; the rest their stage-2 criterion."""

@@ -15,7 +15,7 @@ import torch
 from pydantic import Field
 
 from vllm_kvevict.policies.attention import group_mean
-from vllm_kvevict.policies.base import MAX_TOKENS_PARAM, KVView, Policy, PolicyParams
+from vllm_kvevict.policies.base import MAX_TOKENS_PARAM, KVView, Needs, Policy, PolicyParams
 
 STATE = "h2o"
 
@@ -25,11 +25,6 @@ class H2OParams(PolicyParams):
 
     def min_budget(self) -> int:
         return self.recent_tokens + 1
-
-
-def h2o_queries(view: KVView) -> tuple[torch.Tensor, torch.Tensor]:
-    """Every query of the step."""
-    return view.queries()
 
 
 def h2o_observe(view: KVView, A: torch.Tensor) -> None:
@@ -45,14 +40,7 @@ def protect_recent(scores: torch.Tensor, view: KVView, recent: int) -> torch.Ten
 class H2O(Policy[H2OParams]):
     name = "h2o"
     Params = H2OParams
-    evicts_during_decode = True
-
-    @property
-    def slot_state(self):
-        return {STATE: (torch.float32, 0.0)}
-
-    def attention_queries(self, view: KVView):
-        return h2o_queries(view)
+    needs = Needs(queries="step", attention=True, state={STATE: (torch.float32, 0.0)}, decode=True)
 
     def observe(self, view: KVView) -> None:
         h2o_observe(view, self.attention(view))

@@ -13,15 +13,31 @@ this after every prefill chunk (the chunk is the paper's block B) and during dec
 
 from __future__ import annotations
 
+import torch
+
 from vllm_kvevict.kernels import ops
-from vllm_kvevict.policies.base import Policy
+from vllm_kvevict.kernels.torch_ops import EPS, row_ids
+from vllm_kvevict.policies.base import Needs, Policy
+
+
+@ops.fused("keydiff_scores")
+def keydiff_scores(K: torch.Tensor, cu: torch.Tensor) -> torch.Tensor:
+    """``[N, H]`` float32 ``s_i`` of the packed keys ``K [N, H, d]`` of every row (``cu``), per KV head."""
+    K = K.float()
+    norm = K.norm(dim=-1)  # [N, H]
+    k_hat = K / norm.clamp_min(EPS)[..., None]
+    if cu.numel() == 2:  # one row: its mean, broadcast
+        mu = k_hat.mean(dim=0, keepdim=True).expand_as(k_hat)
+    else:  # each token reads its row's mean
+        rid = row_ids(cu)
+        total = torch.zeros(cu.numel() - 1, *K.shape[1:], device=K.device).index_add_(0, rid, k_hat)
+        mu = (total / (cu[1:] - cu[:-1]).clamp_min(1)[:, None, None].float())[rid]
+    return -((K * mu).sum(-1) / (mu.norm(dim=-1) * norm).clamp_min(EPS))
 
 
 class KeyDiff(Policy):
     name = "keydiff"
-    evicts_during_decode = True
+    needs = Needs(decode=True)
 
     def score_ragged(self, K, pos, cu, L, layer):
-        # -cos(k_i, mu), mu the mean of the row's normalised keys, per (row, KV head); in torch:
-        # kernels/torch_ops.py keydiff_scores, fused in Triton and CUDA.
-        return ops.keydiff_scores(K, cu)
+        return keydiff_scores(K, cu)

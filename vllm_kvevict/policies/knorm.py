@@ -14,7 +14,7 @@ from pydantic import Field
 
 from vllm_kvevict.kernels import ops
 from vllm_kvevict.kernels.torch_ops import row_ids
-from vllm_kvevict.policies.base import MAX_TOKENS_PARAM, Policy, PolicyParams
+from vllm_kvevict.policies.base import MAX_TOKENS_PARAM, Needs, Policy, PolicyParams
 
 
 class KNormParams(PolicyParams):
@@ -25,12 +25,18 @@ class KNormParams(PolicyParams):
         return self.sink_tokens + self.recent_tokens + 1
 
 
+@ops.fused("key_norms")
+def key_norms(K: torch.Tensor) -> torch.Tensor:
+    """``[N, H]`` float32 ``||k_i||_2`` of the keys ``K [N, H, d]``."""
+    return K.float().norm(dim=-1)
+
+
 class KNorm(Policy[KNormParams]):
     name = "knorm"
     Params = KNormParams
-    evicts_during_decode = True
+    needs = Needs(decode=True)
 
     def score_ragged(self, K: torch.Tensor, pos, cu, L, layer) -> torch.Tensor:
         length = L.to(pos.device)[row_ids(cu)][:, None]  # each token's row length
         protected = (pos < self.params.sink_tokens) | (pos >= length - self.params.recent_tokens)
-        return (-ops.key_norms(K)).masked_fill(protected, float("inf"))
+        return (-key_norms(K)).masked_fill(protected, float("inf"))

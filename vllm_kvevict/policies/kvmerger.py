@@ -24,14 +24,15 @@ evicted, H2O-style. If the protected share exceeds ``keep``, both ratios shrink 
 
 from __future__ import annotations
 
+from dataclasses import replace
 from typing import Literal
 
 import torch
 from pydantic import Field
 
 from vllm_kvevict.policies.base import KVView, Policy, PolicyParams, topk_newer
+from vllm_kvevict.policies.h2o import H2O, h2o_observe
 from vllm_kvevict.policies.h2o import STATE as H2O_STATE
-from vllm_kvevict.policies.h2o import h2o_observe, h2o_queries
 
 
 class KVMergerParams(PolicyParams):
@@ -45,20 +46,11 @@ class KVMergerParams(PolicyParams):
 class KVMerger(Policy[KVMergerParams]):
     name = "kvmerger"
     Params = KVMergerParams
-    default_trigger = "once"
-
-    @property
-    def slot_state(self):
-        return {H2O_STATE: (torch.float32, 0.0)}
-
-    def attention_queries(self, view: KVView):
-        return h2o_queries(view)
+    # H2O's accumulated attention, once at prompt end, merging what it drops
+    needs = replace(H2O.needs, decode=False, trigger="once", merges=True)
 
     def observe(self, view: KVView) -> None:
         h2o_observe(view, self.attention(view))
-
-    def score(self, view: KVView) -> torch.Tensor:
-        raise NotImplementedError("kvmerger merges; call evict()")
 
     def protected(self, view: KVView, keep: int) -> torch.Tensor:
         """``[H, n]`` mask: the recent tokens and the heavy hitters."""
@@ -74,7 +66,7 @@ class KVMerger(Policy[KVMergerParams]):
             heavy.scatter_(1, topk_newer(a, n_heavy, view.pos), True)
         return recent | heavy
 
-    def evict(self, view: KVView, keep: int):
+    def merge(self, view: KVView, keep: int):
         n = view.pos.shape[1]
         if keep >= n:
             return torch.arange(n, device=view.pos.device).expand(view.num_heads, n).clone(), None

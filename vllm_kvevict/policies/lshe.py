@@ -28,7 +28,7 @@ import torch
 from pydantic import Field
 
 from vllm_kvevict.kernels import ops
-from vllm_kvevict.policies.base import MAX_SEED, MAX_TOKENS_PARAM, KVView, Policy, PolicyParams
+from vllm_kvevict.policies.base import MAX_SEED, MAX_TOKENS_PARAM, KVView, Needs, Policy, PolicyParams
 
 CODE, VICTIM = "lsh_code", "lsh_victim"
 
@@ -62,15 +62,7 @@ ROW_CHUNK = 256
 class LSHE(Policy[LSHEParams]):
     name = "lshe"
     Params = LSHEParams
-    evicts_during_decode = True
-
-    @property
-    def needs_queries(self) -> bool:
-        return True
-
-    @property
-    def slot_state(self):
-        return {CODE: (torch.int64, 0), VICTIM: (torch.int64, -1)}
+    needs = Needs(queries="step", state={CODE: (torch.int64, 0), VICTIM: (torch.int64, -1)}, decode=True)
 
     def observe(self, view: KVView) -> None:
         p = self.params

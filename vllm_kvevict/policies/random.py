@@ -11,7 +11,7 @@ from __future__ import annotations
 import torch
 from pydantic import Field
 
-from vllm_kvevict.policies.base import MAX_SEED, Policy, PolicyParams
+from vllm_kvevict.policies.base import MAX_SEED, Needs, Policy, PolicyParams
 
 _M31 = 0x7FFFFFFF
 
@@ -39,7 +39,7 @@ def hash_scores(seed: int, layer: int, pos: torch.Tensor) -> torch.Tensor:
 class Random(Policy[RandomParams]):
     name = "random"
     Params = RandomParams
-    evicts_during_decode = True
+    needs = Needs(decode=True)
 
     def score_ragged(self, K, pos, cu, L, layer):
         return hash_scores(self.params.seed, layer, pos)

@@ -20,7 +20,7 @@ import torch
 from pydantic import Field, field_validator
 
 from vllm_kvevict.policies.attention import group_mean, pool1d
-from vllm_kvevict.policies.base import KVView, Policy, PolicyParams
+from vllm_kvevict.policies.base import KVView, Needs, Policy, PolicyParams
 
 #: Longest observation window. The backend keeps each request's last ``window`` queries per layer
 #: (``[H_q, window, d]``), so this bounds that buffer: 128 x 32 heads x 128 x 2 bytes = 1 MiB per
@@ -48,16 +48,11 @@ class SnapKVParams(PolicyParams):
         return self.window + 1
 
 
-def snapkv_queries(view: KVView) -> tuple[torch.Tensor, torch.Tensor]:
-    """The observation window: the sequence's last ``window`` queries."""
-    return view.window_queries()
-
-
 def snapkv_scores(view: KVView, A: torch.Tensor, p: SnapKVParams) -> tuple[torch.Tensor, torch.Tensor]:
     """Finite scores ``[H_kv, n]`` (prefix: pooled window attention; window: its raw mean
     attention) and the mask of the protected window slots; ``A [H_q, n]``: the window's attention
     summed per key."""
-    A = A / view.window_queries()[0].shape[1]  # mean over the window
+    A = A / view.queries()[0].shape[1]  # mean over the window
     kpos = view.pos.repeat_interleave(view.G, dim=0)
     in_win = kpos >= view.length - p.window
     n_win = int(in_win[0].sum())
@@ -68,17 +63,18 @@ def snapkv_scores(view: KVView, A: torch.Tensor, p: SnapKVParams) -> tuple[torch
     return group_mean(pooled, view.G), in_win[:: view.G]
 
 
+def snapkv_needs(p: SnapKVParams) -> Needs:
+    """The observation window's attention; every chunk and while decoding."""
+    return Needs(queries="window", window=p.window, attention=True, decode=True)
+
+
 class SnapKV(Policy[SnapKVParams]):
     name = "snapkv"
     Params = SnapKVParams
-    evicts_during_decode = True
 
-    @property
-    def query_window(self) -> int:
-        return self.params.window
-
-    def attention_queries(self, view: KVView):
-        return snapkv_queries(view)
+    def __init__(self, params: SnapKVParams | None = None):
+        super().__init__(params)
+        self.needs = snapkv_needs(self.params)
 
     def score(self, view: KVView) -> torch.Tensor:
         s, protected = snapkv_scores(view, self.attention(view), self.params)

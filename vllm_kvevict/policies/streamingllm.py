@@ -10,7 +10,7 @@ from __future__ import annotations
 import torch
 from pydantic import Field
 
-from vllm_kvevict.policies.base import MAX_TOKENS_PARAM, Policy, PolicyParams
+from vllm_kvevict.policies.base import MAX_TOKENS_PARAM, Needs, Policy, PolicyParams
 
 
 class StreamingLLMParams(PolicyParams):
@@ -23,7 +23,7 @@ class StreamingLLMParams(PolicyParams):
 class StreamingLLM(Policy[StreamingLLMParams]):
     name = "streamingllm"
     Params = StreamingLLMParams
-    evicts_during_decode = True
+    needs = Needs(decode=True)
 
     def score_ragged(self, K, pos: torch.Tensor, cu, L, layer) -> torch.Tensor:
         # Recency is the score; sinks are protected.

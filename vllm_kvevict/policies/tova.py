@@ -13,13 +13,7 @@ from __future__ import annotations
 import torch
 
 from vllm_kvevict.policies.attention import group_mean
-from vllm_kvevict.policies.base import KVView, Policy
-
-
-def tova_queries(view: KVView) -> tuple[torch.Tensor, torch.Tensor]:
-    """The newest query."""
-    Q, q_pos = view.queries()
-    return Q[:, -1:], q_pos[-1:]
+from vllm_kvevict.policies.base import KVView, Needs, Policy
 
 
 def tova_scores(view: KVView, A: torch.Tensor) -> torch.Tensor:
@@ -29,14 +23,7 @@ def tova_scores(view: KVView, A: torch.Tensor) -> torch.Tensor:
 
 class TOVA(Policy):
     name = "tova"
-    evicts_during_decode = True
-
-    @property
-    def needs_queries(self) -> bool:
-        return True
-
-    def attention_queries(self, view: KVView):
-        return tova_queries(view)
+    needs = Needs(queries="newest", attention=True, decode=True)
 
     def score(self, view: KVView) -> torch.Tensor:
         return tova_scores(view, self.attention(view))

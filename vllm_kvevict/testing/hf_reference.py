@@ -168,10 +168,11 @@ class PolicyCheck:
             h.remove()
 
     def _view(self, i: int, layer, pos: torch.Tensor, L: int, q_pos: torch.Tensor):
-        from vllm_kvevict.policies import KVView
+        from vllm_kvevict.policies.base import KVView, step_queries
 
         attn = self.model.model.layers[i].self_attn
         W = attn.o_proj.weight.float()
+        Q, q_pos = step_queries(self.policy.needs, self.queries[i].float(), q_pos)
         return KVView(
             K=layer.keys[0].float(),
             V=layer.values[0].float(),
@@ -179,7 +180,7 @@ class PolicyCheck:
             layer=i,
             G=self.G,
             L=L,
-            Q=self.queries[i].float(),
+            Q=Q,
             q_pos=q_pos,
             scale=attn.scaling,
             budget=self.budget,
@@ -191,22 +192,24 @@ class PolicyCheck:
         """Every segment: the policy's per-entry state and query window, as the engine's steps did."""
         p = self.policy
         H, n = pos.shape
-        for name, (dtype, init) in p.slot_state.items():
+        for name, (dtype, init) in p.needs.state.items():
             old = self.state[i].get(name)
             new = torch.full((H, n - (0 if old is None else old.shape[1])), init, dtype=dtype)
             self.state[i][name] = new if old is None else torch.cat([old, new], dim=1)
-        if p.query_window:
+        if p.needs.query_window:
             q = self.queries[i].float()
-            self.qwin[i] = (q if self.qwin[i] is None else torch.cat([self.qwin[i], q], dim=1))[:, -p.query_window :]
-        if p.observes:
+            self.qwin[i] = (q if self.qwin[i] is None else torch.cat([self.qwin[i], q], dim=1))[
+                :, -p.needs.query_window :
+            ]
+        if p.needs.observes:
             p.observe(self._view(i, layer, pos, L, q_pos))
 
     def at_event(self, i: int, layer, pos: torch.Tensor, L: int, q_pos: torch.Tensor, kept_engine: torch.Tensor):
         """Check the engine's kept positions ``[H, keep]``; return (cache indices, merged K/V or None)."""
         view = self._view(i, layer, pos, L, q_pos)
-        if self.policy.query_window:
-            view.Q_window = self.qwin[i]
-            view.w_pos = torch.arange(L - self.qwin[i].shape[1], L)
+        if self.policy.needs.query_window:
+            view.Q = self.qwin[i]
+            view.q_pos = torch.arange(L - self.qwin[i].shape[1], L)
         keep = kept_engine.shape[1]
         kept_ref, merged = self.policy.evict(view, keep)
         ref_pos = torch.gather(pos, 1, kept_ref)

@@ -13,13 +13,14 @@ the workers). Nothing here is called from the forward path otherwise.
 
 from __future__ import annotations
 
+import dataclasses
 import os
 import time
 from pathlib import Path
 
 from vllm_kvevict import envs
 from vllm_kvevict._logging import logger
-from vllm_kvevict.policies import POLICIES, Policy
+from vllm_kvevict.policies import POLICIES, Needs, Policy
 
 TEST_FAULT_ENV = "KVEVICT_TEST_FAULT"
 #: the longest a held step waits for its test (then it goes on, with a warning)
@@ -43,6 +44,19 @@ class InjectedFault(RuntimeError):
     pass
 
 
+class _FailingNeeds(Needs):
+    """A policy's needs whose query window raises: the backend reads it first when it prepares
+    the policy's rows (``name@prepare``)."""
+
+    def __init__(self, name: str, needs: Needs) -> None:
+        super().__init__(**{f.name: getattr(needs, f.name) for f in dataclasses.fields(needs)})
+        object.__setattr__(self, "_kvevict_name", name)
+
+    @property
+    def query_window(self) -> int:
+        raise InjectedFault(f"fault injected into the preparation of {self._kvevict_name} by {TEST_FAULT_ENV}")
+
+
 def faulty_class(cls: type[Policy], names: frozenset[str]) -> type[Policy]:
     """``cls``, or a subclass that raises: ``name`` in ``names`` makes its scoring raise (inside the
     eviction step), ``name@prepare`` the backend's preparation of its rows."""
@@ -56,15 +70,16 @@ def faulty_class(cls: type[Policy], names: frozenset[str]) -> type[Policy]:
         methods = {
             "score": fail,
             "observe": fail,
-            **({"evict": fail} if cls.evict is not Policy.evict else {}),
+            **({"merge": fail} if cls.merge is not Policy.merge else {}),
             **({"score_ragged": fail} if cls.score_ragged is not Policy.score_ragged else {}),
         }
     elif f"{cls.name}@prepare" in names:
 
-        def fail_prepare(_self):
-            raise InjectedFault(f"fault injected into the preparation of {cls.name} by {TEST_FAULT_ENV}")
+        def init(self, params=None):
+            cls.__init__(self, params)
+            self.needs = _FailingNeeds(cls.name, self.needs)
 
-        methods = {"query_window": property(fail_prepare)}
+        methods = {"__init__": init}
     else:
         return cls
     return type(f"Faulty{cls.__name__}", (cls,), {**methods, "kvevict_faulty": True})
