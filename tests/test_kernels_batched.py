@@ -337,6 +337,6 @@ def test_every_op_has_both_implementations(tri):
         params = [list(inspect.signature(getattr(mod, name)).parameters) for mod in (ops, ref, tri)]
         assert params[0] == params[1] == params[2], name
     # the policies' scores: stated in torch in the policy's file, fused in Triton, same parameters
-    assert set(FUSED) == {"keydiff_scores", "key_norms"}
+    assert set(FUSED) == {"keydiff_scores", "key_norms", "projected_value_norms"}
     for name, statement in FUSED.items():
         assert list(inspect.signature(getattr(tri, name)).parameters) == list(inspect.signature(statement).parameters)

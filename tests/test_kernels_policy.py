@@ -15,8 +15,8 @@ import pytest
 import torch
 
 from tests.policy_reference import build, make_policy
-from vllm_kvevict.kernels import ops
 from vllm_kvevict.kernels import torch_ops as ref
+from vllm_kvevict.policies import criticalkv
 from vllm_kvevict.policies import lshe as lshe_mod
 from vllm_kvevict.policies.lshe import _projection
 
@@ -232,7 +232,7 @@ def tol(dtype):
 def test_projected_value_norms(tri, case, dtype):
     V, W_O, G = proj_case(case, dtype, strided=case % 2 == 1)
     want = spec_projected(V.cpu(), W_O.cpu(), G).float()
-    got_ref = ref.projected_value_norms(V, W_O, G)
+    got_ref = criticalkv.projected_value_norms(V, W_O, G)
     got_tri = tri.projected_value_norms(V, W_O, G)
     assert got_ref.shape == got_tri.shape == V.shape[:2]
     assert got_ref.dtype == got_tri.dtype == torch.float32
@@ -242,9 +242,9 @@ def test_projected_value_norms(tri, case, dtype):
 
 def test_projected_value_norms_reference_chunks_tokens(monkeypatch):
     V, W_O, G = proj_case(4, torch.float32)
-    whole = ref.projected_value_norms(V, W_O, G)
-    monkeypatch.setattr(ref, "PROJ_CHUNK", 3 * W_O.shape[0] * W_O.shape[-1])  # 3 tokens at a time
-    torch.testing.assert_close(ref.projected_value_norms(V, W_O, G), whole, rtol=1e-6, atol=0)
+    whole = criticalkv.projected_value_norms(V, W_O, G)
+    monkeypatch.setattr(criticalkv, "PROJ_CHUNK", 3 * W_O.shape[0] * W_O.shape[-1])  # 3 tokens at a time
+    torch.testing.assert_close(criticalkv.projected_value_norms(V, W_O, G), whole, rtol=1e-6, atol=0)
 
 
 # -- the policies: outputs unchanged ---------------------------------------------------------------
@@ -282,10 +282,10 @@ def test_criticalkv_unchanged(request, monkeypatch, kernels, G, d):
     view, _ = build(pol, H=2, G=G, n=60, d=d, D=48, m=4, seed=G)
     view.keep = 25
     want = old_projected_value_norms(view.V, view.W_O, G)
-    got = ops.projected_value_norms(view.V, view.W_O, G)
+    got = criticalkv.projected_value_norms(view.V, view.W_O, G)
     torch.testing.assert_close(got, want, rtol=1e-6 if kernels == "torch" else 1e-4, atol=1e-6)
     scores = pol.score(view)
     kept = pol.evict(view, 25)[0]
-    monkeypatch.setattr(ops, "projected_value_norms", old_projected_value_norms)
+    monkeypatch.setattr(criticalkv, "projected_value_norms", old_projected_value_norms)
     torch.testing.assert_close(scores, pol.score(view), rtol=1e-6 if kernels == "torch" else 1e-4, atol=1e-7)
     assert torch.equal(kept, pol.evict(view, 25)[0])

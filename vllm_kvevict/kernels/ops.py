@@ -30,7 +30,6 @@ OPS = (
     "lshe_victims",
     "simhash_codes",
     "hamming_distances",
-    "projected_value_norms",
 )
 
 
@@ -122,7 +121,3 @@ def simhash_codes(x, R):
 
 def hamming_distances(q_codes, k_codes, G):
     return backend_for(k_codes).hamming_distances(q_codes, k_codes, G)
-
-
-def projected_value_norms(V, W_O, G):
-    return backend_for(V).projected_value_norms(V, W_O, G)

@@ -6,7 +6,7 @@ written to be both readable and vectorised.
 Every operation works on a *ragged set* of rows at once (every request that compacts in a step):
 row ``r`` owns the packed tokens ``[cu[r], cu[r + 1])`` of ``[N, H, ...]`` tensors, one entry per
 token and KV head. Nothing loops over rows in Python but :func:`column_sums`. The scores of the
-policies that have fused kernels (KeyDiff, K-norm) are stated in the policies' own files and
+policies that have fused kernels (KeyDiff, K-norm, CriticalKV's projected value norms) are stated in the policies' own files and
 registered with :func:`vllm_kvevict.kernels.ops.fused`.
 
 * :func:`gather_paged`: K and V of logical tokens ``[starts[r], ends[r])`` of each row, read through
@@ -19,8 +19,6 @@ registered with :func:`vllm_kvevict.kernels.ops.fused`.
 * :func:`simhash_codes`: LSH-E's SimHash codes ``[R x >= 0]``, bit-packed into int64.
 * :func:`hamming_distances`: ``sum_g popcount(q_g xor k)`` between packed codes, summed over each
   KV head's query group (LSH-E's distance).
-* :func:`projected_value_norms`: CriticalKV's ``mean_g ||v_i W_O^g||_1``, a bounded number of
-  tokens at a time.
 * :func:`scatter_paged`: write packed per-head rows into logical tokens ``[dst_start[r],
   dst_start[r] + keep[r])`` through the block table (the right-aligned compaction), any
   ``[slots, H, D]`` or ``[slots, H]`` destination addressed by (block, offset, head).
@@ -286,23 +284,3 @@ def hamming_distances(q_codes: torch.Tensor, k_codes: torch.Tensor, G: int) -> t
     s_q = s_q.view(H, G, m, w).sum(dim=1)  # [H, m, w]
     half_gw = torch.full((1, 1, 1), G * w / 2, dtype=torch.float32, device=k_codes.device)
     return torch.baddbmm(half_gw, s_q, s_k.transpose(1, 2), alpha=-0.5).long()
-
-
-#: elements of the transient ``[H_q, tokens, D]`` product in :func:`projected_value_norms`
-PROJ_CHUNK = 1 << 23
-
-
-def projected_value_norms(V: torch.Tensor, W_O: torch.Tensor, G: int) -> torch.Tensor:
-    """``[H_kv, n]`` float32: ``mean_{g < G} ||v_i W_O^{h G + g}||_1`` for the values ``V [H_kv, n, d]``
-    of KV head ``h`` and the output projections ``W_O [H_q, d, D]`` of its query heads (CriticalKV's
-    projected value norm), in float32. Tokens go ``PROJ_CHUNK / (H_q D)`` at a time, so the
-    ``[H_q, tokens, D]`` products stay bounded whatever ``n``."""
-    H, n, d = V.shape
-    Hq, _, D = W_O.shape
-    W = W_O.to(device=V.device, dtype=torch.float32).reshape(H, G, d, D)
-    out = torch.empty(H, n, dtype=torch.float32, device=V.device)
-    step = max(1, PROJ_CHUNK // max(1, Hq * D))
-    for t0 in range(0, n, step):
-        Vt = V[:, t0 : t0 + step].float()[:, None]  # [H, 1, T, d], shared by the group
-        out[:, t0 : t0 + step] = torch.matmul(Vt, W).abs_().sum(dim=-1).mean(dim=1)
-    return out

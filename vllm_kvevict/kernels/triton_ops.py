@@ -629,7 +629,7 @@ def _proj_norm_kernel(
     TILE_D: tl.constexpr,
     PREC: tl.constexpr,
 ):
-    """torch_ops.projected_value_norms: per token, the mean over the group's heads of sum |v W_O^g|,
+    """policies/criticalkv.py projected_value_norms: per token, the mean over the group's heads of sum |v W_O^g|,
     a [TILE_T, TILE_D] tile of v W_O^g at a time (tl.dot over d), reduced to per-token sums in
     registers."""
     h = tl.program_id(0)
@@ -654,7 +654,7 @@ def _proj_norm_kernel(
 
 
 def projected_value_norms(V, W_O, G: int):
-    """``[H_kv, n]`` float32: ``mean_g ||v_i W_O^g||_1`` (see torch_ops.projected_value_norms); no
+    """``[H_kv, n]`` float32: ``mean_g ||v_i W_O^g||_1`` (see policies/criticalkv.py projected_value_norms); no
     ``[n, D]`` product is ever written to memory. Products in float32: 16-bit inputs are exact in
     TF32, so they take the tensor cores at no loss; float32 inputs use IEEE fp32."""
     H, n, d = V.shape

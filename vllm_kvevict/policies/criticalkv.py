@@ -30,6 +30,24 @@ from vllm_kvevict.policies.base import KVView, Needs, topk_newer
 from vllm_kvevict.policies.caote import Base, BaseScoreParams, BaseScorePolicy
 from vllm_kvevict.policies.snapkv import SnapKVParams
 
+#: elements of the transient ``[H_q, tokens, D]`` product in :func:`projected_value_norms`
+PROJ_CHUNK = 1 << 23
+
+
+@ops.fused("projected_value_norms")
+def projected_value_norms(V: torch.Tensor, W_O: torch.Tensor, G: int) -> torch.Tensor:
+    """``Vp [H_kv, n]`` float32 of the values ``V [H_kv, n, d]`` and the output projections
+    ``W_O [H_q, d, D]``, ``PROJ_CHUNK / (H_q D)`` tokens at a time (bounded whatever ``n``)."""
+    H, n, d = V.shape
+    Hq, _, D = W_O.shape
+    W = W_O.to(device=V.device, dtype=torch.float32).reshape(H, G, d, D)  # KV head h's G query heads
+    out = torch.empty(H, n, dtype=torch.float32, device=V.device)
+    step = max(1, PROJ_CHUNK // max(1, Hq * D))
+    for t0 in range(0, n, step):
+        Vt = V[:, t0 : t0 + step].float()[:, None]  # [H, 1, T, d], shared by the group
+        out[:, t0 : t0 + step] = torch.matmul(Vt, W).abs_().sum(dim=-1).mean(dim=1)
+    return out
+
 
 class CriticalSnapKVParams(SnapKVParams):
     pooling: Literal["avg", "max"] = Field("max", description="max (CriticalKV Alg. 2) or avg")
@@ -62,5 +80,5 @@ class CriticalKV(BaseScorePolicy[CriticalKVParams]):
         s1 = topk_newer(A.masked_fill(protected, inf), keep - b + b1, view.pos)
         chosen = torch.zeros_like(protected).scatter_(1, s1, True)
         # Stage 2: the rest of the budget by attention times the projected value norm.
-        crit = (A + self.params.eps) * ops.projected_value_norms(view.V, view.W_O, view.G)  # Vp
+        crit = (A + self.params.eps) * projected_value_norms(view.V, view.W_O, view.G)  # Vp
         return crit.masked_fill(chosen, inf)
