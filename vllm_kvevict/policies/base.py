@@ -138,6 +138,12 @@ class KVView:
             raise ValueError("this policy reads queries (view.Q, view.q_pos); none were given")
         return self.Q, self.q_pos
 
+    def output_projection(self) -> torch.Tensor:
+        """``W_O`` (a policy that declares ``Needs.w_o``)."""
+        if self.W_O is None:
+            raise ValueError("this policy reads the layer's output projection (view.W_O); none was given")
+        return self.W_O
+
     @property
     def kept(self) -> int:
         """How many tokens per KV head this compaction keeps (``keep``, else the ``budget``)."""

@@ -80,5 +80,5 @@ class CriticalKV(BaseScorePolicy[CriticalKVParams]):
         s1 = topk_newer(A.masked_fill(protected, inf), keep - b + b1, view.pos)
         chosen = torch.zeros_like(protected).scatter_(1, s1, True)
         # Stage 2: the rest of the budget by attention times the projected value norm.
-        crit = (A + self.params.eps) * projected_value_norms(view.V, view.W_O, view.G)  # Vp
+        crit = (A + self.params.eps) * projected_value_norms(view.V, view.output_projection(), view.G)  # Vp
         return crit.masked_fill(chosen, inf)
