@@ -149,11 +149,12 @@ class KVEvictConfig(_build_model()):  # type: ignore[misc]
 
     def window(self, block_size: int) -> WindowConfig:
         """The physical-window parameters for a KV cache with this block size."""
+        needs = self.policy_needs
         return WindowConfig(
             budget=self.budget,
             block_size=block_size,
-            trigger=self.effective_trigger,
-            decode=self.policy_needs.decode,
+            trigger=self.trigger or needs.trigger,
+            decode=needs.decode,
             enabled=self.eviction_active,
         )
 

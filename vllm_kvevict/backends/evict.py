@@ -56,11 +56,9 @@ class Geometry:
     blocks: torch.Tensor  # [N] physical block of every window token, packed by row
     offsets: torch.Tensor  # [N]
     slots: torch.Tensor  # [N] blocks * block_size + offsets
-    cu: torch.Tensor  # [R + 1]
-    bounds: list[int]  # cu, on the host
+    bounds: list[int]  # [R + 1] row r owns the packed tokens [bounds[r], bounds[r + 1])
     out: list[int]  # the compacting rows
-    keep: torch.Tensor  # [len(out)] L - e_new of each
-    cu_keep: torch.Tensor
+    cu_keep: torch.Tensor  # [len(out) + 1] over their kept counts L - e_new
     out_rows: torch.Tensor  # [len(out)]
     dst: torch.Tensor  # [len(out)] e_new of each
     dst_slots: torch.Tensor  # [sum keep] the slots of their logical tokens [e_new, L), packed
@@ -90,10 +88,8 @@ def step_geometry(plan, work: list[RowWork], block_size: int) -> Geometry:
         blocks,
         offs,
         blocks * block_size + offs,
-        cu,
         cu.tolist(),
         out,
-        keep,
         torch_ops.cu_from_lengths(keep),
         out_rows,
         dst,
@@ -231,7 +227,7 @@ def evict_step(
     for sl, state in observed:  # before the compaction below, which moves the state from slot_state
         for k in state:
             slot_state[k][slots_all[sl]] = state[k].transpose(0, 1).to(slot_state[k].dtype)
-    out = [w.row for w in work if w.compact]
+    out = geo.out
     if evicted is not None:  # read before anything is written (the window's slots are rewritten)
         for i, w in enumerate(work):
             if w.compact and w.keep_evicted and w.row in kept_tok:

@@ -156,20 +156,13 @@ def attention_probs(
     repeated); a query that sees no key has probabilities 0."""
     Hq, m, d = Q.shape
     H, n = K.shape[:2]
-    Qf = Q.float().reshape(H, G * m, d)
-    if not softcap:  # the scale folded into the queries: an [m, d] product, not [m, n]
-        Qf = Qf * scale
-    s = torch.matmul(Qf, K.float().transpose(1, 2)).view(H, G, m, n)
+    s = torch.matmul(Q.float().reshape(H, G * m, d), K.float().transpose(1, 2)).view(H, G, m, n)
+    s.mul_(scale)
     if softcap:
-        s = softcap * torch.tanh(s.mul_(scale) / softcap)
+        s = softcap * torch.tanh(s / softcap)
     q_pos = q_pos.to(k_pos.device)
-    # Only the keys some query cannot see need the mask: from the first such column on (in a
-    # window, the step's own tokens).
-    late = (k_pos > q_pos.min()).any(dim=0) if m else torch.zeros(n, dtype=torch.bool)
-    if bool(late.any()):
-        c = int(late.to(torch.uint8).argmax())
-        hidden = k_pos[:, None, c:] > q_pos[None, :, None]  # [H_kv, m, n - c], shared by the group
-        s[..., c:].masked_fill_(hidden[:, None], float("-inf"))
+    hidden = k_pos[:, None, :] > q_pos[None, :, None]  # [H_kv, m, n], shared by the group
+    s.masked_fill_(hidden[:, None], float("-inf"))
     p = torch.softmax(s, dim=-1)
     if n == 0 or bool((q_pos[None, :] < k_pos.min(dim=1, keepdim=True).values).any()):
         p = p.nan_to_num_(0.0)  # some query sees no key: its row is 0, not NaN
