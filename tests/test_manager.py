@@ -20,7 +20,7 @@ from vllm.v1.request import Request, RequestStatus  # noqa: E402
 from vllm_kvevict import kv_manager as mgr  # noqa: E402
 from vllm_kvevict.config import parse_config  # noqa: E402
 from vllm_kvevict.request import ENGINE  # noqa: E402
-from vllm_kvevict.window import WindowConfig, window_bound_blocks  # noqa: E402
+from vllm_kvevict.window import WindowConfig, evicted_tokens, window_bound_blocks  # noqa: E402
 
 BS, CHUNK, NUM_BLOCKS, BUDGET, MAX_LEN = 32, 64, 41, 96, 8192
 
@@ -124,7 +124,7 @@ def test_evicted_blocks_come_back_on_both_free_paths(kv):
         held = -(-300 // BS)
         assert pool.get_num_free_blocks() == free_before - held
         m.remove_skipped_blocks(rid, 300, 1000)  # 300 tokens processed of a 1000-token prompt
-        evicted = (300 - 64) // BS
+        evicted = evicted_tokens(300, 1000, WindowConfig(64, BS)) // BS  # E at the last compaction point
         assert pool.get_num_free_blocks() == free_before - held + evicted
         if deferred:
             blocks = kv.pop_blocks_for_free(req)
@@ -198,7 +198,7 @@ def test_metrics_follow_the_windows(tmp_path, monkeypatch):
 
 
 def test_a_cut_hit_stays_consistent_across_kv_cache_groups():
-    """A hit the plugin cuts (here to keep the request's window inside the pool) is looked up again
+    """A hit the plugin cuts (here to its first compaction's E) is looked up again
     through vLLM's coordinator with that maximum length: a sliding-window group gets the blocks of
     its window at the end of the shorter hit, not the null blocks that a truncated list holds."""
     from vllm.utils.hashing import get_hash_fn_by_name
@@ -209,7 +209,7 @@ def test_a_cut_hit_stays_consistent_across_kv_cache_groups():
     mgr.install_scheduler_hooks()
     init_none_hash(get_hash_fn_by_name("sha256"))
     hasher = get_request_block_hasher(BS, get_hash_fn_by_name("sha256"))
-    budget, window, num_blocks = 2048, 128, 100
+    budget, window, num_blocks = 1000, 128, 100
     full = mgr.KVEvictSpec.from_spec(
         FullAttentionSpec(block_size=BS, num_kv_heads=2, head_size=64, dtype=torch.float32),
         parse_config({"policy": "keydiff", "budget": budget}),
@@ -232,14 +232,14 @@ def test_a_cut_hit_stays_consistent_across_kv_cache_groups():
     prompt = list(range(3, 3 + 2000))
 
     def request(rid, tokens, xargs):
-        return Request(rid, tokens, SamplingParams(max_tokens=4, extra_args=xargs), None, block_hasher=hasher)
+        return Request(rid, tokens, SamplingParams(max_tokens=100, extra_args=xargs), None, block_hasher=hasher)
 
     a = request("mg-a", prompt, {"kvevict_enabled": False})  # caches as vLLM does, in both groups
     for start in range(0, len(prompt), CHUNK):  # chunked prefill, the sliding window freeing behind it
         assert kv.allocate_slots(a, min(CHUNK, len(prompt) - start)) is not None
         a.num_computed_tokens += min(CHUNK, len(prompt) - start)
     kv.free(a)
-    b = request("mg-b", prompt + [7, 8, 9], None)  # budget 2048: its bound leaves room for fewer hit tokens
+    b = request("mg-b", prompt + [7, 8, 9], None)  # hits up to its first compaction's E (1024, at 2048)
     uncut, n_uncut, _ = kv.coordinator.find_longest_cache_hit(b.block_hashes, b.num_tokens - 1)
     blocks, n, _ = kv.get_computed_blocks(b)
     full_m = kv.coordinator.single_type_managers[0]

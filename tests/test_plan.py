@@ -47,13 +47,14 @@ def _step(req_ids, prompt_lens, extra_args, dummy=False) -> RunnerStep:
 
 
 def test_each_row_plans_with_its_own_configuration():
-    # Two rows end a 128-token chunk at L = 256; the second request asks for budget 160.
-    cm = _cm([256, 256], [128, 128])
-    step = _step(["a", "b"], [512, 512], [None, {"kvevict_budget": 160}])
+    # Two rows end a 64-token chunk at L = 256, a compaction point of both (strides 64 and 128);
+    # the second request asks for budget 128.
+    cm = _cm([256, 256], [64, 64])
+    step = _step(["a", "b"], [512, 512], [None, {"kvevict_budget": 128}])
     plan = plan_step(cm, SERVER, BS, step)
-    assert plan.L_prev == [128, 128] and plan.seq_lens == [256, 256]
-    assert plan.e_new == [BS * ((256 - 64) // BS), BS * ((256 - 160) // BS)] == [192, 96]
-    assert [st.settings.budget for st in plan.states] == [64, 160]
+    assert plan.L_prev == [192, 192] and plan.seq_lens == [256, 256]
+    assert plan.e_prev == [128, 0] and plan.e_new == [256 - 64, 256 - 128] == [192, 128]
+    assert [st.settings.budget for st in plan.states] == [64, 128]
     assert plan.req_ids == ["a", "b"] and plan.compact_rows == [0, 1]
     # A row whose request turns eviction off keeps everything.
     off = plan_step(cm, SERVER, BS, _step(["c", "d"], [512, 512], [{"kvevict_enabled": False}, None]))
@@ -116,24 +117,21 @@ def _no_requests_between_tests():
     WORKER.clear()
 
 
-def test_a_prefix_cache_hit_is_held_until_the_window_moves_past_it():
-    """A request that starts on 160 cached tokens (its first step begins at L_prev = 160) holds
-    them read-only: E stays 0 until the budget-64 window would evict at least 160 tokens, then
-    jumps past them; the engine core computes the same E (window.evicted_tokens with ``shared``)."""
-    from vllm_kvevict.window import evicted_tokens
+def test_a_request_on_a_pure_hit_plans_as_without_it():
+    """The engine core cuts a pure prefix-cache hit to the E of the request's first compaction
+    (budget 64: 64 tokens; the first compaction point is 128), so a request that starts on it (its
+    first step begins at L_prev = 64) plans every step as a request that computed those tokens
+    itself: the first compaction frees the hit and writes only above it."""
+    from vllm_kvevict.window import pure_hit_limit
 
+    assert pure_hit_limit(1000, 1100, SERVER.window(BS)) == 64
     start = RunnerStep(**{**_step(["a"], [1000], [None]).__dict__, "starts": frozenset({"a"})})
-    first = plan_step(_cm([192], [32]), SERVER, BS, start)  # starts at 160, computes 32
-    assert (first.e_prev, first.e_new) == ([0], [0])  # E_std(192) = 128 < 160: held
-    mid = plan_step(_cm([224], [32]), SERVER, BS, _step(["a"], [1000], [None]))
-    assert mid.e_new == [160]  # E_std(224) = 160 >= 160: the window moves past the shared prefix
-    later = plan_step(_cm([288], [64]), SERVER, BS, _step(["a"], [1000], [None]))
-    assert (later.e_prev, later.e_new) == ([160], [224])
-    window = SERVER.window(BS)
-    assert [evicted_tokens(L, 1000, window, 160) for L in (192, 224, 288)] == [0, 160, 224]
-    # the same request restarting without a hit (after preemption) evicts as usual again
-    restart = RunnerStep(**{**_step(["a"], [1000], [None]).__dict__, "starts": frozenset({"a"})})
-    assert plan_step(_cm([256], [256]), SERVER, BS, restart).e_new == [192]
+    first = plan_step(_cm([128], [64]), SERVER, BS, start)  # starts at 64, computes 64
+    assert (first.e_prev, first.e_new) == ([0], [64])
+    fresh = plan_step(_cm([128], [128]), SERVER, BS, _step(["b"], [1000], [None]))
+    assert fresh.e_new == first.e_new
+    later = plan_step(_cm([256], [64]), SERVER, BS, _step(["a"], [1000], [None]))
+    assert (later.e_prev, later.e_new) == ([128], [192])
 
 
 def test_cascade_attention_is_off_once_any_row_has_moved():

@@ -51,7 +51,7 @@ from vllm_kvevict.backends import plan as worker_plan  # noqa: E402
 from vllm_kvevict.config import parse_config  # noqa: E402
 from vllm_kvevict.request import ENGINE, WORKER, resolve  # noqa: E402
 from vllm_kvevict.vllm_compat.runner import RunnerStep  # noqa: E402
-from vllm_kvevict.window import peak_blocks  # noqa: E402
+from vllm_kvevict.window import peak_blocks, step_window  # noqa: E402
 
 BS = 16
 EOS = 2
@@ -229,6 +229,9 @@ class StandInWorker:
                 if got != att.expected.get(q):
                     self._fail(f"{rid} reads slot {q} (block {att.blocks[q // BS]}): {got} != {att.expected.get(q)}")
                     break
+            window = plan.states[r].settings.window
+            if L - 1 > L0 and step_window(L0, L - 1, len(self.prompts[rid]), window).compacts:
+                self._fail(f"{rid}: the step [{L0}, {L}) crosses a compaction point")
             digests = _prefix_digests(att.tokens[:L]) if not att.evicted else None
             for p in range(L0, L):
                 label = ("pure", digests[p]) if digests is not None else ("impure", att.uid, p)
@@ -240,8 +243,10 @@ class StandInWorker:
                 self.compacted_in[rid].append(self.step_seq)
                 self.compacted_at[rid].append(L)
                 att.evicted = True
+                # what compaction keeps depends on the tokens and the configuration alone
+                at = _prefix_digests(att.tokens[:L])[-1]
                 for q in range(e_new, L):
-                    label = ("compacted", att.uid, self.step_seq, q)
+                    label = ("compacted", at, repr(self.extra_args[rid]), q)
                     self._write(att.blocks[q // BS], q % BS, label)
                     att.expected[q] = label
             if L >= len(att.tokens):  # not a partial prefill: one token sampled
@@ -379,7 +384,10 @@ def run_mix(make_config, mix: Mix) -> StandInWorker:
     in_flight = mix.max_batched * (2 if mix.async_scheduling else 1)
     server = parse_config(SERVER)
     spec = mgr.KVEvictSpec.from_spec(
-        FullAttentionSpec(block_size=BS, num_kv_heads=2, head_size=8, dtype=torch.float32), server, in_flight
+        FullAttentionSpec(block_size=BS, num_kv_heads=2, head_size=8, dtype=torch.float32),
+        server,
+        in_flight,
+        mix.max_batched,
     )
     kv_config = KVCacheConfig(
         num_blocks=mix.pool_blocks, kv_cache_tensors=[], kv_cache_groups=[KVCacheGroupSpec(["layer.0"], spec)]
@@ -410,7 +418,8 @@ def run_mix(make_config, mix: Mix) -> StandInWorker:
 
     def fits(prompt: list[int], max_tokens: int, xargs) -> bool:
         window = resolve(server, xargs, BS).window
-        return peak_blocks(len(prompt), len(prompt) + max_tokens, window, in_flight) <= mix.pool_blocks - 1
+        peak = peak_blocks(len(prompt), len(prompt) + max_tokens, window, in_flight, mix.max_batched)
+        return peak <= mix.pool_blocks - 1
 
     def add(i: int, r: Req) -> None:
         if r.source == "turn" and finished_tokens:
@@ -509,25 +518,28 @@ def _r(source, base, own, max_tokens, eos, override, abort=None, arrive=0) -> Re
 #: token budgets: ``core_allocates`` watches for it in every mix; tests/test_manager.py drives it
 #: on the manager directly.)
 PATHS = {
+    # r0's prompt ends at its first compaction point (96: budget 48, stride 48) and it finishes
+    # (or is aborted) in that step
     "finished (length) before the core saw it compact": Mix(
-        False, 256, 4, 60, (_r("doc0", 200, 8, 1, 0.0, 0), _r("doc0", 200, 20, 3, 0.0, 3, arrive=3))
+        False, 256, 4, 60, (_r("doc0", 80, 16, 1, 0.0, 0), _r("doc0", 200, 20, 3, 0.0, 3, arrive=3))
     ),
     "finished (stop) before the core saw it compact": Mix(
-        False, 256, 4, 60, (_r("doc0", 200, 8, 20, 1.0, 0), _r("doc0", 200, 20, 3, 0.0, 3, arrive=3))
+        False, 256, 4, 60, (_r("doc0", 80, 16, 1, 1.0, 0), _r("doc0", 200, 20, 3, 0.0, 3, arrive=3))
     ),
     "aborted before the core saw it compact": Mix(
-        False, 256, 4, 60, (_r("doc0", 200, 8, 20, 0.0, 0, abort=1), _r("doc0", 200, 20, 3, 0.0, 3, arrive=3))
+        False, 256, 4, 60, (_r("doc0", 112, 16, 1, 0.0, 0, abort=2), _r("doc0", 200, 20, 3, 0.0, 3, arrive=1))
     ),
-    # r0 (eviction off) decodes into a new block in the step after r1's one-step prefill compacted;
-    # the pool is full, so FCFS preempts r1 before it is scheduled again
+    # r1's two-step prefill (96 tokens, stride 48) compacts at its end in step 17, when r0 (eviction
+    # off, 11 blocks) and r1 (6 blocks) fill the 17-block pool; in step 18 r0 decodes into a new
+    # block, so FCFS preempts r1 before it is scheduled again
     "preempted before the core saw it compact": Mix(
         False,
         256,
         4,
-        19,
+        18,
         (
             _r("new", 0, 160, 100, 0.0, 3),
-            _r("doc0", 96, 4, 20, 0.0, 1, arrive=17),
+            _r("doc0", 80, 16, 20, 0.0, 0, arrive=16),
             _r("doc0", 96, 30, 2, 0.0, 3, arrive=40),
         ),
     ),

@@ -3,22 +3,38 @@
 
 from __future__ import annotations
 
+import dataclasses
+import random
+
 import pytest
 from hypothesis import given
 from hypothesis import strategies as st
 
-from vllm_kvevict.window import WindowConfig, evicted_tokens, step_window, window_bound_blocks
-
-configs = st.builds(
+from vllm_kvevict.window import (
     WindowConfig,
-    budget=st.integers(1, 300),
-    block_size=st.sampled_from([16, 32, 64]),
-    trigger=st.sampled_from(["chunked", "once"]),
-    decode=st.booleans(),
+    evicted_tokens,
+    first_boundary,
+    peak_blocks,
+    pure_hit_limit,
+    step_limit,
+    step_window,
+    window_bound_blocks,
 )
 
 
-@given(cfg=configs, prompt_len=st.integers(1, 800))
+@st.composite
+def configs(draw, trigger=None):
+    bs = draw(st.sampled_from([16, 32, 64]))
+    return WindowConfig(
+        budget=draw(st.integers(1, 300)),
+        block_size=bs,
+        trigger=trigger or draw(st.sampled_from(["chunked", "once"])),
+        decode=draw(st.booleans()),
+        stride=bs * draw(st.integers(0, 12)),
+    )
+
+
+@given(cfg=configs(), prompt_len=st.integers(1, 800))
 def test_multiple_of_block_and_monotone(cfg, prompt_len):
     prev = 0
     for L in range(0, prompt_len + 200):
@@ -29,32 +45,98 @@ def test_multiple_of_block_and_monotone(cfg, prompt_len):
         prev = e
 
 
-@given(budget=st.integers(1, 300), bs=st.sampled_from([16, 32]), prompt_len=st.integers(1, 800))
-def test_chunked_window_between_steps(budget, bs, prompt_len):
-    cfg = WindowConfig(budget=budget, block_size=bs)
-    for L in range(budget, prompt_len + 100):
-        assert budget <= L - evicted_tokens(L, prompt_len, cfg) < budget + bs
+@given(cfg=configs("chunked"), prompt_len=st.integers(1, 800))
+def test_chunked_compacts_only_at_boundaries(cfg, prompt_len):
+    """E moves only at multiples of the stride, keeping exactly min(b, W) tokens there; between
+    compaction points the window holds at most W + stride tokens."""
+    S, W = cfg.step, cfg.window
+    for L in range(1, prompt_len + 300):
+        e_prev, e = evicted_tokens(L - 1, prompt_len, cfg), evicted_tokens(L, prompt_len, cfg)
+        if e != e_prev:
+            assert L % S == 0
+            assert L - e == W
+        if cfg.decode or L <= prompt_len:  # decode=False: the window grows while decoding
+            assert L - e <= W + S
+
+
+@given(cfg=configs("chunked"), prompt_len=st.integers(1, 800), data=st.data())
+def test_window_does_not_depend_on_the_chunks(cfg, prompt_len, data):
+    """Steps cut at step_limit() never cross a compaction point: a request compacts at the same
+    points whatever chunks the scheduler cuts (every L at which E moves is reached by some step)."""
+    L, points, total = 0, [], prompt_len + 200
+    while L < total:
+        n = data.draw(st.integers(1, 400))
+        limit = step_limit(L, prompt_len, cfg)
+        n = min(n, total - L, limit if limit is not None else n)
+        s = step_window(L, L + n, prompt_len, cfg)
+        if s.compacts:
+            points.append(s.L)
+        L += n
+    expected = [
+        x for x in range(1, total + 1) if evicted_tokens(x, prompt_len, cfg) > evicted_tokens(x - 1, prompt_len, cfg)
+    ]
+    assert points == expected
+
+
+@given(cfg=configs(), prompt_len=st.integers(1, 800), out=st.integers(0, 300))
+def test_pure_hit_limit_is_below_every_compaction(cfg, prompt_len, out):
+    """A pure hit up to the limit lies below the first compaction's E: the request frees it there
+    and writes only above it."""
+    limit = pure_hit_limit(prompt_len, prompt_len + out, cfg)
+    firsts = [e for L in range(1, prompt_len + out + 1) if (e := evicted_tokens(L, prompt_len, cfg)) > 0]
+    if limit is None:
+        assert not firsts
+    else:
+        assert not firsts or limit <= firsts[0]
+        assert limit % cfg.block_size == 0
 
 
 def test_examples():
-    cfg = WindowConfig(budget=256, block_size=32)
-    assert [evicted_tokens(L, 1000, cfg) for L in (0, 256, 287, 288, 319, 320, 1000)] == [0, 0, 0, 32, 32, 64, 736]
+    cfg = WindowConfig(budget=256, block_size=32)  # stride W = 256
+    assert cfg.step == cfg.window == 256 and first_boundary(cfg) == 512
+    assert [evicted_tokens(L, 1000, cfg) for L in (0, 256, 511, 512, 767, 768, 1000)] == [0, 0, 0, 256, 256, 512, 512]
+    odd = WindowConfig(budget=250, block_size=32, stride=64)  # W = 256
+    assert [evicted_tokens(L, 1000, odd) for L in (287, 288, 320, 383, 384)] == [0, 0, 64, 64, 128]
+    assert [step_limit(L, 1000, odd) for L in (0, 1, 63, 64, 1000)] == [64, 63, 1, 64, 24]
     once = WindowConfig(budget=256, block_size=32, trigger="once")
     assert [evicted_tokens(L, 1000, once) for L in (999, 1000, 5000)] == [0, 736, 736]
+    assert step_limit(10, 1000, once) is None
     no_decode = WindowConfig(budget=256, block_size=32, decode=False)
-    assert evicted_tokens(2000, 1000, no_decode) == 736
+    assert evicted_tokens(2000, 1000, no_decode) == 512  # the last boundary inside the prompt: 768
+    assert step_limit(1000, 1000, no_decode) is None
     assert evicted_tokens(5000, 1000, WindowConfig(budget=1, block_size=32, enabled=False)) == 0
-
-
-def test_step_window_and_bound():
-    cfg = WindowConfig(budget=100, block_size=32)
-    s = step_window(64, 192, 1000, cfg)
-    assert (s.e_prev, s.e_new, s.kept, s.compacts) == (0, 64, 128, True)
-    assert not step_window(120, 121, 1000, cfg).compacts
-    # peak inside a step: window before compaction = L - e_prev <= budget + bs - 1 + chunk
-    chunk = 64
-    for L_prev in range(0, 2000, 7):
-        s = step_window(L_prev, L_prev + chunk, 10_000, cfg)
-        assert -(-(s.L - s.e_prev) // 32) <= window_bound_blocks(cfg, chunk)  # e_prev is block-aligned
+    assert pure_hit_limit(3000, 3100, cfg) == 256
+    assert pure_hit_limit(300, 400, cfg) is None  # never reaches its first compaction point
+    assert pure_hit_limit(1000, 1100, once) == 736
+    with pytest.raises(ValueError, match="stride"):
+        WindowConfig(budget=100, block_size=32, stride=48)
     with pytest.raises(ValueError):
         WindowConfig(budget=0, block_size=32)
+
+
+@given(
+    cfg=configs("chunked"),
+    chunk=st.sampled_from([16, 64, 100, 512]),
+    batches=st.sampled_from([1, 2]),
+    seed=st.integers(0, 2**32),
+)
+def test_bound_holds_under_in_flight_steps(cfg, chunk, batches, seed):
+    """What the engine core holds for a request (blocks [E(processed)/bs, L_scheduled/bs)) never
+    exceeds window_bound_blocks, with up to ``batches`` steps of at most ``chunk`` tokens in flight."""
+    rng = random.Random(seed)
+    cfg = dataclasses.replace(cfg, decode=True)  # decode=False: unbounded while decoding (no admission cap)
+    prompt, total = 2000, 2400
+    bound = window_bound_blocks(cfg, batches * chunk, chunk)
+    processed, in_flight = 0, []
+    while processed < total:
+        scheduled = in_flight[-1] if in_flight else processed
+        if len(in_flight) < batches and scheduled < total and rng.random() < 0.8:
+            n = min(rng.randint(1, chunk), total - scheduled)
+            limit = step_limit(scheduled, prompt, cfg)
+            n = min(n, limit) if limit is not None else n
+            in_flight.append(scheduled + n)
+            held = -(-in_flight[-1] // cfg.block_size) - evicted_tokens(processed, prompt, cfg) // cfg.block_size
+            assert held <= bound, (processed, in_flight)
+        elif in_flight:
+            processed = in_flight.pop(0)
+    assert peak_blocks(prompt, total, cfg, batches * chunk, chunk) <= bound

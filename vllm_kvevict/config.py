@@ -20,7 +20,7 @@ from pydantic import BaseModel, BeforeValidator, ConfigDict, Field, ValidationEr
 
 from vllm_kvevict import envs
 from vllm_kvevict.policies import POLICIES, Needs, PolicyParams
-from vllm_kvevict.window import Trigger, WindowConfig
+from vllm_kvevict.window import Trigger, WindowConfig, round_up
 
 ENV_VAR = "KVEVICT_CONFIG"
 ADDITIONAL_CONFIG_KEY = "kvevict"
@@ -94,8 +94,15 @@ class _Base(BaseModel):
     budget: int = Field(2048, ge=1, le=MAX_BUDGET, description="tokens kept per sequence, per layer and KV head")
     trigger: Literal["chunked", "once"] | None = Field(
         None,
-        description="chunked: compact after every step; once: only when the prompt completes; "
+        description="chunked: compact at every stride boundary; once: only when the prompt completes; "
         "unset: the policy's own (once for criticalkv and kvmerger, chunked otherwise)",
+    )
+    stride: int | None = Field(
+        None,
+        ge=1,
+        le=MAX_BUDGET,
+        description="tokens between compaction points (chunked trigger), rounded up to whole KV blocks; "
+        "unset: the budget rounded up to a block. No prefill chunk crosses a compaction point",
     )
     recall: RecallConfig = Field(default_factory=RecallConfig, description="the recall tier (off by default)")
 
@@ -156,6 +163,7 @@ class KVEvictConfig(_build_model()):  # type: ignore[misc]
             trigger=self.trigger or needs.trigger,
             decode=needs.decode,
             enabled=self.eviction_active,
+            stride=round_up(self.stride, block_size) if self.stride else 0,
         )
 
     def summary(self) -> str:

@@ -18,7 +18,8 @@ was evicted, never written by a compaction) are hashed then; no block at or afte
 hashed. A request freed before any scheduled step compacts hashes every full block it computed.
 This holds whatever happens between a step and the core's next look at the request (it finishes,
 is aborted or preempted, or sits out rounds; async scheduling). A prefix-cache hit is held
-read-only: ``E`` waits until it can move past it (``window.evicted_tokens(..., shared)``).
+read-only, and only up to the ``E`` of its first compaction (``window.pure_hit_limit``), which
+frees it: the request computes what it would have computed without the hit.
 """
 
 from __future__ import annotations
@@ -32,7 +33,7 @@ from vllm_kvevict.config import KVEvictConfig, config_from_json
 from vllm_kvevict.request import ENGINE, RequestSettings, RequestState, resolve
 from vllm_kvevict.vllm_compat import kv_cache as vllm_kv_cache
 from vllm_kvevict.vllm_compat.kv_cache import FullAttentionManager, FullAttentionSpec
-from vllm_kvevict.window import WindowConfig, evicted_tokens, window_bound_blocks
+from vllm_kvevict.window import WindowConfig, evicted_tokens, pure_hit_limit, step_limit, window_bound_blocks
 
 
 @dataclass(frozen=True, kw_only=True)
@@ -41,6 +42,7 @@ class KVEvictSpec(FullAttentionSpec):
 
     evict_config: str  # the server's kvevict configuration, as JSON (the spec is pickled to the engine core)
     evict_max_in_flight: int = 0  # tokens scheduled but not yet processed (vLLM's max_in_flight_tokens)
+    evict_max_chunk: int = 0  # tokens one step schedules at most (vLLM's max_num_batched_tokens)
 
     @property
     def config(self) -> KVEvictConfig:
@@ -52,9 +54,18 @@ class KVEvictSpec(FullAttentionSpec):
         return self.config.window(self.block_size)
 
     @classmethod
-    def from_spec(cls, spec: FullAttentionSpec, config: KVEvictConfig, max_in_flight: int) -> KVEvictSpec:
+    def from_spec(
+        cls, spec: FullAttentionSpec, config: KVEvictConfig, max_in_flight: int, max_chunk: int = 0
+    ) -> KVEvictSpec:
         base = {f.name: getattr(spec, f.name) for f in fields(FullAttentionSpec) if f.init}
-        return cls(**base, evict_config=config.model_dump_json(), evict_max_in_flight=max_in_flight)
+        return cls(
+            **base, evict_config=config.model_dump_json(), evict_max_in_flight=max_in_flight, evict_max_chunk=max_chunk
+        )
+
+    @property
+    def in_flight(self) -> tuple[int, int]:
+        """``(max_in_flight, max_chunk)``: what the window bound adds for steps not yet processed."""
+        return self.evict_max_in_flight, self.evict_max_chunk
 
     def max_admission_blocks_per_request(self, max_model_len: int | None = None) -> int | None:
         """Most blocks one request ever holds: the window bound in ``chunked`` mode, else ``None``.
@@ -66,7 +77,7 @@ class KVEvictSpec(FullAttentionSpec):
         window = self.window
         if window.trigger != "chunked" or not window.enabled:  # unbounded before/without eviction
             return None
-        bound = window_bound_blocks(window, self.evict_max_in_flight)
+        bound = window_bound_blocks(window, *self.in_flight)
         return bound if max_model_len is None else min(bound, -(-max_model_len // self.block_size))
 
     def max_memory_usage_bytes(self, vllm_config) -> int:
@@ -79,10 +90,10 @@ class KVEvictSpec(FullAttentionSpec):
     def merge(cls, specs: list[Self]) -> Self:
         merged = FullAttentionSpec.merge.__func__(FullAttentionSpec, specs)  # checks the common fields
         first = specs[0]
-        extra = ("evict_config", "evict_max_in_flight")
+        extra = ("evict_config", "evict_max_in_flight", "evict_max_chunk")
         for s in specs:
             assert all(getattr(s, k) == getattr(first, k) for k in extra), "kvevict layers disagree on the window"
-        return cls.from_spec(merged, first.config, first.evict_max_in_flight)
+        return cls.from_spec(merged, first.config, first.evict_max_in_flight, first.evict_max_chunk)
 
 
 @dataclass
@@ -160,7 +171,7 @@ class KVEvictManager(FullAttentionManager):
         if self._metrics is None:
             return
         settings = None if gone else self.settings_for(request_id)
-        bound = settings.admission_blocks(self.kv_cache_spec.evict_max_in_flight) if settings is not None else None
+        bound = settings.admission_blocks(*self.kv_cache_spec.in_flight) if settings is not None else None
         if bound is None:  # gone, or its window is not bounded (eviction off, once, no decode-time eviction)
             if self._windows.pop(request_id, None) is None:
                 return
@@ -172,19 +183,16 @@ class KVEvictManager(FullAttentionManager):
     def get_num_blocks_to_allocate(
         self, request_id: str, num_tokens: int, *args, apply_admission_cap: bool = False, **kwargs
     ) -> int:
-        """vLLM's count, with the admission cap of the request's *own* window: its bound (plus its
-        shared prefix, held until the window moves past it) when it evicts in ``chunked`` mode,
-        none (the whole sequence must fit) when a per-request override turns eviction off, chooses
-        a ``once`` policy or a larger budget. (The API refuses a request whose peak exceeds the
-        whole pool, and hits are cut to what fits, so every admitted request can finish alone.)"""
+        """vLLM's count, with the admission cap of the request's *own* window: its bound when it
+        evicts in ``chunked`` mode, none (the whole sequence must fit) when a per-request override
+        turns eviction off, chooses a ``once`` policy or a larger budget. (The API refuses a
+        request whose peak exceeds the whole pool, so every admitted request can finish alone.)"""
         if not apply_admission_cap:
             return super().get_num_blocks_to_allocate(request_id, num_tokens, *args, **kwargs)
         server_cap = self.max_admission_blocks_per_request
         st = ENGINE.get(request_id)
         if st is not None:
-            self.max_admission_blocks_per_request = st.settings.admission_blocks(
-                self.kv_cache_spec.evict_max_in_flight, st.shared
-            )
+            self.max_admission_blocks_per_request = st.settings.admission_blocks(*self.kv_cache_spec.in_flight)
         try:
             return super().get_num_blocks_to_allocate(request_id, num_tokens, *args, apply_admission_cap=True, **kwargs)
         finally:
@@ -208,7 +216,7 @@ class KVEvictManager(FullAttentionManager):
         att = self._attempts.get(rid)
         if st is None or not st.settings.evicts or att is None:
             return
-        e = evicted_tokens(num_tokens, request.num_prompt_tokens, st.settings.window, st.shared)
+        e = evicted_tokens(num_tokens, request.num_prompt_tokens, st.settings.window)
         if e <= att.scheduled_e:
             return
         if att.fence is None:
@@ -252,7 +260,7 @@ class KVEvictManager(FullAttentionManager):
         if settings is None:  # pragma: no cover - every allocated request has its settings
             return
         cfg = settings.config
-        bound = settings.admission_blocks(self.kv_cache_spec.evict_max_in_flight)
+        bound = settings.admission_blocks(*self.kv_cache_spec.in_flight)
         logger.info(
             "kvevict: request %s released: %d blocks freed by eviction, peak %d blocks held "
             "(window bound %s); pool %d/%d blocks free, peak %d used; policy %s, budget %d",
@@ -289,8 +297,7 @@ class KVEvictManager(FullAttentionManager):
             if window.trigger != "chunked" or not window.decode:
                 return  # E depends on the prompt length; without it, free nothing (never too much)
             num_prompt_tokens = processed_computed_tokens
-        st = ENGINE.get(request_id)
-        e = evicted_tokens(processed_computed_tokens, num_prompt_tokens, window, st.shared if st else 0)
+        e = evicted_tokens(processed_computed_tokens, num_prompt_tokens, window)
         blocks = self.req_to_blocks.get(request_id)
         att = self._attempts.get(request_id)
         if e <= 0 or blocks is None or att is None:
@@ -333,13 +340,11 @@ class KVEvictManager(FullAttentionManager):
         self._cache_pure(request, computed if att.fence is None else min(att.fence, computed))
 
     def usable_hit(self, request, num_tokens: int) -> int:
-        """How many of ``num_tokens`` prefix-cache hit tokens the request may use: all of them
-        when its window never evicts; none when its policy keeps per-slot state (the state of a
-        shared block is another request's); with a bounded window (``chunked``, evicting while
-        decoding), as many as keep its peak (bound plus the hit) inside the pool, so it can always
-        finish alone; otherwise (``once``, or no eviction while decoding: ``E`` is fixed once the
-        prompt is done) at most what its eviction moves past by the end of its prompt, so that it
-        still evicts."""
+        """How many of ``num_tokens`` prefix-cache hit tokens (pure blocks) the request may use: all
+        of them when its window never evicts; none when its policy keeps per-slot state (the state
+        of a shared block is another request's); otherwise at most the ``E`` of its first
+        compaction (``window.pure_hit_limit``), which frees them and writes only above them: the
+        request computes exactly what it would have computed without the hit."""
         if num_tokens <= 0:
             return 0
         settings = self.state_of(request).settings
@@ -348,11 +353,8 @@ class KVEvictManager(FullAttentionManager):
             return num_tokens
         if settings.policy.needs.state:
             return 0
-        bound = settings.admission_blocks(self.kv_cache_spec.evict_max_in_flight)
-        if bound is not None:
-            return max(0, min(num_tokens, (self.block_pool.num_gpu_blocks - 1 - bound) * self.block_size))
-        prompt = request.num_prompt_tokens
-        return min(num_tokens, evicted_tokens(prompt, prompt, window))
+        limit = pure_hit_limit(request.num_prompt_tokens, request.num_prompt_tokens + request.max_tokens, window)
+        return num_tokens if limit is None else min(num_tokens, limit)
 
 
 _metrics_owner: KVEvictManager | None = None
@@ -360,9 +362,10 @@ _metrics_owner: KVEvictManager | None = None
 
 def install_scheduler_hooks() -> None:
     """Resolve each request's settings the first time the scheduler looks at it (a prefix-cache
-    lookup or an allocation), record the request and the prefix-cache hit its attempt starts on,
-    and end both on vLLM's free paths: the attempt when the request is preempted, everything when
-    it has finished. Idempotent."""
+    lookup, a step's size or an allocation), record the request and the prefix-cache hit its
+    attempt starts on, cut every step at the request's next compaction point, and end both on
+    vLLM's free paths: the attempt when the request is preempted, everything when it has
+    finished. Idempotent."""
 
     def on_allocate(request, managers: list) -> None:
         for m in managers:
@@ -391,7 +394,15 @@ def install_scheduler_hooks() -> None:
             if isinstance(m, KVEvictManager):
                 m.scheduled(request, num_tokens)
 
-    vllm_kv_cache.install_request_hooks(on_allocate, on_end, on_prefix_hit, on_scheduled, on_hit)
+    def on_chunk(request, start: int, num_tokens: int, managers: list) -> int:
+        for m in managers:
+            if isinstance(m, KVEvictManager):
+                limit = step_limit(start, request.num_prompt_tokens, m.state_of(request).settings.window)
+                if limit is not None:
+                    num_tokens = min(num_tokens, limit)
+        return num_tokens
+
+    vllm_kv_cache.install_request_hooks(on_allocate, on_end, on_prefix_hit, on_scheduled, on_hit, on_chunk)
 
 
 def register_spec() -> None:

@@ -149,7 +149,9 @@ def check_fits_pool(
     max_len = vllm_config.model_config.max_model_len
     total = min(prompt_len + (max_tokens if max_tokens is not None else max_len), max_len)
     window = settings.window
-    peak = peak_blocks(prompt_len, total, window, vllm_config.max_in_flight_tokens)
+    peak = peak_blocks(
+        prompt_len, total, window, vllm_config.max_in_flight_tokens, vllm_config.scheduler_config.max_num_batched_tokens
+    )
     if peak > usable:
         why = (
             "with eviction off"

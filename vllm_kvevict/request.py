@@ -67,9 +67,9 @@ class RequestSettings:
         """Whether this request's window ever evicts (enabled, a policy other than ``none``)."""
         return self.window.enabled
 
-    def admission_blocks(self, max_in_flight: int, shared: int = 0) -> int | None:
+    def admission_blocks(self, max_in_flight: int, max_chunk: int | None = None) -> int | None:
         """The blocks vLLM's admission gate reserves for the request (``window.admission_blocks``)."""
-        return admission_blocks(self.window, max_in_flight, shared)
+        return admission_blocks(self.window, max_in_flight, max_chunk)
 
 
 def resolve(server: KVEvictConfig, extra_args: Any, block_size: int) -> RequestSettings:

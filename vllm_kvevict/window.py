@@ -14,24 +14,25 @@ function on the same integers, so they agree without talking to each other:
 Trigger modes:
 
 ``chunked`` (default)
-    ``E = bs * floor(max(0, L - budget) / bs)`` after every step: between steps the window stays in
-    ``[budget, budget + bs)``; inside a prefill step it peaks at ``budget + bs - 1 + chunk``.
-    With ``decode=True`` this continues while decoding, so a compaction happens every ``bs``
-    generated tokens; with ``decode=False`` ``E`` stops growing once the prompt is complete.
+    A request compacts at fixed token boundaries, the multiples of its ``stride`` (a whole number
+    of blocks; by default its budget rounded up to a block, ``W``): at a boundary ``b``,
+    ``E(b) = bs * floor(max(0, b - budget) / bs)``, which keeps exactly ``min(b, W)`` tokens, and
+    ``E`` stays there until the next boundary. The scheduler never lets a step cross a boundary
+    (:func:`step_limit`; ``kv_manager.py``), so every query attends to the window compacted at the
+    last boundary before it plus the tokens since, and the window at ``b`` is a function of the
+    first ``b`` tokens and the configuration alone, whatever chunks the scheduler cut: it can be
+    cached and reused (docs/architecture.md, "Compressed windows"). With ``decode=True`` this
+    continues while decoding (a compaction every ``stride`` generated tokens); with
+    ``decode=False`` ``E`` stops at the last boundary inside the prompt.
 ``once``
-    Nothing is evicted until the prompt is complete; then ``E = E_chunked(prompt_len)``, fixed
-    during decoding (CriticalKV and KVMerger as published).
+    Nothing is evicted until the prompt is complete; then ``E = floor_bs(prompt_len - budget)``,
+    fixed during decoding (CriticalKV and KVMerger as published).
 
-Shared prefix (prefix caching):
-    A request that starts (or restarts after preemption) on ``shared`` tokens found in vLLM's
-    prefix cache holds their blocks read-only: other requests and the cache hold them too. Its
-    window may only be written at or above ``shared``, so ``E`` stays 0 until the trigger's ``E``
-    reaches ``shared`` (``E = E_trigger(L) if E_trigger(L) >= shared else 0``): the first
-    compaction then frees every shared block at once and writes only into the request's own
-    blocks. Until then the request holds its shared prefix on top of its window.
+A prefix-cache hit of pure blocks (computed without eviction) is cut to the first compaction's
+``E`` (:func:`pure_hit_limit`): the first compaction frees those blocks and writes only above them,
+so a request behaves exactly as if it had computed them itself.
 
-``E`` is a multiple of ``block_size`` and non-decreasing in ``L`` for a fixed configuration and
-shared prefix.
+``E`` is a multiple of ``block_size`` and non-decreasing in ``L`` for a fixed configuration.
 """
 
 from __future__ import annotations
@@ -43,6 +44,10 @@ Trigger = Literal["chunked", "once"]
 TRIGGERS: tuple[str, ...] = ("chunked", "once")
 
 
+def round_up(n: int, multiple: int) -> int:
+    return -(-n // multiple) * multiple
+
+
 @dataclass(frozen=True)
 class WindowConfig:
     """The integers that determine ``E``; identical in the scheduler and in every worker."""
@@ -52,56 +57,112 @@ class WindowConfig:
     trigger: Trigger = "chunked"
     decode: bool = True
     enabled: bool = True
+    #: tokens between compaction points (``chunked``), a multiple of ``block_size``; 0: ``W``, the
+    #: budget rounded up to a whole block
+    stride: int = 0
 
     def __post_init__(self) -> None:
         if self.budget < 1 or self.block_size < 1:
             raise ValueError(f"budget and block_size must be positive, got {self.budget}, {self.block_size}")
         if self.trigger not in TRIGGERS:
             raise ValueError(f"trigger must be one of {TRIGGERS}, got {self.trigger!r}")
+        if self.stride < 0 or self.stride % self.block_size:
+            raise ValueError(f"stride must be a multiple of the block size {self.block_size}, got {self.stride}")
+
+    @property
+    def window(self) -> int:
+        """``W``: the tokens kept right after a compaction (the budget rounded up to a block)."""
+        return round_up(self.budget, self.block_size)
+
+    @property
+    def step(self) -> int:
+        """The stride in tokens (``W`` when unset)."""
+        return self.stride or self.window
 
 
 def _floor_evict(n: int, cfg: WindowConfig) -> int:
     return cfg.block_size * (max(0, n - cfg.budget) // cfg.block_size)
 
 
-def evicted_tokens(L: int, prompt_len: int, cfg: WindowConfig, shared: int = 0) -> int:
-    """Number of leading logical tokens (a multiple of ``block_size``) evicted at ``L`` computed
-    tokens, for a request whose first ``shared`` tokens are in shared (prefix-cached) blocks."""
+def last_boundary(L: int, cfg: WindowConfig) -> int:
+    """The last compaction point at or below ``L`` (``chunked``)."""
+    return L - L % cfg.step
+
+
+def evicted_tokens(L: int, prompt_len: int, cfg: WindowConfig) -> int:
+    """Number of leading logical tokens (a multiple of ``block_size``) evicted at ``L`` computed tokens."""
     if not cfg.enabled:
         return 0
     if cfg.trigger == "once":
-        e = _floor_evict(prompt_len, cfg) if L >= prompt_len else 0
-    else:
-        e = _floor_evict(L if cfg.decode else min(L, prompt_len), cfg)
-    return e if e >= shared else 0
+        return _floor_evict(prompt_len, cfg) if L >= prompt_len else 0
+    return _floor_evict(last_boundary(L if cfg.decode else min(L, prompt_len), cfg), cfg)
 
 
-def window_bound_blocks(cfg: WindowConfig, max_chunk: int) -> int:
-    """Most blocks a request holds at any time in ``chunked`` mode: ``budget + bs - 1 + chunk`` tokens."""
-    return -(-(cfg.budget + cfg.block_size - 1 + max_chunk) // cfg.block_size)
+def first_boundary(cfg: WindowConfig) -> int:
+    """The first compaction point of a ``chunked`` window: the first boundary with ``E > 0``."""
+    return round_up(cfg.budget + cfg.block_size, cfg.step)
 
 
-def admission_blocks(cfg: WindowConfig, max_chunk: int, shared: int = 0) -> int | None:
+def pure_hit_limit(prompt_len: int, total_len: int, cfg: WindowConfig) -> int | None:
+    """The most tokens of a pure prefix-cache hit a request may start on without changing what it
+    computes: the ``E`` of its first compaction (``None``: it never compacts, any hit), for a
+    request of ``prompt_len`` prompt tokens that computes at most ``total_len``."""
+    if not cfg.enabled:
+        return None
+    if cfg.trigger == "once":
+        return _floor_evict(prompt_len, cfg)
+    b1 = first_boundary(cfg)
+    if b1 > (total_len if cfg.decode else prompt_len):
+        return None
+    return _floor_evict(b1, cfg)
+
+
+def step_limit(L: int, prompt_len: int, cfg: WindowConfig) -> int | None:
+    """The most tokens a step may compute from ``L`` without crossing a compaction point (``None``:
+    no limit: eviction off, ``once``, or a ``decode=False`` window past its prompt)."""
+    if not cfg.enabled or cfg.trigger != "chunked" or (not cfg.decode and L >= prompt_len):
+        return None
+    return cfg.step - L % cfg.step
+
+
+def window_bound_blocks(cfg: WindowConfig, max_in_flight: int, max_chunk: int | None = None) -> int:
+    """Most blocks a request holds at any time in ``chunked`` mode.
+
+    Right after a compaction point the window holds at most ``W`` tokens; it grows by at most a
+    stride before the next, and no step crosses one: ``W + stride`` once the step is processed.
+    vLLM frees on processed tokens, so under asynchronous scheduling (``max_in_flight`` is
+    ``max_concurrent_batches * max_chunk``) each further step in flight adds at most
+    ``min(stride, max_chunk)`` tokens before a compaction's blocks come back."""
+    chunk = max_chunk or max_in_flight
+    extra_steps = max(0, max_in_flight // max(1, chunk) - 1)
+    tokens = cfg.window + cfg.step + extra_steps * min(cfg.step, chunk)
+    return -(-tokens // cfg.block_size)
+
+
+def admission_blocks(cfg: WindowConfig, max_in_flight: int, max_chunk: int | None = None) -> int | None:
     """The blocks vLLM's admission gate reserves for a request with this window: its bound in
-    ``chunked`` mode with decode-time eviction, plus its shared prefix's blocks (held until the
-    window moves past them); ``None`` (the whole sequence) otherwise."""
+    ``chunked`` mode with decode-time eviction; ``None`` (the whole sequence) otherwise."""
     if not cfg.enabled or cfg.trigger != "chunked" or not cfg.decode:
         return None
-    return window_bound_blocks(cfg, max_chunk) + shared // cfg.block_size
+    return window_bound_blocks(cfg, max_in_flight, max_chunk)
 
 
-def peak_blocks(prompt_len: int, total_len: int, cfg: WindowConfig, max_chunk: int) -> int:
+def peak_blocks(
+    prompt_len: int, total_len: int, cfg: WindowConfig, max_in_flight: int, max_chunk: int | None = None
+) -> int:
     """Most blocks a request with this window ever holds, computing ``total_len`` tokens
     (prompt plus the most it may generate) of which ``prompt_len`` are prompt."""
     bs = cfg.block_size
     full = -(-total_len // bs)
     if not cfg.enabled:
         return full
-    prefill = min(window_bound_blocks(cfg, max_chunk), full) if cfg.trigger == "chunked" else -(-prompt_len // bs)
-    if cfg.trigger == "chunked" and cfg.decode:
-        return prefill
-    # E stays at its value for the whole prompt while the request decodes.
-    return min(full, max(prefill, full - _floor_evict(prompt_len, cfg) // bs))
+    if cfg.trigger == "chunked":
+        prefill = min(window_bound_blocks(cfg, max_in_flight, max_chunk), full)
+        if cfg.decode:
+            return prefill
+        # E stays at its last boundary inside the prompt while the request decodes.
+        return min(full, max(prefill, full - evicted_tokens(prompt_len, prompt_len, cfg) // bs))
+    return min(full, max(-(-prompt_len // bs), full - _floor_evict(prompt_len, cfg) // bs))
 
 
 @dataclass(frozen=True)
@@ -121,5 +182,5 @@ class StepWindow:
         return self.L - self.e_new
 
 
-def step_window(L_prev: int, L: int, prompt_len: int, cfg: WindowConfig, shared: int = 0) -> StepWindow:
-    return StepWindow(evicted_tokens(L_prev, prompt_len, cfg, shared), evicted_tokens(L, prompt_len, cfg, shared), L)
+def step_window(L_prev: int, L: int, prompt_len: int, cfg: WindowConfig) -> StepWindow:
+    return StepWindow(evicted_tokens(L_prev, prompt_len, cfg), evicted_tokens(L, prompt_len, cfg), L)

@@ -6,10 +6,12 @@ computes for its tokens without eviction and nothing will rewrite it: for a requ
 the blocks its first compaction frees (``[0, E1)``), or every block if it never compacts. A hit is
 held read-only: the request's window moves past it in one jump (``E`` stays 0 until it can).
 
-With budget 96, 32-token blocks and 512-token prefill chunks, a request with a long prompt first
-compacts at ``L1 = 512``: ``E1 = 32 * floor((512 - 96) / 32) = 416``. So exactly 13 blocks
-(416 tokens) of its prompt enter the cache; the rest of its blocks are rewritten by compactions
-or computed after eviction, and never hashed.
+With budget 96, 32-token blocks and compaction points every 512 tokens (the stride; prefill chunks
+of 512 tokens), a request with a long prompt first compacts at ``L1 = 512``:
+``E1 = 32 * floor((512 - 96) / 32) = 416``. So exactly 13 blocks (416 tokens) of its prompt enter
+the cache; the rest of its blocks are rewritten by compactions or computed after eviction, and
+never hashed. A pure hit is cut to ``E1`` (``window.pure_hit_limit``), which the request's own
+first compaction frees.
 
 Checked: the cache holds only that (an eviction-off request hits exactly 416 tokens of a
 compacting request's prompt and produces exactly what the model computes without eviction, which
@@ -17,7 +19,7 @@ it would not if a compaction had written into a cached block); reuse is real (vL
 counters and each request's cached tokens); hits with eviction keep every request equal to the
 transformers replay of the tokens it kept, concurrently, with eviction off beside, and through
 preemption; a request whose policy keeps per-slot state gets no hit; memory stays within the
-window bound plus the shared prefix; the pool comes back whole.
+window bound; the pool comes back whole.
 """
 
 from __future__ import annotations
@@ -41,8 +43,8 @@ pytestmark = [pytest.mark.engine, pytest.mark.timeout(1200)]
 
 BUDGET, BS, CHUNK, POOL = 96, 32, 512, 40
 E1 = BS * ((CHUNK - BUDGET) // BS)  # 416: what a long prompt's first compaction frees and caches
-BOUND = window_bound_blocks(WindowConfig(BUDGET, BS), CHUNK)
-SERVER_CFG = {"kvevict": {"policy": "keydiff", "budget": BUDGET}}
+BOUND = window_bound_blocks(WindowConfig(BUDGET, BS, stride=CHUNK), CHUNK, CHUNK)
+SERVER_CFG = {"kvevict": {"policy": "keydiff", "budget": BUDGET, "stride": CHUNK}}
 OFF = {"kvevict_enabled": False}
 
 
@@ -111,8 +113,8 @@ def test_only_pure_blocks_enter_the_cache(server, hf_model, vocab):
     check_against_reference(hf_model, b, load_attempts(server.dump_dir), expect_compaction=False)
 
 
-ONE_CHUNK = 480  # a prompt prefilled in one step, which compacts at L = 480
-E_ONE_CHUNK = BS * ((ONE_CHUNK - BUDGET) // BS)  # 384: the 12 blocks that compaction frees
+ONE_CHUNK = 512  # a prompt prefilled in one step, which compacts at L = 512
+E_ONE_CHUNK = BS * ((ONE_CHUNK - BUDGET) // BS)  # 416: the 13 blocks that compaction frees
 
 
 @pytest.mark.parametrize("finish", ["max_tokens", "stop_token"])
@@ -136,12 +138,12 @@ def test_request_finishing_in_its_compacting_step_caches_only_pure_blocks(server
         assert len(a["tokens"]) == 1 and a["finish_reason"] == "length", a
     assert a["cached_tokens"] == 0
     (att,) = check_against_reference(hf_model, a, load_attempts(server.dump_dir))
-    assert min(att.events) == ONE_CHUNK  # it compacted in its one step, at L = 480
+    assert min(att.events) == ONE_CHUNK  # it compacted in its one step, at L = 512
     wait_until(lambda: _released(server, a["id"]), 60, "A's release line")
     # the engine core knows from the schedule that A's one step compacted (it never saw it again)
     assert int(_released(server, a["id"])[-1][1]) == E_ONE_CHUNK // BS
     b = complete(server, prompt + make_prompt(60, seed + 1, vocab), 24, OFF)  # A's prompt, then its own
-    assert b["cached_tokens"] == E_ONE_CHUNK  # 12 blocks, not the 15 A computed
+    assert b["cached_tokens"] == E_ONE_CHUNK  # 13 blocks, not the 16 A computed
     check_against_reference(hf_model, b, load_attempts(server.dump_dir), expect_compaction=False)
 
 
@@ -165,8 +167,8 @@ def test_request_aborted_in_its_compacting_step_caches_only_pure_blocks(server, 
 
 def test_hits_are_reused_by_evicting_requests(server, hf_model, vocab):
     """A second evicting request with the same prefix gets the cached blocks (vLLM's own hit
-    counter grows by them), starts its prefill after them, holds them until its window moves past
-    them in one jump, and equals the replay of what it kept."""
+    counter grows by them), starts its prefill after them, frees them at its first compaction,
+    and equals the replay of what it kept."""
     _reset_cache(server)
     a = complete(server, _prompt(vocab, 900, 4, 50, 5), 16)
     before = server.metrics()
@@ -180,13 +182,13 @@ def test_hits_are_reused_by_evicting_requests(server, hf_model, vocab):
     attempts = load_attempts(server.dump_dir)
     (att,) = check_against_reference(hf_model, c, attempts, config=parse_config(SERVER_CFG["kvevict"]))
     first = min(att.events)
-    # Shorter prefill: the attempt starts at 416; its first compaction frees the 13 shared blocks
-    # at once (E jumps from 0 to at least 416), so none of them is ever written.
+    # Shorter prefill: the attempt starts at 416; its first compaction (at 512, as without the
+    # hit) frees the 13 shared blocks at once, so none of them is ever written.
     assert first > E1 and BS * ((first - BUDGET) // BS) >= E1
     for _layer, kept in att.events[first].items():
         assert all(len(h) == first - BS * ((first - BUDGET) // BS) for h in kept)
     rel = _released(server, c["id"])
-    assert rel and int(rel[-1][2]) <= BOUND + E1 // BS  # peak within the bound plus the shared prefix
+    assert rel and int(rel[-1][2]) <= BOUND  # peak within the window bound
     assert a["tokens"] is not None
 
 
@@ -222,12 +224,12 @@ def test_concurrent_sharing_with_preemption(server, hf_model, vocab):
     assert any(o["cached_tokens"] for o in outs), "some request should hit the shared prefix"
     wait_until(lambda: server.metrics().get("vllm:num_preemptions_total", 0.0) > preempted, 60, "a preemption")
     assert any(len(attempts_for(attempts, o["id"])) > 1 for o in outs)
-    # Every request held at most its own window bound plus the prefix it hit (eviction-off ones:
-    # their whole sequence); and every block came back: free or free-but-cached.
+    # Every request held at most its own window bound (eviction-off ones: their whole sequence);
+    # and every block came back: free or free-but-cached.
     for out in outs:
         for _rid, _freed, peak, bound, _free, _total, _pool_peak in _released(server, out["id"]):
             if bound != "None":
-                assert int(peak) <= int(bound) + 750 // BS, (out["id"], peak, bound)
+                assert int(peak) <= int(bound), (out["id"], peak, bound)
     last = complete(server, make_prompt(64, 99, vocab), 4)
     wait_until(lambda: _released(server, last["id"]), 60, "the last release line")
     rid, freed, peak, bound, free, total, pool_peak = _released(server, last["id"])[-1]

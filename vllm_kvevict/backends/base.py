@@ -77,7 +77,9 @@ class KVEvictBackendMixin:
         # Any request may evict (the server's configuration, or its own override).
         if type(spec) is vllm_kv_cache.FullAttentionSpec and spec.sliding_window is None:
             cfg = config_from_vllm(vllm_config)
-            return KVEvictSpec.from_spec(spec, cfg, vllm_config.max_in_flight_tokens)
+            return KVEvictSpec.from_spec(
+                spec, cfg, vllm_config.max_in_flight_tokens, vllm_config.scheduler_config.max_num_batched_tokens
+            )
         return spec
 
 

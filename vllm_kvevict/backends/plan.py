@@ -120,8 +120,7 @@ def plan_step(cm, server_config, block_size: int, step: RunnerStep | None) -> St
         )
     states = request_states(step, L_prev, server_config, block_size)
     steps = [
-        step_window(L_prev[r], seq_lens[r], step.prompt_lens[r], st.settings.window, st.shared)
-        for r, st in enumerate(states)
+        step_window(L_prev[r], seq_lens[r], step.prompt_lens[r], st.settings.window) for r, st in enumerate(states)
     ]
     return StepPlan(
         e_prev=[s.e_prev for s in steps],

@@ -2,7 +2,7 @@
 """The engine core's KV cache: spec and manager bases, the spec registry, per-request hooks.
 
 Written against vLLM 0.32.0 (``v1/kv_cache_interface.py``, ``v1/core/single_type_kv_cache_manager.py``,
-``v1/kv_cache_spec_registry.py``, ``v1/core/kv_cache_manager.py``); 0.33.0 has the same classes and
+``v1/kv_cache_spec_registry.py``, ``v1/core/kv_cache_manager.py``, ``v1/core/sched/scheduler.py``); 0.33.0 has the same classes and
 signatures, with two differences that do not reach the plugin:
 
 * ``KVCacheSpec.is_draft`` (0.33): a ``kw_only``, ``compare=False`` field; ``KVEvictSpec.from_spec``
@@ -47,6 +47,7 @@ def install_request_hooks(
     on_prefix_hit: Callable[[object, int, list], int],
     on_scheduled: Callable[[object, int, list], None],
     on_hit: Callable[[object, int], None],
+    on_chunk: Callable[[object, int, int, list], int],
 ) -> None:
     """The single-type managers only see request ids; ``KVCacheManager`` sees the request.
 
@@ -68,7 +69,11 @@ def install_request_hooks(
     coordinator with that maximum length (``find_longest_cache_hit``, which keeps every KV cache
     group consistent: a sliding-window group's blocks at the end of the shorter hit, groups of
     other block sizes aligned), and ``on_hit(request, num_tokens)`` gets the hit the lookup
-    returns. vLLM 0.32/0.33: ``get_computed_blocks`` returns ``(KVCacheBlocks, num_tokens,
+    returns; ``on_chunk(request, start, num_new_tokens, single_type_managers)`` sees every step
+    the scheduler is about to give a request (running or waiting, after every cap of its own:
+    ``Scheduler._reserve_prefill_lookahead``, the last one before the allocation in both of
+    ``schedule``'s loops, 0.32 and 0.33) and returns how many of those tokens it may compute (at
+    least one). vLLM 0.32/0.33: ``get_computed_blocks`` returns ``(KVCacheBlocks, num_tokens,
     shared_prefix_boundary)`` (0.33 adds an optional ``max_cache_hit_length``, passed on);
     ``find_longest_cache_hit(block_hashes, max_length)`` returns ``(blocks, num_tokens,
     num_uncached)``.
@@ -118,6 +123,24 @@ def install_request_hooks(
 
         return get_computed_blocks
 
+    from vllm.v1.core.sched.scheduler import Scheduler
+
+    def make_chunk(orig):
+        def reserve(self, request, num_computed_tokens, num_new_tokens, *args, **kwargs):
+            n = orig(self, request, num_computed_tokens, num_new_tokens, *args, **kwargs)
+            if n <= 0:
+                return n
+            managers = list(self.kv_cache_manager.coordinator.single_type_managers)
+            return max(1, min(n, on_chunk(request, num_computed_tokens, n, managers)))
+
+        return reserve
+
+    wrap_method(
+        Scheduler,
+        "_reserve_prefill_lookahead",
+        make_chunk,
+        "kvevict: no step crosses a request's compaction point",
+    )
     wrap_method(
         KVCacheManager,
         "allocate_slots",
