@@ -257,10 +257,11 @@ def test_a_cut_hit_stays_consistent_across_kv_cache_groups():
 def test_hashing_does_not_wait_for_processed_tokens():
     """Under async scheduling the core may first hear of a request's processed tokens when they have
     passed two compaction points at once (``remove_skipped_blocks`` sees ``E2``, never ``E1``). What
-    is hashed is decided when each step is scheduled: ``[0, E1)`` at the first compacting step, and
-    nothing at or after ``E1`` ever, however late the processed count catches up."""
+    is hashed as pure is decided when each step is scheduled: ``[0, E1)`` at the first compacting
+    step, and nothing at or after ``E1`` ever, however late the processed count catches up. The
+    windows compacted at both points are cached once the core knows their steps have run."""
     from vllm.utils.hashing import get_hash_fn_by_name
-    from vllm.v1.core.kv_cache_utils import get_request_block_hasher, init_none_hash
+    from vllm.v1.core.kv_cache_utils import get_request_block_hasher, init_none_hash, make_block_hash_with_group_id
 
     mgr.register_spec()
     mgr.install_scheduler_hooks()
@@ -268,7 +269,8 @@ def test_hashing_does_not_wait_for_processed_tokens():
     spec = mgr.KVEvictSpec.from_spec(
         FullAttentionSpec(block_size=BS, num_kv_heads=2, head_size=64, dtype=torch.float32),
         parse_config({"policy": "keydiff", "budget": BUDGET}),
-        2 * 192,
+        2 * 96,
+        96,
     )
     config = KVCacheConfig(num_blocks=NUM_BLOCKS, kv_cache_tensors=[], kv_cache_groups=[KVCacheGroupSpec(["l"], spec)])
     kv = KVCacheManager(
@@ -276,7 +278,7 @@ def test_hashing_does_not_wait_for_processed_tokens():
         max_model_len=MAX_LEN,
         scheduler_block_size=BS,
         hash_block_size=BS,
-        max_in_flight_tokens=2 * 192,
+        max_in_flight_tokens=2 * 96,
         enable_caching=True,
     )
     req = Request(
@@ -286,18 +288,24 @@ def test_hashing_does_not_wait_for_processed_tokens():
         None,
         block_hasher=get_request_block_hasher(BS, get_hash_fn_by_name("sha256")),
     )
+    pure_keys = {make_block_hash_with_group_id(h, 0) for h in req.block_hashes}
 
-    def cached() -> int:
-        return sum(1 for b in kv.block_pool.blocks if b.block_hash is not None)
+    def cached() -> tuple[int, int]:
+        """(pure blocks, window blocks) in the prefix cache."""
+        hashed = [b.block_hash for b in kv.block_pool.blocks if b.block_hash is not None]
+        pure = sum(h in pure_keys for h in hashed)
+        return pure, len(hashed) - pure
 
-    e1 = BS * ((192 - BUDGET) // BS)  # 96: the first step (L = 192) compacts
-    for n in (192, 64):  # two steps scheduled back to back, neither processed yet (async)
+    # budget 96, stride 96: compaction points 192 (E1 = 96) and 288 (E2 = 192)
+    e1 = 96
+    for n, pure in ((96, 0), (96, e1 // BS), (96, e1 // BS)):  # scheduled back to back, none processed
         assert kv.allocate_slots(req, n) is not None
         req.num_computed_tokens += n
         req.num_in_flight_tokens += n
-        assert cached() == e1 // BS  # [0, E1), from the moment the first compacting step was scheduled
-    req.num_in_flight_tokens = 0  # both outputs arrive; the next allocation sees L = 256 processed, E = 160
-    assert kv.allocate_slots(req, 64) is not None
-    assert cached() == e1 // BS  # not [0, E2): the first compaction rewrote [96, 192)
+        assert cached() == (pure, 0)  # [0, E1) from the moment the first compacting step was scheduled
+    req.num_in_flight_tokens = 0  # every output arrives; the next allocation sees L = 288 processed
+    assert kv.allocate_slots(req, 32) is not None
+    # not [0, E2) as pure: the first compaction rewrote [96, 192); the windows at 192 and 288 (3 blocks each)
+    assert cached() == (e1 // BS, 6)
     kv.free(req)
-    assert cached() == e1 // BS
+    assert cached() == (e1 // BS, 6)

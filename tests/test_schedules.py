@@ -50,8 +50,9 @@ from vllm_kvevict import kv_manager as mgr  # noqa: E402
 from vllm_kvevict.backends import plan as worker_plan  # noqa: E402
 from vllm_kvevict.config import parse_config  # noqa: E402
 from vllm_kvevict.request import ENGINE, WORKER, resolve  # noqa: E402
+from vllm_kvevict.vllm_compat.kv_cache import window_block_keys  # noqa: E402
 from vllm_kvevict.vllm_compat.runner import RunnerStep  # noqa: E402
-from vllm_kvevict.window import peak_blocks, step_window  # noqa: E402
+from vllm_kvevict.window import evicted_tokens, peak_blocks, step_window  # noqa: E402
 
 BS = 16
 EOS = 2
@@ -148,6 +149,8 @@ class StandInWorker:
         self.hash_stamp: dict[int, tuple[object, int]] = {}  # block id -> (its hash, step it was hashed in)
         self.compactions = 0
         self.hit_reads = 0
+        self.window_reads = 0  # attempts that started on a cached compacted window
+        self.windows: dict[bytes, tuple[bytes, str, int]] = {}  # window block hash -> (prefix, salt, first slot)
         self.last_step: dict[str, int] = {}  # request id -> the last step it ran in
         self.compacted_in: dict[str, list[int]] = {}  # request id -> the steps its current attempt compacted in
         self.compacted_at: dict[str, list[int]] = {}  # request id -> the L of each of those compactions
@@ -215,28 +218,42 @@ class StandInWorker:
             starts=frozenset(starts),
         )
         plan = worker_plan.plan_step(cm, self.server_config, BS, step)
-        sampled: list[list[int]] = []
+        # As in one layer of a real step: every row's new tokens are written first, then every row
+        # reads its window, then the compacting rows rewrite theirs.
         for r, rid in enumerate(rids):
             att = self.attempts[rid]
-            e_prev, e_new, L0, L = plan.e_prev[r], plan.e_new[r], L_prev[r], seq[r]
-            pure = _prefix_digests(att.tokens[:L0]) if rid in starts and L0 else None
-            if pure is not None:  # an attempt that starts on a hit reads pure KV of its own tokens
-                for q in range(L0):
-                    att.expected[q] = ("pure", pure[q])
-                self.hit_reads += 1
-            for q in range(e_prev, L0):  # attention reads the window
-                got = self.slots.get((att.blocks[q // BS], q % BS))
-                if got != att.expected.get(q):
-                    self._fail(f"{rid} reads slot {q} (block {att.blocks[q // BS]}): {got} != {att.expected.get(q)}")
-                    break
+            e_prev, L0, L = plan.e_prev[r], L_prev[r], seq[r]
             window = plan.states[r].settings.window
             if L - 1 > L0 and step_window(L0, L - 1, len(self.prompts[rid]), window).compacts:
                 self._fail(f"{rid}: the step [{L0}, {L}) crosses a compaction point")
+            if rid in starts and L0:
+                if e_prev:  # a cached compacted window: what the same request compacted at L0
+                    self.window_reads += 1
+                    at, salt = _prefix_digests(att.tokens[:L0])[-1], plan.states[r].settings.window_salt
+                    for q in range(e_prev, L0):
+                        att.expected[q] = ("compacted", at, salt, q)
+                    att.evicted = True
+                else:  # pure blocks: the pure KV of its own tokens
+                    pure = _prefix_digests(att.tokens[:L0])
+                    for q in range(L0):
+                        att.expected[q] = ("pure", pure[q])
+                    self.hit_reads += 1
             digests = _prefix_digests(att.tokens[:L]) if not att.evicted else None
             for p in range(L0, L):
                 label = ("pure", digests[p]) if digests is not None else ("impure", att.uid, p)
                 self._write(att.blocks[p // BS], p % BS, label)
                 att.expected[p] = label
+        for r, rid in enumerate(rids):  # attention reads the window
+            att = self.attempts[rid]
+            for q in range(plan.e_prev[r], L_prev[r]):
+                got = self.slots.get((att.blocks[q // BS], q % BS))
+                if got != att.expected.get(q):
+                    self._fail(f"{rid} reads slot {q} (block {att.blocks[q // BS]}): {got} != {att.expected.get(q)}")
+                    break
+        sampled: list[list[int]] = []
+        for r, rid in enumerate(rids):
+            att = self.attempts[rid]
+            e_prev, e_new, L = plan.e_prev[r], plan.e_new[r], seq[r]
             self.last_step[rid] = self.step_seq
             if e_new > e_prev:  # compaction rewrites [E_new, L) in place
                 self.compactions += 1
@@ -244,9 +261,9 @@ class StandInWorker:
                 self.compacted_at[rid].append(L)
                 att.evicted = True
                 # what compaction keeps depends on the tokens and the configuration alone
-                at = _prefix_digests(att.tokens[:L])[-1]
+                at, salt = _prefix_digests(att.tokens[:L])[-1], plan.states[r].settings.window_salt
                 for q in range(e_new, L):
-                    label = ("compacted", at, repr(self.extra_args[rid]), q)
+                    label = ("compacted", at, salt, q)
                     self._write(att.blocks[q // BS], q % BS, label)
                     att.expected[q] = label
             if L >= len(att.tokens):  # not a partial prefill: one token sampled
@@ -307,6 +324,16 @@ class StandInWorker:
                 stamp = self.hash_stamp[block.block_id] = (h, stamp_step)
             if stamp[1] > self.step_seq:
                 continue  # hashed as the step that computes it was scheduled: not run yet
+            window = self.windows.get(bytes(get_block_hash(h)))
+            if window is not None:  # a cached compacted window's block
+                at, salt, first = window
+                for o in range(BS):
+                    if self.slots.get((block.block_id, o)) != ("compacted", at, salt, first + o):
+                        self._fail(
+                            f"window block {block.block_id} is cached but slot {o} holds {self.slots.get((block.block_id, o))}"
+                        )
+                        break
+                continue
             want = digests_of_hash.get(bytes(get_block_hash(h)))
             if want is None:
                 self._fail(f"block {block.block_id} has a hash no request's tokens produce")
@@ -405,6 +432,7 @@ def run_mix(make_config, mix: Mix) -> StandInWorker:
     worker.extra_args = {}
     worker.async_scheduling = mix.async_scheduling
     digests: dict = {}
+    seen_windows: set[tuple[int, str]] = set()
     finished_tokens: list[list[int]] = []
     pending = list(enumerate(mix.requests))
     aborts: dict[str, int] = {}
@@ -415,6 +443,19 @@ def run_mix(make_config, mix: Mix) -> StandInWorker:
         for j, h in enumerate(req.block_hashes):
             if (j + 1) * BS <= len(ds):
                 digests[_block_key(h)] = ds[j * BS : (j + 1) * BS]
+        # the keys its compacted windows would be cached under, at every compaction point
+        settings = resolve(server, worker.extra_args[req.request_id], BS)
+        if not settings.shares_windows:
+            return
+        w = settings.window
+        for b in range(w.step, len(req.block_hashes) * BS + 1, w.step):
+            e = evicted_tokens(b, req.num_prompt_tokens, w)
+            if e == 0 or (b, req.request_id) in seen_windows:
+                continue
+            seen_windows.add((b, req.request_id))
+            keys = window_block_keys("sha256", req.block_hashes[b // BS - 1], settings.window_salt, (b - e) // BS, 0)
+            for j, key in enumerate(keys):
+                worker.windows[bytes(get_block_hash(key))] = (ds[b - 1], settings.window_salt, e + j * BS)
 
     def fits(prompt: list[int], max_tokens: int, xargs) -> bool:
         window = resolve(server, xargs, BS).window
@@ -562,3 +603,66 @@ def test_each_schedule_dependent_path(vllm_config, path):
         f"the mix no longer goes through this path ({sorted(worker.paths)})"
     )
     assert not worker.violations, "\n".join(worker.violations[:10])
+
+
+#: Mixes that start requests on cached compacted windows: a shared document (sync and async), a chat
+#: turn continuing a finished request's prompt and output, two budgets side by side (each request
+#: hits only its own configuration's windows), and a pool small enough to preempt.
+WINDOW_MIXES = {
+    "shared document": Mix(
+        False, 256, 4, 60, (_r("doc0", 400, 20, 5, 0.0, 0), _r("doc0", 400, 30, 5, 0.0, 0, arrive=12))
+    ),
+    "shared document (async)": Mix(
+        True, 256, 4, 60, (_r("doc0", 400, 20, 5, 0.0, 0), _r("doc0", 400, 30, 5, 0.0, 0, arrive=12))
+    ),
+    # r1 looks the document up in the step in which r0 compacts at a point r1 could use: a window
+    # is cached only once the step that made it has run, never for a request in the same step
+    "arriving while the window is made": Mix(
+        False,
+        256,
+        4,
+        60,
+        (
+            _r("doc0", 400, 20, 5, 0.0, 0),
+            _r("doc0", 400, 30, 5, 0.0, 0, arrive=3),
+            _r("doc0", 400, 30, 5, 0.0, 0, arrive=30),
+        ),
+    ),
+    "chat turn": Mix(False, 128, 4, 60, (_r("new", 0, 200, 100, 0.0, 0), _r("turn", 0, 40, 10, 0.0, 0, arrive=130))),
+    "chat turn (async)": Mix(
+        True, 128, 4, 60, (_r("new", 0, 200, 100, 0.0, 0), _r("turn", 0, 40, 10, 0.0, 0, arrive=130))
+    ),
+    "two budgets": Mix(
+        False,
+        256,
+        4,
+        60,
+        (
+            _r("doc1", 400, 10, 3, 0.0, 0),
+            _r("doc1", 400, 10, 3, 0.0, 2),
+            _r("doc1", 400, 25, 3, 0.0, 2, arrive=14),
+            _r("doc1", 400, 35, 3, 0.0, 0, arrive=14),
+        ),
+    ),
+    "with preemption": Mix(
+        False,
+        64,
+        4,
+        24,
+        (
+            _r("doc0", 400, 20, 40, 0.0, 0),
+            _r("doc0", 400, 30, 40, 0.0, 0, arrive=10),
+            _r("doc0", 400, 40, 40, 0.0, 0, arrive=10),
+            _r("turn", 0, 20, 40, 0.0, 0, arrive=40),
+        ),
+    ),
+}
+
+
+@pytest.mark.parametrize("name", sorted(WINDOW_MIXES))
+def test_requests_start_on_cached_windows(vllm_config, name):
+    """Each mix starts some request on a cached compacted window, and every slot every request
+    reads (window hits included) holds what that request would have computed itself."""
+    worker = run_mix(vllm_config, WINDOW_MIXES[name])
+    assert not worker.violations, "\n".join(worker.violations[:10])
+    assert worker.window_reads > 0, "no request started on a cached window"

@@ -105,6 +105,11 @@ class _Base(BaseModel):
         "unset: the budget rounded up to a block. No prefill chunk crosses a compaction point",
     )
     recall: RecallConfig = Field(default_factory=RecallConfig, description="the recall tier (off by default)")
+    cache_windows: bool = Field(
+        True,
+        description="with prefix caching on, cache each compacted window for later requests with the same prefix "
+        "and configuration (docs/architecture.md, 'Compressed windows'); false: pure blocks only",
+    )
 
     @field_validator("policy")
     @classmethod

@@ -24,7 +24,7 @@ frees it: the request computes what it would have computed without the hit.
 
 from __future__ import annotations
 
-from dataclasses import dataclass, fields
+from dataclasses import dataclass, field, fields
 from typing import Self
 
 from vllm_kvevict import metrics
@@ -33,7 +33,15 @@ from vllm_kvevict.config import KVEvictConfig, config_from_json
 from vllm_kvevict.request import ENGINE, RequestSettings, RequestState, resolve
 from vllm_kvevict.vllm_compat import kv_cache as vllm_kv_cache
 from vllm_kvevict.vllm_compat.kv_cache import FullAttentionManager, FullAttentionSpec
-from vllm_kvevict.window import WindowConfig, evicted_tokens, pure_hit_limit, step_limit, window_bound_blocks
+from vllm_kvevict.window import (
+    WindowConfig,
+    evicted_tokens,
+    first_boundary,
+    last_boundary,
+    pure_hit_limit,
+    step_limit,
+    window_bound_blocks,
+)
 
 
 @dataclass(frozen=True, kw_only=True)
@@ -43,6 +51,7 @@ class KVEvictSpec(FullAttentionSpec):
     evict_config: str  # the server's kvevict configuration, as JSON (the spec is pickled to the engine core)
     evict_max_in_flight: int = 0  # tokens scheduled but not yet processed (vLLM's max_in_flight_tokens)
     evict_max_chunk: int = 0  # tokens one step schedules at most (vLLM's max_num_batched_tokens)
+    evict_hash_algo: str = "sha256"  # vLLM's prefix_caching_hash_algo (the keys of cached windows)
 
     @property
     def config(self) -> KVEvictConfig:
@@ -55,11 +64,20 @@ class KVEvictSpec(FullAttentionSpec):
 
     @classmethod
     def from_spec(
-        cls, spec: FullAttentionSpec, config: KVEvictConfig, max_in_flight: int, max_chunk: int = 0
+        cls,
+        spec: FullAttentionSpec,
+        config: KVEvictConfig,
+        max_in_flight: int,
+        max_chunk: int = 0,
+        hash_algo: str = "sha256",
     ) -> KVEvictSpec:
         base = {f.name: getattr(spec, f.name) for f in fields(FullAttentionSpec) if f.init}
         return cls(
-            **base, evict_config=config.model_dump_json(), evict_max_in_flight=max_in_flight, evict_max_chunk=max_chunk
+            **base,
+            evict_config=config.model_dump_json(),
+            evict_max_in_flight=max_in_flight,
+            evict_max_chunk=max_chunk,
+            evict_hash_algo=hash_algo,
         )
 
     @property
@@ -90,10 +108,12 @@ class KVEvictSpec(FullAttentionSpec):
     def merge(cls, specs: list[Self]) -> Self:
         merged = FullAttentionSpec.merge.__func__(FullAttentionSpec, specs)  # checks the common fields
         first = specs[0]
-        extra = ("evict_config", "evict_max_in_flight", "evict_max_chunk")
+        extra = ("evict_config", "evict_max_in_flight", "evict_max_chunk", "evict_hash_algo")
         for s in specs:
             assert all(getattr(s, k) == getattr(first, k) for k in extra), "kvevict layers disagree on the window"
-        return cls.from_spec(merged, first.config, first.evict_max_in_flight, first.evict_max_chunk)
+        return cls.from_spec(
+            merged, first.config, first.evict_max_in_flight, first.evict_max_chunk, first.evict_hash_algo
+        )
 
 
 @dataclass
@@ -105,8 +125,10 @@ class _Attempt:
     #: ``E`` the workers reach after the last step scheduled for the request (from the schedule)
     scheduled_e: int = 0
     #: ``E1``, the first compaction point scheduled in this attempt: no block at or after it is
-    #: ever hashed (None while no scheduled step compacts)
+    #: ever hashed as a pure block (None while no scheduled step compacts)
     fence: int | None = None
+    #: compaction points scheduled whose windows wait to be cached (once their step has run)
+    windows: list[int] = field(default_factory=list)
 
 
 class KVEvictManager(FullAttentionManager):
@@ -141,7 +163,7 @@ class KVEvictManager(FullAttentionManager):
         new = super().allocate_new_blocks(request_id, num_tokens, num_tokens_main_model)
         att = self._attempts.get(request_id)
         if att is None:  # the first allocation of an attempt
-            att = self._attempts[request_id] = _Attempt()
+            att = self._attempts[request_id] = self._new_attempt(request_id)
             self._count_hit(request_id)
         att.peak = max(att.peak, self._held(request_id))
         pool = self.block_pool
@@ -149,11 +171,22 @@ class KVEvictManager(FullAttentionManager):
         self._track_window(request_id)
         return new
 
+    def _new_attempt(self, request_id: str) -> _Attempt:
+        """A request that starts on a cached window at ``b`` starts with ``E(b)`` evicted: its
+        leading blocks are null, nothing of it is pure (it caches no pure block)."""
+        st = ENGINE.get(request_id)
+        if st is None or not st.window_hit or st.request is None:
+            return _Attempt()
+        e = evicted_tokens(st.window_hit, st.request.num_prompt_tokens, st.settings.window)
+        return _Attempt(nulled=e // self.block_size, scheduled_e=e, fence=0)
+
     def _count_hit(self, request_id: str) -> None:
         st = ENGINE.get(request_id)
-        if self._metrics is not None and st is not None and st.shared > 0 and st.settings.evicts:
-            self._metrics.inc("prefix_hits", st.settings.policy_name)
-            self._metrics.inc("prefix_hit_tokens", st.settings.policy_name, st.shared)
+        if self._metrics is None or st is None or st.shared <= 0 or not st.settings.evicts:
+            return
+        kind = "compressed_hit" if st.window_hit else "prefix_hit"
+        self._metrics.inc(f"{kind}s", st.settings.policy_name)
+        self._metrics.inc(f"{kind}_tokens", st.settings.policy_name, st.shared)
 
     def state_of(self, request) -> RequestState:
         """The request's state in the engine core, its settings resolved the first time it is seen."""
@@ -222,6 +255,8 @@ class KVEvictManager(FullAttentionManager):
         if att.fence is None:
             att.fence = e
             self._cache_pure(request, e)
+        if self.enable_caching and st.settings.shares_windows and num_tokens % st.settings.window.step == 0:
+            att.windows.append(num_tokens)  # cached once the step has run (remove_skipped_blocks, free)
         if self._metrics is not None:  # one compaction on the workers, in the step just scheduled
             policy, freed = st.settings.policy_name, (e - att.scheduled_e) // self.block_size
             self._metrics.inc("blocks_freed", policy, freed)
@@ -300,6 +335,8 @@ class KVEvictManager(FullAttentionManager):
         e = evicted_tokens(processed_computed_tokens, num_prompt_tokens, window)
         blocks = self.req_to_blocks.get(request_id)
         att = self._attempts.get(request_id)
+        if att is not None and att.windows:  # before the blocks of a window it has left go back
+            self._cache_windows(request_id, att, processed_computed_tokens)
         if e <= 0 or blocks is None or att is None:
             return
         n_evicted = min(e // self.block_size, len(blocks))
@@ -338,6 +375,70 @@ class KVEvictManager(FullAttentionManager):
             return
         computed = min(request.num_computed_tokens, len(self.req_to_blocks.get(request_id, ())) * self.block_size)
         self._cache_pure(request, computed if att.fence is None else min(att.fence, computed))
+        if att.windows:
+            self._cache_windows(request_id, att, vllm_kv_cache.processed_tokens(request))
+
+    def _cache_windows(self, request_id: str, att: _Attempt, processed: int) -> None:
+        """Cache the windows of the compaction points whose step has run (``processed`` tokens):
+        from then on their blocks are never written again (the next compaction writes
+        ``[E(b) + stride, b + stride)``, above ``b`` since the stride is at least ``W``), and a
+        request hitting them reads them in a later step. A window whose last tokens are not yet
+        known to the core (async scheduling) is dropped, as is one whose blocks are going back."""
+        ready = [b for b in att.windows if b <= processed]
+        if not ready:
+            return
+        att.windows = [b for b in att.windows if b > processed]
+        st = ENGINE.get(request_id)
+        if st is None or st.request is None:
+            return
+        for b in ready:
+            self._cache_window(st.request, st.settings, b)
+
+    def _cache_window(self, request, settings: RequestSettings, b: int) -> None:
+        bs, hbs = self.block_size, self.block_pool.hash_block_size
+        if len(request.block_hashes) < b // hbs:
+            return  # the tokens before b are not all known here yet
+        e = evicted_tokens(b, request.num_prompt_tokens, settings.window)
+        blocks = self.req_to_blocks.get(request.request_id, [])[e // bs : b // bs]
+        if len(blocks) * bs != b - e or any(blk.is_null or blk.block_hash is not None for blk in blocks):
+            return  # pragma: no cover - a window's blocks are the request's own, never hashed
+        keys = self._window_keys(request.block_hashes[b // hbs - 1], settings, len(blocks))
+        if vllm_kv_cache.cached_block(self.block_pool, keys[0]) is not None:
+            return  # the same window is cached already (another request with this prefix)
+        for key, blk in zip(keys, blocks):
+            vllm_kv_cache.cache_block(self.block_pool, key, blk)
+
+    def _window_keys(self, prefix_hash, settings: RequestSettings, n: int) -> list:
+        spec = self.kv_cache_spec
+        return vllm_kv_cache.window_block_keys(
+            spec.evict_hash_algo, prefix_hash, settings.window_salt, n, self.kv_cache_group_id
+        )
+
+    def window_hit(self, request, num_tokens: int) -> tuple[list, int] | None:
+        """The cached window the request may start on, beyond its pure hit of ``num_tokens``:
+        the one at its last compaction point ``b`` below its known tokens whose every block is
+        still cached under the request's own prefix and configuration, as ``(blocks, b)`` (the
+        blocks: null for ``[0, E(b))``, then the window's). None when there is none."""
+        st = self.state_of(request)
+        st.window_hit = 0
+        settings = st.settings
+        if not self.enable_caching or not settings.shares_windows:
+            return None
+        window, bs, hbs = settings.window, self.block_size, self.block_pool.hash_block_size
+        prompt = request.num_prompt_tokens
+        top = min(request.num_tokens - 1, len(request.block_hashes) * hbs)
+        if not window.decode:
+            top = min(top, prompt)  # no compaction point after the prompt
+        b = last_boundary(top, window)
+        while b > num_tokens and b >= first_boundary(window):
+            e = evicted_tokens(b, prompt, window)
+            keys = self._window_keys(request.block_hashes[b // hbs - 1], settings, (b - e) // bs)
+            blocks = [vllm_kv_cache.cached_block(self.block_pool, k) for k in keys]
+            if all(blk is not None for blk in blocks):
+                st.window_hit = b
+                return [self.block_pool.null_block] * (e // bs) + blocks, b
+            b -= window.step
+        return None
 
     def usable_hit(self, request, num_tokens: int) -> int:
         """How many of ``num_tokens`` prefix-cache hit tokens (pure blocks) the request may use: all
@@ -394,6 +495,10 @@ def install_scheduler_hooks() -> None:
             if isinstance(m, KVEvictManager):
                 m.scheduled(request, num_tokens)
 
+    def on_window(request, num_tokens: int, managers: list) -> tuple[list, int] | None:
+        (m,) = managers
+        return m.window_hit(request, num_tokens) if isinstance(m, KVEvictManager) else None
+
     def on_chunk(request, start: int, num_tokens: int, managers: list) -> int:
         for m in managers:
             if isinstance(m, KVEvictManager):
@@ -402,7 +507,7 @@ def install_scheduler_hooks() -> None:
                     num_tokens = min(num_tokens, limit)
         return num_tokens
 
-    vllm_kv_cache.install_request_hooks(on_allocate, on_end, on_prefix_hit, on_scheduled, on_hit, on_chunk)
+    vllm_kv_cache.install_request_hooks(on_allocate, on_end, on_prefix_hit, on_scheduled, on_hit, on_chunk, on_window)
 
 
 def register_spec() -> None:

@@ -59,8 +59,10 @@ COUNTERS = {  # name -> help; one slot per policy
     "blocks_freed": "KV blocks freed by eviction and returned to vLLM's pool",
     "compactions": "Window moves: compactions of one request's KV (all layers)",
     "fallbacks": "Requests whose policy failed and that fell back to keeping the newest tokens (per rank)",
-    "prefix_hits": "Requests that evict and started (or restarted) on a prefix-cache hit",
+    "prefix_hits": "Requests that evict and started (or restarted) on a prefix-cache hit of pure blocks",
     "prefix_hit_tokens": "Prompt tokens those requests took from the prefix cache instead of computing them",
+    "compressed_hits": "Requests that started (or restarted) on a cached compacted window (compressed-window reuse)",
+    "compressed_hit_tokens": "Tokens those requests did not compute: the compaction point of the window they started on",
     "recalled_tokens": "Evicted token slots the recall tier brought back into windows (summed over layers and KV heads)",
 }
 GAUGES = {

@@ -23,9 +23,10 @@ begin and end at different times.
 
 from __future__ import annotations
 
+import hashlib
 from collections.abc import Callable, Collection, Hashable
 from dataclasses import dataclass, field
-from functools import lru_cache
+from functools import cached_property, lru_cache
 from typing import TYPE_CHECKING, Any
 
 from vllm_kvevict.config import KVEvictConfig, RecallConfig, request_config, request_overrides
@@ -66,6 +67,34 @@ class RequestSettings:
     def evicts(self) -> bool:
         """Whether this request's window ever evicts (enabled, a policy other than ``none``)."""
         return self.window.enabled
+
+    @property
+    def shares_windows(self) -> bool:
+        """Whether the windows this request compacts at its compaction points may be cached and
+        reused by later requests (docs/architecture.md, "Compressed windows"): a ``chunked`` window
+        whose stride is at least ``W`` (so no compaction writes an earlier compaction point's
+        window), without recall (its tier is not cached) or per-slot policy state (it changes after
+        the compaction point), and whose query window fits in one stride (a request starting on a
+        cached window has seen no earlier queries)."""
+        w, needs = self.window, self.policy.needs
+        return (
+            self.config.cache_windows
+            and w.enabled
+            and w.trigger == "chunked"
+            and w.step >= w.window
+            and not self.config.recall.enabled
+            and not needs.state
+            and not needs.merges
+            and needs.window <= w.step
+        )
+
+    @cached_property
+    def window_salt(self) -> str:
+        """What the cache key of a compacted window adds to the token prefix: everything in the
+        configuration that changes the window (policy, parameters, budget, trigger, stride,
+        recall), and the block size."""
+        data = f"{self.config.model_dump_json()}|{self.window.block_size}"
+        return hashlib.sha256(data.encode()).hexdigest()
 
     def admission_blocks(self, max_in_flight: int, max_chunk: int | None = None) -> int | None:
         """The blocks vLLM's admission gate reserves for the request (``window.admission_blocks``)."""
@@ -115,6 +144,8 @@ class RequestState:
     settings: RequestSettings
     #: the prefix-cache hit the current attempt started on (tokens, read-only; 0 without one)
     shared: int = 0
+    #: engine core: the compaction point of the cached window the attempt started on (0: none)
+    window_hit: int = 0
     #: engine core: vLLM's request while it holds blocks (its block hashes, for the prefix cache)
     request: Any = None
     #: worker: the policy a fault made it leave for the safe policy (backends/fault.py), if any
@@ -126,6 +157,7 @@ class RequestState:
         """A new attempt (the first, or after preemption) on a prefix-cache hit of ``shared`` tokens:
         what the last attempt computed (query windows, recall tiers) is gone."""
         self.shared = shared
+        self.window_hit = 0
         self.layers.clear()
 
     def layer(self, key: Hashable) -> LayerState:

@@ -105,11 +105,12 @@ def test_overhead_smoke(smollm2_model, tmp_path):
 @pytest.mark.slow
 def test_prefix_smoke(smollm2_model, tmp_path):
     """Shared prefixes (vLLM's own bench serve, prefix_repetition) and multi-turn chat on stock vLLM
-    and kvevict with and without prefix caching: kvevict reuses the prefix its first compaction
-    left pure, the cache-off server reuses nothing."""
+    and kvevict with prefix caching (pure blocks and compacted windows), with pure blocks only, and
+    without: kvevict reuses the windows it compacted (more than the pure prefix alone), the
+    cache-off server reuses nothing."""
     r = _bench(tmp_path, "prefix")
     res = r["results"]
-    assert set(res) == {"stock", "kvevict", "kvevict-nocache"}
+    assert set(res) == {"stock", "kvevict", "kvevict-pure", "kvevict-nocache"}
     for _name, v in res.items():
         s, m = v["shared_prefix"], v["multi_turn"]
         assert s["completed"] == r["num_prompts"] and s["median_ttft_s"] > 0 and s["output_tok_per_s"] > 0
@@ -120,5 +121,7 @@ def test_prefix_smoke(smollm2_model, tmp_path):
     assert res["kvevict-nocache"]["shared_prefix"]["prefix_hit_rate"] == 0
     assert res["stock"]["shared_prefix"]["prefix_hit_rate"] > 0
     assert res["kvevict"]["shared_prefix"]["prefix_hit_rate"] > 0
-    assert res["kvevict"]["multi_turn"]["prefix_hit_rate"] > 0
-    assert set(r["kvevict_over_stock"]) == {"kvevict", "kvevict-nocache"}
+    assert res["kvevict"]["multi_turn"]["prefix_hit_rate"] > res["kvevict-pure"]["multi_turn"]["prefix_hit_rate"]
+    assert res["kvevict"]["multi_turn"]["compressed_hit_tokens"] > 0
+    assert res["kvevict-pure"]["multi_turn"]["compressed_hit_tokens"] == 0
+    assert set(r["kvevict_over_stock"]) == {"kvevict", "kvevict-pure", "kvevict-nocache"}

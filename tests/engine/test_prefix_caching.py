@@ -166,13 +166,14 @@ def test_request_aborted_in_its_compacting_step_caches_only_pure_blocks(server, 
 
 
 def test_hits_are_reused_by_evicting_requests(server, hf_model, vocab):
-    """A second evicting request with the same prefix gets the cached blocks (vLLM's own hit
-    counter grows by them), starts its prefill after them, frees them at its first compaction,
-    and equals the replay of what it kept."""
+    """A second evicting request sharing less than the first compaction point gets the pure blocks
+    (vLLM's own hit counter grows by them), starts its prefill after them, frees them at its first
+    compaction, and equals the replay of what it kept; one sharing more starts on the window the
+    first request compacted at 512 (docs/architecture.md, "Compressed windows")."""
     _reset_cache(server)
     a = complete(server, _prompt(vocab, 900, 4, 50, 5), 16)
     before = server.metrics()
-    c = complete(server, _prompt(vocab, 900, 4, 80, 6), 16)
+    c = complete(server, _prompt(vocab, 480, 4, 80, 6), 16)  # a's first 480 tokens, then its own
     assert c["cached_tokens"] == E1
     after = server.metrics()
     assert after.get("vllm:prefix_cache_hits_total", 0.0) - before.get("vllm:prefix_cache_hits_total", 0.0) >= E1
@@ -181,14 +182,19 @@ def test_hits_are_reused_by_evicting_requests(server, hf_model, vocab):
     assert after["kvevict:prefix_hit_tokens_total"] - before.get("kvevict:prefix_hit_tokens_total", 0.0) == E1
     attempts = load_attempts(server.dump_dir)
     (att,) = check_against_reference(hf_model, c, attempts, config=parse_config(SERVER_CFG["kvevict"]))
-    first = min(att.events)
     # Shorter prefill: the attempt starts at 416; its first compaction (at 512, as without the
     # hit) frees the 13 shared blocks at once, so none of them is ever written.
-    assert first > E1 and BS * ((first - BUDGET) // BS) >= E1
+    first = min(att.events)
+    assert first == CHUNK and BS * ((first - BUDGET) // BS) == E1
     for _layer, kept in att.events[first].items():
-        assert all(len(h) == first - BS * ((first - BUDGET) // BS) for h in kept)
+        assert all(len(h) == first - E1 for h in kept)
     rel = _released(server, c["id"])
     assert rel and int(rel[-1][2]) <= BOUND  # peak within the window bound
+    # sharing a's first 900 tokens: a's window at 512
+    d = complete(server, _prompt(vocab, 900, 4, 30, 7), 16)
+    assert d["cached_tokens"] == CHUNK
+    assert server.metrics()["kvevict:compressed_hits_total"] - after.get("kvevict:compressed_hits_total", 0.0) == 1
+    check_against_reference(hf_model, d, load_attempts(server.dump_dir))
     assert a["tokens"] is not None
 
 

@@ -78,7 +78,11 @@ class KVEvictBackendMixin:
         if type(spec) is vllm_kv_cache.FullAttentionSpec and spec.sliding_window is None:
             cfg = config_from_vllm(vllm_config)
             return KVEvictSpec.from_spec(
-                spec, cfg, vllm_config.max_in_flight_tokens, vllm_config.scheduler_config.max_num_batched_tokens
+                spec,
+                cfg,
+                vllm_config.max_in_flight_tokens,
+                vllm_config.scheduler_config.max_num_batched_tokens,
+                vllm_config.cache_config.prefix_caching_hash_algo,
             )
         return spec
 
@@ -127,7 +131,7 @@ class KVEvictBuilderMixin:
         step = vllm_runner.current_step()
         plan = plan_step(common_attn_metadata, self.kvevict_config, self.kvevict_block_size, step)
         if envs.KVEVICT_DUMP_DIR:
-            dump_starts(plan, step)
+            dump_starts(plan, step, self.kvevict_block_size)
         notify_planned(plan)
         if profiling.enabled():
             qsl = plan.query_start_loc
@@ -358,7 +362,7 @@ class KVEvictImplMixin(RecallMixin):
                     kept_by_row[r] = got
         rows = sorted(kept_by_row)
         if envs.KVEVICT_DUMP_DIR and rows:
-            dump_kept(plan, rows, layer_idx, [kept_by_row[r] for r in rows], self._model_kv_heads())
+            dump_kept(plan, rows, layer_idx, [kept_by_row[r] for r in rows], self._model_kv_heads(), bs)
         if layer_idx == 0:
             for r in rows:
                 rid = plan.req_ids[r] if plan.req_ids else f"row {r}"

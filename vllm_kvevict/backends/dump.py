@@ -20,9 +20,15 @@ def _write(records: list[dict]) -> None:
         f.writelines(json.dumps(rec) + "\n" for rec in records)
 
 
-def dump_kept(plan, rows: list[int], layer: int, kept: list[torch.Tensor], heads: list[int]) -> None:
+def _blocks(plan, r: int, start: int, end: int, block_size: int) -> list[int]:
+    """Row ``r``'s physical blocks of logical tokens ``[start, end)`` (whole blocks)."""
+    return plan.block_table[r, start // block_size : end // block_size].tolist()
+
+
+def dump_kept(plan, rows: list[int], layer: int, kept: list[torch.Tensor], heads: list[int], block_size: int) -> None:
     """``kept[i]``: the positions ``[keep, H]`` row ``rows[i]`` kept in ``layer``; ``heads``: the
-    model's indices of this rank's KV heads."""
+    model's indices of this rank's KV heads; ``blocks``: the physical blocks of the window (a
+    later request may start on them: a cached compacted window)."""
     rank = vllm_distributed.tensor_parallel()[0]
     _write(
         [
@@ -35,15 +41,18 @@ def dump_kept(plan, rows: list[int], layer: int, kept: list[torch.Tensor], heads
                 "rank": rank,
                 "heads": heads,
                 "kept": pos.transpose(0, 1).tolist(),
+                "blocks": _blocks(plan, r, plan.e_new[r], plan.seq_lens[r], block_size),
             }
             for r, pos in zip(rows, kept)
         ]
     )
 
 
-def dump_starts(plan, step) -> None:
+def dump_starts(plan, step, block_size: int) -> None:
     """A request's first step (also after preemption, when vLLM recomputes it), which may start
-    on a prefix-cache hit (``shared`` tokens)."""
+    on a prefix-cache hit (``shared`` tokens): pure blocks, or a cached compacted window
+    (``window_blocks``, the physical blocks of ``[e_prev, shared)``, which the compaction that
+    made them recorded as its ``blocks``)."""
     if step is None or step.dummy:
         return
     rank = vllm_distributed.tensor_parallel()[0]
@@ -55,6 +64,11 @@ def dump_starts(plan, step) -> None:
                 "num_tokens": step.num_tokens[r],
                 "rank": rank,
                 "shared": plan.L_prev[r],
+                **(
+                    {"window_blocks": _blocks(plan, r, plan.e_prev[r], plan.L_prev[r], block_size)}
+                    if plan.e_prev[r]
+                    else {}
+                ),
             }
             for r in range(len(plan.seq_lens))
             if plan.req_ids[r] in step.starts

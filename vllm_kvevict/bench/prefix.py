@@ -3,9 +3,10 @@
 
     kvevict-bench prefix --preset smoke|full
 
-Three servers, one after the other, with the same model, KV cache (``--num-gpu-blocks-override``)
+Four servers, one after the other, with the same model, KV cache (``--num-gpu-blocks-override``)
 and prefill chunk: stock vLLM with prefix caching (its default), kvevict with prefix caching (its
-default), kvevict with ``--no-enable-prefix-caching``. Two workloads on each:
+default: pure blocks and compacted windows cached), kvevict caching pure blocks only
+(``cache_windows: false``), kvevict with ``--no-enable-prefix-caching``. Two workloads on each:
 
 * *shared prefix*: vLLM's own ``vllm bench serve --dataset-name prefix_repetition`` (one long
   prefix, a distinct suffix per request, all sent at once with ``--max-concurrency``): its TTFT
@@ -15,9 +16,10 @@ default), kvevict with ``--no-enable-prefix-caching``. Two workloads on each:
   conversations, until the history is several times the budget: TTFT per turn (median over the
   conversations), total output throughput, hit rate, and the peak of KV blocks in use.
 
-Reports each kvevict server's ratio to stock. Under eviction only the prefix a request's first
-compaction frees enters the cache (docs/architecture.md, "Prefix caching"), so how much is reused
-depends on the budget and the chunk: read the hit rates beside the times.
+Reports each kvevict server's ratio to stock. Under eviction the pure prefix a request's first
+compaction frees and the windows it compacts at its compaction points enter the cache
+(docs/architecture.md, "Prefix caching", "Compressed windows"): read the hit rates beside the
+times.
 """
 
 from __future__ import annotations
@@ -33,13 +35,15 @@ from pathlib import Path
 
 from vllm_kvevict.bench.serving import BLOCK, Sampler, ServerSpec, common_args, metrics, serve
 
-SERVERS = ("stock", "kvevict", "kvevict-nocache")
+SERVERS = ("stock", "kvevict", "kvevict-pure", "kvevict-nocache")
+COLORS = ("gray", "tab:blue", "tab:green", "tab:orange")
 
 
 def _specs(policy: str, budget: int) -> list[ServerSpec]:
     return [
         ServerSpec("stock"),
         ServerSpec("kvevict", policy, budget),
+        ServerSpec("kvevict-pure", policy, budget, config=(("cache_windows", False),)),
         ServerSpec("kvevict-nocache", policy, budget, extra=("--no-enable-prefix-caching",)),
     ]
 
@@ -47,10 +51,13 @@ def _specs(policy: str, budget: int) -> list[ServerSpec]:
 def _hit_rate(before: dict, after: dict) -> dict:
     hits = after.get("vllm:prefix_cache_hits_total", 0.0) - before.get("vllm:prefix_cache_hits_total", 0.0)
     queries = after.get("vllm:prefix_cache_queries_total", 0.0) - before.get("vllm:prefix_cache_queries_total", 0.0)
+    compressed = "kvevict:compressed_hit_tokens_total"
     return {
         "prefix_hit_tokens": hits,
         "prefix_query_tokens": queries,
         "prefix_hit_rate": hits / queries if queries else 0.0,
+        # of those hits, the tokens requests skipped by starting on a cached compacted window
+        "compressed_hit_tokens": after.get(compressed, 0.0) - before.get(compressed, 0.0),
     }
 
 
@@ -266,6 +273,11 @@ def run_prefix(
     }
 
 
+def _window_share(res: dict) -> float:
+    q = res.get("prefix_query_tokens", 0.0)
+    return res.get("compressed_hit_tokens", 0.0) / q if q else 0.0
+
+
 def format_table(report: dict) -> str:
     r = report["results"]
     lines = [
@@ -274,14 +286,16 @@ def format_table(report: dict) -> str:
         f"shared prefix (vllm bench serve, prefix_repetition): {report['num_prompts']} requests of "
         f"{report['prefix_len']} shared + {report['suffix_len']} own tokens, {report['shared_output_len']} out, "
         f"concurrency {report['concurrency']}",
-        f"{'server':<18}{'TTFT med s':>11}{'TTFT p99 s':>11}{'out tok/s':>11}{'hit rate':>10}{'peak KV':>9}{'x stock':>9}",
+        f"{'server':<18}{'TTFT med s':>11}{'TTFT p99 s':>11}{'out tok/s':>11}{'hit rate':>10}{'windows':>9}"
+        f"{'peak KV':>9}{'x stock':>9}",
     ]
     for name in SERVERS:
         s = r[name]["shared_prefix"]
         ratio = report["kvevict_over_stock"].get(name, {}).get("shared_output_tok_per_s")
         lines.append(
             f"{name:<18}{s['median_ttft_s']:>11.2f}{s['p99_ttft_s']:>11.2f}{s['output_tok_per_s']:>11.2f}"
-            f"{s['prefix_hit_rate']:>10.0%}{s['peak_kv_usage']:>9.0%}{(f'{ratio:.2f}' if ratio else '-'):>9}"
+            f"{s['prefix_hit_rate']:>10.0%}{_window_share(s):>9.0%}{s['peak_kv_usage']:>9.0%}"
+            f"{(f'{ratio:.2f}' if ratio else '-'):>9}"
         )
     turns = report["turns"]
     lines += [
@@ -290,7 +304,7 @@ def format_table(report: dict) -> str:
         f"{int(r['stock']['multi_turn']['per_turn'][-1]['prompt_len'])} tokens)",
         f"{'server':<18}"
         + "".join(f"{'turn ' + str(t) + ' s':>10}" for t in range(turns))
-        + f"{'out tok/s':>11}{'hit rate':>10}{'peak KV':>9}{'x stock':>9}",
+        + f"{'out tok/s':>11}{'hit rate':>10}{'windows':>9}{'peak KV':>9}{'x stock':>9}",
     ]
     for name in SERVERS:
         m = r[name]["multi_turn"]
@@ -298,10 +312,14 @@ def format_table(report: dict) -> str:
         lines.append(
             f"{name:<18}"
             + "".join(f"{t['median_ttft_s']:>10.2f}" for t in m["per_turn"])
-            + f"{m['output_tok_per_s']:>11.2f}{m['prefix_hit_rate']:>10.0%}{m['peak_kv_usage']:>9.0%}"
+            + f"{m['output_tok_per_s']:>11.2f}{m['prefix_hit_rate']:>10.0%}{_window_share(m):>9.0%}"
+            + f"{m['peak_kv_usage']:>9.0%}"
             + f"{(f'{ratio:.2f}' if ratio else '-'):>9}"
         )
-    lines.append("TTFT per turn: median over the conversations; hit rate: vLLM's prefix-cache hits / queries")
+    lines.append(
+        "TTFT per turn: median over the conversations; hit rate: vLLM's prefix-cache hits / queries; "
+        "windows: the share of queried tokens served by cached compacted windows"
+    )
     return "\n".join(lines)
 
 
@@ -316,7 +334,7 @@ def plot(report: dict, path: str) -> None:
     names = list(SERVERS)
     ttft = [r[n]["shared_prefix"]["median_ttft_s"] for n in names]
     hit = [r[n]["shared_prefix"]["prefix_hit_rate"] for n in names]
-    bars = a.bar(names, ttft, color=["gray", "tab:blue", "tab:orange"])
+    bars = a.bar(names, ttft, color=list(COLORS))
     for bar_, h in zip(bars, hit):
         a.annotate(
             f"hits {h:.0%}",
@@ -327,7 +345,7 @@ def plot(report: dict, path: str) -> None:
         )
     a.set_ylabel("median TTFT (s)")
     a.set_title(f"shared prefix: {report['prefix_len']} + {report['suffix_len']} tokens x {report['num_prompts']}")
-    for n, color in zip(names, ["gray", "tab:blue", "tab:orange"]):
+    for n, color in zip(names, COLORS):
         turns = r[n]["multi_turn"]["per_turn"]
         b.plot([t["prompt_len"] for t in turns], [t["median_ttft_s"] for t in turns], marker="o", label=n, color=color)
     b.axvline(report["budget"], color="red", linestyle=":", label="budget")

@@ -36,6 +36,7 @@ class ServerSpec:
     budget: int | None = None
     extra: tuple[str, ...] = ()  # more vllm serve arguments (e.g. --no-enable-prefix-caching)
     recall: bool = False  # the recall tier on (its defaults)
+    config: tuple[tuple[str, object], ...] = ()  # more kvevict configuration keys
 
     def args(self, common: list[str]) -> list[str]:
         if self.policy is None:
@@ -43,6 +44,7 @@ class ServerSpec:
         cfg = {"kvevict": {"policy": self.policy, "budget": self.budget}}
         if self.recall:
             cfg["kvevict"]["recall"] = {"enabled": True}
+        cfg["kvevict"].update(self.config)
         return ["--attention-backend", "kvevict", *common, *self.extra, "--additional-config", json.dumps(cfg)]
 
 

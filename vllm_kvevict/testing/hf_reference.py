@@ -42,17 +42,36 @@ def load_attempts(dump_dir: str | Path) -> dict[str, list[Attempt]]:
     per_rank: dict[int, dict[str, list[Attempt]]] = defaultdict(lambda: defaultdict(list))
     heads: dict[int, list[int]] = {}
     for path in sorted(Path(dump_dir).glob("kept-*.jsonl")):
+        #: (L, window blocks) -> the attempt whose compaction at L made that window, latest first
+        made: dict[tuple[int, tuple[int, ...]], Attempt] = {}
         for line in path.read_text().splitlines():
             rec = json.loads(line)
             rank = rec.get("rank", 0)
             if rec.get("start"):
-                per_rank[rank][rec["req_id"]].append(Attempt(num_tokens=rec["num_tokens"]))
+                att = Attempt(num_tokens=rec["num_tokens"])
+                if rec.get("window_blocks"):
+                    att.events.update(_window_history(made, rec))
+                per_rank[rank][rec["req_id"]].append(att)
             else:
-                per_rank[rank][rec["req_id"]][-1].events[rec["L"]][rec["layer"]] = rec["kept"]
+                att = per_rank[rank][rec["req_id"]][-1]
+                att.events[rec["L"]][rec["layer"]] = rec["kept"]
                 heads.setdefault(rank, rec.get("heads") or list(range(len(rec["kept"]))))
+                if rec.get("blocks"):
+                    made[(rec["L"], tuple(rec["blocks"]))] = att
     if len(per_rank) <= 1:
         return next(iter(per_rank.values()), defaultdict(list))
     return _merge_ranks(per_rank, heads)
+
+
+def _window_history(made: dict, rec: dict) -> Events:
+    """An attempt that starts on a cached compacted window at ``b`` (its ``shared`` tokens) runs on
+    what the compactions of the request that made the window kept: that request's events up to
+    ``b`` (found by the window's physical blocks, which its compaction at ``b`` recorded)."""
+    b = rec["shared"]
+    donor = made.get((b, tuple(rec["window_blocks"])))
+    if donor is None:
+        raise ValueError(f"{rec['req_id']} starts on a cached window at {b} that no recorded compaction made")
+    return {L: dict(layers) for L, layers in donor.events.items() if L <= b}
 
 
 def _merge_ranks(

