@@ -432,11 +432,13 @@ class KVEvictManager(FullAttentionManager):
         b = last_boundary(top, window)
         while b > num_tokens and b >= first_boundary(window):
             e = evicted_tokens(b, prompt, window)
-            keys = self._window_keys(request.block_hashes[b // hbs - 1], settings, (b - e) // bs)
-            blocks = [vllm_kv_cache.cached_block(self.block_pool, k) for k in keys]
-            if all(blk is not None for blk in blocks):
-                st.window_hit = b
-                return [self.block_pool.null_block] * (e // bs) + blocks, b
+            prefix = request.block_hashes[b // hbs - 1]
+            if vllm_kv_cache.cached_block(self.block_pool, self._window_keys(prefix, settings, 1)[0]) is not None:
+                keys = self._window_keys(prefix, settings, (b - e) // bs)
+                blocks = [vllm_kv_cache.cached_block(self.block_pool, k) for k in keys]
+                if all(blk is not None for blk in blocks):
+                    st.window_hit = b
+                    return [self.block_pool.null_block] * (e // bs) + blocks, b
             b -= window.step
         return None
 

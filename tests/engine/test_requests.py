@@ -18,6 +18,7 @@ from tests.engine.evict_common import check_against_reference, complete, make_pr
 from tests.engine.test_memory import released_line
 from vllm_kvevict.testing.hf_reference import attempts_for, load_attempts
 from vllm_kvevict.testing.server import VLLMServer
+from vllm_kvevict.window import WindowConfig, evicted_tokens
 
 pytestmark = [pytest.mark.engine, pytest.mark.timeout(600)]
 
@@ -58,13 +59,13 @@ def test_overrides_apply_on_both_sides(server, hf_model):
     P = 400
     default = complete(server, make_prompt(P, 31, vocab), MAX_TOKENS)
     assert _kept_counts(server, default) <= set(range(80, 80 + BS))
-    assert _freed(server, default) == (P + MAX_TOKENS - 1 - 80) // BS
+    assert _freed(server, default) == evicted_tokens(P + MAX_TOKENS - 1, P, WindowConfig(80, BS)) // BS
 
     own = complete(
         server, make_prompt(P, 32, vocab), MAX_TOKENS, xargs={"kvevict_policy": "keydiff", "kvevict_budget": 128}
     )
     assert _kept_counts(server, own) <= set(range(128, 128 + BS))
-    assert _freed(server, own) == (P + MAX_TOKENS - 1 - 128) // BS
+    assert _freed(server, own) == evicted_tokens(P + MAX_TOKENS - 1, P, WindowConfig(128, BS)) // BS
     check_against_reference(hf_model, own, load_attempts(server.dump_dir))
 
     off = complete(server, make_prompt(P, 33, vocab), MAX_TOKENS, xargs={"kvevict_enabled": False})
