@@ -125,3 +125,5 @@ def test_prefix_smoke(smollm2_model, tmp_path):
     assert res["kvevict"]["multi_turn"]["compressed_hit_tokens"] > 0
     assert res["kvevict-pure"]["multi_turn"]["compressed_hit_tokens"] == 0
     assert set(r["kvevict_over_stock"]) == {"kvevict", "kvevict-pure", "kvevict-nocache"}
+    for name in ("kvevict", "kvevict-pure", "kvevict-nocache"):  # every request within its window bound
+        assert res[name]["windows"]["requests"] > 0 and res[name]["windows"]["over_bound"] == 0

@@ -26,6 +26,7 @@ from __future__ import annotations
 
 import json
 import random
+import re
 import statistics
 import subprocess
 import sys
@@ -198,6 +199,24 @@ def multi_turn(srv, conversations: int, turns: int, user_len: int, output_len: i
     }
 
 
+#: the engine core's line per request (and per preemption), with its peak and its window bound
+RELEASED = re.compile(
+    r"kvevict: request \S+ released: \d+ blocks freed by eviction, peak (\d+) blocks held \(window bound (\d+|None)\)"
+)
+
+
+def window_peaks(log: str) -> dict:
+    """Over every request with a bounded window a kvevict server released: the most blocks one
+    held, the largest window bound, and how many held more than their own bound."""
+    rows = [(int(p), int(b)) for p, b in RELEASED.findall(log) if b != "None"]
+    return {
+        "requests": len(rows),
+        "max_peak_blocks": max((p for p, _ in rows), default=0),
+        "max_bound_blocks": max((b for _, b in rows), default=None),
+        "over_bound": sum(1 for p, b in rows if p > b),
+    }
+
+
 def run_prefix(
     model: str,
     policy: str,
@@ -239,6 +258,8 @@ def run_prefix(
             res["multi_turn"] = multi_turn(srv, conversations, turns, user_len, turn_output_len)
             if bar is not None:
                 bar.update(1)
+            if spec.policy is not None:  # every request within its window bound (both workloads)
+                res["windows"] = window_peaks(srv.log())
             results[spec.name] = res
     if bar is not None:
         bar.close()
@@ -316,6 +337,13 @@ def format_table(report: dict) -> str:
             + f"{m['peak_kv_usage']:>9.0%}"
             + f"{(f'{ratio:.2f}' if ratio else '-'):>9}"
         )
+    for name in SERVERS[1:]:
+        w = r[name].get("windows")
+        if w:
+            lines.append(
+                f"{name}: {w['requests']} requests released, at most {w['max_peak_blocks']} blocks held by one "
+                f"(window bound {w['max_bound_blocks']}), {w['over_bound']} over their bound"
+            )
     lines.append(
         "TTFT per turn: median over the conversations; hit rate: vLLM's prefix-cache hits / queries; "
         "windows: the share of queried tokens served by cached compacted windows"
