@@ -165,7 +165,7 @@ PRESETS = {
             "shared_output_len": 8,
             "concurrency": 2,
             "conversations": 2,
-            "turns": 3,
+            "turns": 4,  # the history passes the first compaction point (512) in turn 2: turn 3 starts on its window
             "user_len": 160,
             "turn_output_len": 16,
         },
