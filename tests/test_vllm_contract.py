@@ -88,6 +88,30 @@ def test_scheduler_side_methods():
     assert callable(KVCacheSpecRegistry._ensure_registered)
 
 
+def test_what_compacted_windows_use():
+    """The scheduler's last cap on a step (kv_cache.install_request_hooks, on_chunk), vLLM's block
+    hash, its cache map and its insertion of a block under a hash (window_block_keys, cache_block,
+    cached_block), the lookup switch and the in-flight count (processed_tokens)."""
+    from vllm.v1.core.block_pool import BlockHashToBlockMap, BlockPool
+    from vllm.v1.core.kv_cache_manager import KVCacheManager
+    from vllm.v1.core.kv_cache_utils import hash_block_tokens, make_block_hash_with_group_id
+    from vllm.v1.core.sched.scheduler import Scheduler
+    from vllm.v1.request import Request
+
+    from vllm_kvevict.vllm_compat.patching import _lookup
+
+    _starts_with(
+        _lookup(Scheduler, "_reserve_prefill_lookahead"), "self", "request", "num_computed_tokens", "num_new_tokens"
+    )
+    _starts_with(hash_block_tokens, "hash_function", "parent_block_hash", "curr_block_token_ids", "extra_keys")
+    _starts_with(make_block_hash_with_group_id, "block_hash", "group_id")
+    _starts_with(BlockPool._insert_block_hash, "self", "block_hash_with_group_id", "block", "num_tokens")
+    _starts_with(BlockHashToBlockMap.get_one_block, "self", "key")
+    _starts_with(KVCacheManager.prefix_cache_lookup_enabled, "self", "request")
+    _starts_with(KVCacheManager.create_kv_cache_blocks, "self", "blocks")
+    assert "num_in_flight_tokens" in inspect.getsource(Request.__init__)
+
+
 def test_attention_classes_the_plugin_subclasses():
     from vllm.v1.attention.backends.registry import AttentionBackendEnum
 

@@ -24,6 +24,7 @@ frees it: the request computes what it would have computed without the hit.
 
 from __future__ import annotations
 
+from collections.abc import Iterator
 from dataclasses import dataclass, field, fields
 from typing import Self
 
@@ -402,13 +403,13 @@ class KVEvictManager(FullAttentionManager):
         blocks = self.req_to_blocks.get(request.request_id, [])[e // bs : b // bs]
         if len(blocks) * bs != b - e or any(blk.is_null or blk.block_hash is not None for blk in blocks):
             return  # pragma: no cover - a window's blocks are the request's own, never hashed
-        keys = self._window_keys(request.block_hashes[b // hbs - 1], settings, len(blocks))
+        keys = list(self._window_keys(request.block_hashes[b // hbs - 1], settings, len(blocks)))
         if vllm_kv_cache.cached_block(self.block_pool, keys[0]) is not None:
             return  # the same window is cached already (another request with this prefix)
         for key, blk in zip(keys, blocks):
             vllm_kv_cache.cache_block(self.block_pool, key, blk)
 
-    def _window_keys(self, prefix_hash, settings: RequestSettings, n: int) -> list:
+    def _window_keys(self, prefix_hash, settings: RequestSettings, n: int) -> Iterator:
         spec = self.kv_cache_spec
         return vllm_kv_cache.window_block_keys(
             spec.evict_hash_algo, prefix_hash, settings.window_salt, n, self.kv_cache_group_id
@@ -432,13 +433,15 @@ class KVEvictManager(FullAttentionManager):
         b = last_boundary(top, window)
         while b > num_tokens and b >= first_boundary(window):
             e = evicted_tokens(b, prompt, window)
-            prefix = request.block_hashes[b // hbs - 1]
-            if vllm_kv_cache.cached_block(self.block_pool, self._window_keys(prefix, settings, 1)[0]) is not None:
-                keys = self._window_keys(prefix, settings, (b - e) // bs)
-                blocks = [vllm_kv_cache.cached_block(self.block_pool, k) for k in keys]
-                if all(blk is not None for blk in blocks):
-                    st.window_hit = b
-                    return [self.block_pool.null_block] * (e // bs) + blocks, b
+            blocks = []
+            for key in self._window_keys(request.block_hashes[b // hbs - 1], settings, (b - e) // bs):
+                blk = vllm_kv_cache.cached_block(self.block_pool, key)
+                if blk is None:
+                    break  # this window is not (wholly) cached: try the point before
+                blocks.append(blk)
+            else:
+                st.window_hit = b
+                return [self.block_pool.null_block] * (e // bs) + blocks, b
             b -= window.step
         return None
 

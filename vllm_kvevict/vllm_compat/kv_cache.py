@@ -17,7 +17,7 @@ KV cache planning moved from ``v1/core/kv_cache_utils.py`` to a new module,
 
 from __future__ import annotations
 
-from collections.abc import Callable
+from collections.abc import Callable, Iterator
 
 from vllm.v1.core.single_type_kv_cache_manager import FullAttentionManager
 from vllm.v1.kv_cache_interface import FullAttentionSpec
@@ -46,8 +46,9 @@ def register_spec(spec_cls: type, manager_cls: type) -> None:
     KVCacheSpecRegistry.register(spec_cls, manager_cls, uniform_type_base_spec=FullAttentionSpec)
 
 
-def window_block_keys(hash_algo: str, prefix_hash, salt: str, n: int, group_id: int) -> list:
-    """The prefix-cache keys of a compacted window's ``n`` blocks: vLLM's own block hash
+def window_block_keys(hash_algo: str, prefix_hash, salt: str, n: int, group_id: int) -> Iterator:
+    """The prefix-cache keys of a compacted window's ``n`` blocks, in order (lazily: a lookup stops
+    at the first block not cached): vLLM's own block hash
     (``hash_block_tokens`` with the server's ``prefix_caching_hash_algo``) chained on the hash of
     the token prefix the window was compacted from, with the block's index in the window as its
     "tokens" and the eviction configuration as extra keys, so it can equal no pure block's hash and
@@ -56,10 +57,10 @@ def window_block_keys(hash_algo: str, prefix_hash, salt: str, n: int, group_id: 
     from vllm.v1.core.kv_cache_utils import hash_block_tokens, make_block_hash_with_group_id
 
     fn = get_hash_fn_by_name(hash_algo)
-    return [
+    return (
         make_block_hash_with_group_id(hash_block_tokens(fn, prefix_hash, (j,), ("kvevict-window", salt)), group_id)
         for j in range(n)
-    ]
+    )
 
 
 def cache_block(block_pool, key, block) -> None:
