@@ -29,7 +29,8 @@ gauges are dropped.
 ``tokens_evicted`` counts token slots per sequence (every layer and KV head evicts the same
 number); ``policy`` is the request's own policy (its override, else the server's). A window is
 bounded when the request evicts in ``chunked`` mode with a policy that also evicts while decoding:
-its bound is ``ceil((budget + block_size - 1 + max_num_batched_tokens) / block_size)`` blocks.
+its bound is ``window.window_bound_blocks`` (the budget rounded up to a block plus a stride, and a
+step per extra concurrent batch).
 """
 
 from __future__ import annotations

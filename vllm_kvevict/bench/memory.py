@@ -9,8 +9,8 @@ curves, and a sampled peak that can miss a short peak). For kvevict the exact pe
 the engine: the plugin's release line ("peak M blocks held") counts the request's blocks at every
 step.
 Stock vLLM climbs to the whole sequence; kvevict stays under its window bound
-(``ceil((budget + block_size - 1 + chunk) / block_size)`` blocks), compacting after every chunk and
-every ``block_size`` generated tokens. Prints a table, writes JSON and a PNG.
+(``window.window_bound_blocks``: the budget rounded up to a block plus a stride), compacting at
+every compaction point (every stride tokens) in the prompt and while generating. Prints a table, writes JSON and a PNG.
 """
 
 from __future__ import annotations
