@@ -184,3 +184,46 @@ def test_one_selection_equals_per_row(monkeypatch, kernels):
     for k in want[2]:
         assert torch.equal(want[2][k], got[2][k]), k
     assert all(torch.equal(a, b) for a, b in zip(want[3], got[3]))
+
+
+def test_window_overlay_is_the_rows_own_state(monkeypatch):
+    """A row that started on a cached window reads and observes that window's per-slot state in its
+    own copy (``overlays``), and writes nothing to the shared slots' state: the step equals one in
+    which those slots held the copy's values, with the copy holding what they would have become."""
+    monkeypatch.setenv("KVEVICT_KERNELS", "torch")
+    n_own = {1: 32, 2: 64, 3: 32, 5: 38}  # h2o, kvmerger, lshe, h2o observing: none reaches e_new
+    g = torch.Generator().manual_seed(11)
+    cache, write, slot_pos, state, plan, work = _setup("flash", torch.float32)
+    original = {k: t.clone() for k, t in state.items()}
+    shared, overlays = {}, {}
+    for r, n in n_own.items():
+        i = torch.arange(E_PREV[r], E_PREV[r] + n)
+        shared[r] = plan.block_table[r][i // BS] * BS + i % BS
+        overlays[r] = {
+            k: (torch.rand(n, H, generator=g) if state[k].is_floating_point() else torch.randint(0, 2**16, (n, H)))
+            for k in work[r].policy.needs.state
+        }
+    want_state = {k: t.clone() for k, t in state.items()}
+    for r, ov in overlays.items():
+        for k, t in ov.items():
+            want_state[k][shared[r]] = t.to(want_state[k].dtype)
+    views = flash_cache.cache_views(cache)
+    gather = lambda b, o: flash_cache.gather_tokens(cache, b, o)  # noqa: E731
+    want_cache = cache.clone()
+    want_pos = slot_pos.clone()
+    kw = dict(gather=gather, write=write, G=HQ // H)
+    want = evict_step(
+        plan, work, BS, slot_pos=want_pos, slot_state=want_state, views=flash_cache.cache_views(want_cache), **kw
+    )
+    plan.memo.clear()
+    got = evict_step(plan, work, BS, slot_pos=slot_pos, slot_state=state, views=views, overlays=overlays, **kw)
+    assert all(torch.equal(a, b) for a, b in zip(want, got))
+    assert torch.equal(want_cache, cache) and torch.equal(want_pos, slot_pos)
+    mask = torch.zeros(state["h2o"].shape[0], dtype=torch.bool)
+    for r in overlays:
+        mask[shared[r]] = True
+        for k, t in overlays[r].items():
+            assert torch.equal(t, want_state[k][shared[r]]), (r, k)  # the copy observed
+    for k in state:
+        assert torch.equal(state[k][mask], original[k][mask]), k  # the shared slots untouched
+        assert torch.equal(state[k][~mask], want_state[k][~mask]), k

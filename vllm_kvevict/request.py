@@ -73,9 +73,10 @@ class RequestSettings:
         """Whether the windows this request compacts at its compaction points may be cached and
         reused by later requests (docs/architecture.md, "Compressed windows"): a ``chunked`` window
         whose stride is at least ``W`` (so no compaction writes an earlier compaction point's
-        window), without recall (its tier is not cached) or per-slot policy state (it changes after
-        the compaction point), and whose query window fits in one stride (a request starting on a
-        cached window has seen no earlier queries)."""
+        window), without recall (its tier is not cached), and whose query window fits in one stride
+        (a request starting on a cached window has seen no earlier queries). Per-slot policy state
+        (H2O's accumulator, LSH-E's codes) goes with the window as its compaction left it, and
+        merging policies (KVMerger with the ``chunked`` trigger) share the windows they merged."""
         w, needs = self.window, self.policy.needs
         return (
             self.config.cache_windows
@@ -83,8 +84,6 @@ class RequestSettings:
             and w.trigger == "chunked"
             and w.step >= w.window
             and not self.config.recall.enabled
-            and not needs.state
-            and not needs.merges
             and needs.window <= w.step
         )
 
@@ -134,6 +133,9 @@ class LayerState:
     queries: torch.Tensor | None = None  # the request's latest queries [H_q, w, d] (query-window policies)
     recall_queries: torch.Tensor | None = None  # recall: the prompt's latest queries [H_q, window, d]
     tier: Any = None  # recall: the tokens its compactions evicted (backends/recall.Tier, made by the backend)
+    #: per-slot policy state of the cached window the attempt started on, its own copy, until its
+    #: next compaction moves past the window ({name: [window slots, H]}; backends/base.py)
+    window_state: dict[str, torch.Tensor] | None = None
 
 
 @dataclass

@@ -12,7 +12,10 @@ cache reset: no hit of any kind), greedy tokens and logprobs within the engine t
 a shared document; a chat whose every turn repeats the previous turn's prompt and answer (the
 window the conversation reached is reused turn after turn, and every turn stays within its window
 bound); a request with another budget never sees the window; a request starting on a window also
-equals the transformers replay of what it kept (the window's history included). The counters
+equals the transformers replay of what it kept (the window's history included); policies with
+per-slot state (H2O's accumulated attention, and KVMerger, which merges by it, run ``chunked``)
+start on the window with the state its compaction left there, not the state its first request
+went on accumulating in those slots. The counters
 ``kvevict:compressed_hits_total`` and ``..._hit_tokens_total`` count each of them.
 """
 
@@ -26,7 +29,7 @@ import pytest
 from tests.conftest import CPU_SERVER_ARGS
 from tests.engine.evict_common import TOL, check_against_reference, complete, make_prompt
 from tests.engine.test_memory import RELEASED
-from vllm_kvevict.testing.hf_reference import load_attempts
+from vllm_kvevict.testing.hf_reference import attempts_for, load_attempts
 from vllm_kvevict.testing.server import VLLMServer, wait_until
 from vllm_kvevict.window import WindowConfig, last_boundary, window_bound_blocks
 
@@ -148,3 +151,29 @@ def test_another_configuration_never_sees_the_window(server, vocab):
     assert out["cached_tokens"] == 96  # the first request's pure blocks: E at its first compaction (192)
     _same(out, alone)
     assert _counters(server)[0] == hits
+
+
+@pytest.mark.parametrize(
+    "xargs",
+    [{"kvevict_policy": "h2o"}, {"kvevict_policy": "kvmerger", "kvevict_trigger": "chunked"}],
+    ids=["h2o", "kvmerger"],
+)
+def test_per_slot_state_goes_with_the_window(server, vocab, xargs):
+    """The first request goes on observing the window's slots after it is cached (its last 88
+    prompt tokens); the second starts on the window with the accumulator as the compaction left
+    it, compacts by it at 768, and computes what it computes alone."""
+    seed = 30 if xargs["kvevict_policy"] == "h2o" else 40
+    doc = make_prompt(700, seed, vocab)
+    mine = doc + make_prompt(100, seed + 1, vocab)
+    alone = _from_scratch(server, mine, 24, xargs)
+    first = complete(server, doc + make_prompt(60, seed + 2, vocab), 24, xargs)
+    wait_until(lambda: _released(server, first["id"]), 60, "the first request's release line")
+    hits, _ = _counters(server)
+    out = complete(server, mine, 24, xargs)
+    assert out["cached_tokens"] == last_boundary(len(doc), WINDOW)
+    assert _counters(server)[0] == hits + 1
+    _same(out, alone)
+    attempts = load_attempts(server.dump_dir)
+    (mine_att,), (alone_att,) = attempts_for(attempts, out["id"]), attempts_for(attempts, alone["id"])
+    assert max(mine_att.events) > out["cached_tokens"]  # it compacted after the hit, by the state
+    assert mine_att.events == alone_att.events  # every compaction kept what it kept alone

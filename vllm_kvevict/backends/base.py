@@ -33,6 +33,7 @@ from vllm_kvevict.backends.plan import StepPlan, cascade_prefix_len, notify_plan
 from vllm_kvevict.backends.projection import output_projection
 from vllm_kvevict.backends.recall import RecallMixin, Tier, TierEntry
 from vllm_kvevict.config import KVEvictConfig, config_from_vllm
+from vllm_kvevict.kernels import torch_ops
 from vllm_kvevict.policies.base import step_queries
 from vllm_kvevict.request import WORKER, LayerState
 from vllm_kvevict.vllm_compat import attention as vllm_attention
@@ -164,6 +165,9 @@ class KVEvictImplMixin(RecallMixin):
         self.kvevict_config = _current_config()
         self._kvevict_slot_pos: torch.Tensor | None = None
         self._kvevict_slot_state: dict[str, torch.Tensor] = {}  # per-slot policy state, like positions
+        #: the per-slot state of every window as its compaction left it (read by requests that start
+        #: on the window once it is cached: docs/architecture.md, "Compressed windows")
+        self._kvevict_window_state: dict[str, torch.Tensor] = {}
         self._kvevict_w_o: torch.Tensor | None = None
         self._kvevict_layer_index: int | None = None
         info_once(
@@ -221,13 +225,71 @@ class KVEvictImplMixin(RecallMixin):
             self._kvevict_layer_index = vllm_attention.layer_index(getattr(layer, "layer_name", ""))
         return self._kvevict_layer_index
 
-    def _state(self, kv_cache: torch.Tensor, name: str, dtype: torch.dtype, init: float) -> torch.Tensor:
-        """A policy's per-slot state ``[num_slots, H]``, allocated at first use."""
-        t = self._kvevict_slot_state.get(name)
+    def _state(
+        self, kv_cache: torch.Tensor, name: str, dtype: torch.dtype, init: float, snapshot: bool = False
+    ) -> torch.Tensor:
+        """A policy's per-slot state ``[num_slots, H]`` (``snapshot``: its copy as each window's
+        compaction left it), allocated at first use."""
+        store = self._kvevict_window_state if snapshot else self._kvevict_slot_state
+        t = store.get(name)
         if t is None:
             nb, H, bs = kv_cache.shape[:3]
-            t = self._kvevict_slot_state[name] = torch.full((nb * bs, H), init, dtype=dtype, device=kv_cache.device)
+            t = store[name] = torch.full((nb * bs, H), init, dtype=dtype, device=kv_cache.device)
         return t
+
+    def _window_overlays(self, plan, work: list[RowWork], kv_cache, layer) -> dict[int, dict[str, torch.Tensor]]:
+        """The per-slot state of the cached windows requests started on, each request's own copy.
+
+        A request that starts an attempt with ``e_prev > 0`` starts on a cached window (the engine
+        core cuts a pure hit below the first compaction point): its first ``L_prev - e_prev`` slots
+        are the window's blocks, shared, and their live state belongs to whoever compacted them
+        (and goes on observing them). The request reads the state as the window's compaction left
+        it (:meth:`_snapshot_windows`), observes into its copy, and drops the copy once its next
+        compaction has moved past the window."""
+        out = {}
+        for w in work:
+            needs, r = w.policy.needs, w.row
+            if not needs.state:
+                continue
+            ls = self._layer_state(plan, r, layer)
+            if ls.window_state is None and plan.req_ids[r] in plan.starts and plan.e_prev[r] > 0:
+                e, b, bs, dev = plan.e_prev[r], plan.L_prev[r], kv_cache.shape[2], plan.block_table.device
+                blocks, offs, _ = torch_ops.logical_tokens(
+                    plan.block_table, *(torch.tensor([x], device=dev) for x in (r, e, b)), bs
+                )
+                slots = blocks * bs + offs
+                ls.window_state = {
+                    k: self._state(kv_cache, k, dtype, init, snapshot=True)[slots].clone()
+                    for k, (dtype, init) in needs.state.items()
+                }
+            if ls.window_state is not None:
+                out[r] = ls.window_state
+        return out
+
+    def _snapshot_windows(self, plan, work: list[RowWork], kv_cache, layer) -> None:
+        """Keep the per-slot state each compaction of a request that shares its windows left in its
+        window, and drop a row's copy of the window it started on once it has compacted past it."""
+        rows = [w for w in work if w.compact and w.policy.needs.state]
+        if not rows:
+            return
+        for w in rows:
+            ls = plan.states[w.row].layers.get(self._layer_key(layer))
+            if ls is not None:
+                ls.window_state = None
+        rows = [w for w in rows if plan.states[w.row].settings.shares_windows]
+        if not rows:
+            return
+        bs, dev = kv_cache.shape[2], plan.block_table.device
+        blocks, offs, _ = torch_ops.logical_tokens(
+            plan.block_table,
+            torch.tensor([w.row for w in rows], device=dev),
+            torch.tensor([plan.e_new[w.row] for w in rows], device=dev),
+            torch.tensor([plan.seq_lens[w.row] for w in rows], device=dev),
+            bs,
+        )
+        slots = blocks * bs + offs
+        for k, (dtype, init) in {k: v for w in rows for k, v in w.policy.needs.state.items()}.items():
+            self._state(kv_cache, k, dtype, init, snapshot=True)[slots] = self._kvevict_slot_state[k][slots]
 
     def _w_o(self, layer) -> torch.Tensor:
         if self._kvevict_w_o is None:
@@ -316,6 +378,7 @@ class KVEvictImplMixin(RecallMixin):
         views = self._kvevict_views(layer, kv_cache)
 
         evicted: dict = {}
+        overlays = self._window_overlays(plan, work, kv_cache, layer) if self._kvevict_slot_state else None
 
         def step(items: list[RowWork]) -> list[torch.Tensor]:
             return evict_step(
@@ -330,6 +393,7 @@ class KVEvictImplMixin(RecallMixin):
                 G=G,
                 views=views,
                 evicted=evicted if recall_rows else None,
+                overlays=overlays,
             )
 
         kept: list[torch.Tensor] = []
@@ -338,6 +402,8 @@ class KVEvictImplMixin(RecallMixin):
                 kept = step(work)
             except Exception as err:  # noqa: BLE001 - one request's policy must never kill the engine
                 work, kept = fault.isolate(plan, work, step, err)
+            if self._kvevict_slot_state:
+                self._snapshot_windows(plan, work, kv_cache, layer)
         rows = [w.row for w in work if w.compact]
         kept_by_row = dict(zip(rows, kept))
         for r, (K, V, pos, score, state) in evicted.items():

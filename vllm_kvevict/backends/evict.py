@@ -121,6 +121,7 @@ def evict_step(
     G: int = 1,
     views: tuple[torch.Tensor, torch.Tensor] | None = None,
     evicted: dict | None = None,
+    overlays: dict[int, dict[str, torch.Tensor]] | None = None,
 ) -> list[torch.Tensor]:
     """Observe and compact the rows of ``work``; returns the kept positions ``[keep, H]`` of each
     compacting row, in order.
@@ -140,6 +141,11 @@ def evict_step(
     :func:`~vllm_kvevict.kernels.ops.column_sums`. Every row of a policy that scores is then
     selected in one :func:`~vllm_kvevict.kernels.ops.select_topk` call, whatever its policy;
     merging policies (``Needs.merges``) select and rewrite K/V themselves.
+
+    ``overlays``: ``{row: {name: [n, H]}}``, the per-slot state of the first ``n`` slots of a row's
+    window held outside ``slot_state`` (a request started on a cached window: those slots' blocks
+    are shared, their state its own copy). The row reads and observes them there; nothing of it is
+    written to ``slot_state`` at those slots.
     """
     if not work:
         return []
@@ -151,6 +157,10 @@ def evict_step(
     else:
         K_all, V_all = gather(geo.blocks, geo.offsets)  # [N, H, D]
     pos_all = slot_pos[slots_all]  # [N, H]
+    state_all = {k: s[slots_all] for k, s in slot_state.items()}  # [N, H] each, overlays applied
+    for i, w in enumerate(work):
+        for k, t in (overlays or {}).get(w.row, {}).items():
+            state_all[k][bounds[i] : bounds[i] + t.shape[0]] = t
     kept_tok: dict[int, torch.Tensor] = {}  # row -> [keep, H] indices into the packed tokens
     row_scores: dict[int, torch.Tensor] = {}  # row -> [n, H] the scores it was selected by
     merged: dict[int, tuple[torch.Tensor, torch.Tensor]] = {}  # row -> new K, V [keep, H, D]
@@ -164,7 +174,7 @@ def evict_step(
             continue
         sl = slice(bounds[i], bounds[i + 1])
         K, V, pos = K_all[sl], V_all[sl], pos_all[sl]
-        state = {k: slot_state[k][slots_all[sl]].transpose(0, 1).contiguous() for k in w.policy.needs.state}
+        state = {k: state_all[k][sl].transpose(0, 1).contiguous() for k in w.policy.needs.state}
         row_views.append(
             (
                 i,
@@ -193,7 +203,7 @@ def evict_step(
         r = w.row
         if w.policy.needs.observes:
             w.policy.observe(view)
-            observed.append((sl, view.state))
+            observed.append((i, view.state))
         if not w.compact:
             continue
         keep = plan.seq_lens[r] - plan.e_new[r]
@@ -224,22 +234,39 @@ def evict_step(
             kept_tok[r] = idx[ck[j] : ck[j + 1]] + bounds[i]
     # Nothing is written before every row is scored and selected: a policy that raises leaves the
     # cache and the per-slot state as they were, so the step can be retried row by row.
-    for sl, state in observed:  # before the compaction below, which moves the state from slot_state
+    for i, state in observed:  # before the compaction below, which moves the state from state_all
+        lo, hi = bounds[i], bounds[i + 1]
+        own = (overlays or {}).get(work[i].row, {})
         for k in state:
-            slot_state[k][slots_all[sl]] = state[k].transpose(0, 1).to(slot_state[k].dtype)
+            new = state[k].transpose(0, 1).to(slot_state[k].dtype)
+            state_all[k][lo:hi] = new
+            n = own[k].copy_(new[: own[k].shape[0]]).shape[0] if k in own else 0
+            slot_state[k][slots_all[lo + n : hi]] = new[n:]
     out = geo.out
     if evicted is not None:  # read before anything is written (the window's slots are rewritten)
         for i, w in enumerate(work):
             if w.compact and w.keep_evicted and w.row in kept_tok:
-                evicted[w.row] = _dropped(
-                    w.row, i, bounds, kept_tok, row_scores, K_all, V_all, pos_all, slots_all, slot_state
-                )
+                evicted[w.row] = _dropped(w.row, i, bounds, kept_tok, row_scores, K_all, V_all, pos_all, state_all)
     if out:
-        _write_kept(plan, geo, kept_tok, merged, K_all, V_all, pos_all, block_size, write, slot_pos, slot_state, views)
+        _write_kept(
+            plan,
+            geo,
+            kept_tok,
+            merged,
+            K_all,
+            V_all,
+            pos_all,
+            block_size,
+            write,
+            slot_pos,
+            slot_state,
+            state_all,
+            views,
+        )
     return [torch_ops.per_head(pos_all, kept_tok[r]) for r in out]
 
 
-def _dropped(r, i, bounds, kept_tok, row_scores, K_all, V_all, pos_all, slots_all, slot_state):
+def _dropped(r, i, bounds, kept_tok, row_scores, K_all, V_all, pos_all, state_all):
     """What row ``r`` drops in this compaction: its window's tokens not in ``kept_tok[r]``, per head."""
     from vllm_kvevict.backends.recall import complement
 
@@ -251,7 +278,7 @@ def _dropped(r, i, bounds, kept_tok, row_scores, K_all, V_all, pos_all, slots_al
         if score is not None
         else torch.full(drop.shape, float("-inf"), device=drop.device)
     )
-    state = {k: torch_ops.per_head(s[slots_all], drop) for k, s in slot_state.items()}
+    state = {k: torch_ops.per_head(s, drop) for k, s in state_all.items()}
     take = torch_ops.per_head
     return take(K_all, drop), take(V_all, drop), take(pos_all, drop).long(), score, state
 
@@ -299,11 +326,24 @@ def _packed(bounds: list[int], idxs: list[int], device) -> tuple[torch.Tensor | 
 
 
 def _write_kept(
-    plan, geo: Geometry, kept_tok, merged, K_all, V_all, pos_all, block_size, write, slot_pos, slot_state, views
+    plan,
+    geo: Geometry,
+    kept_tok,
+    merged,
+    K_all,
+    V_all,
+    pos_all,
+    block_size,
+    write,
+    slot_pos,
+    slot_state,
+    state_all,
+    views,
 ) -> None:
     """Write each row's kept tokens, in order, into its logical tokens ``[e_new, L)``, with their
-    positions and per-slot state. Everything is read (``K_all``, ``pos_all``, the state) before
-    anything is written, so overlapping source and destination are safe."""
+    positions and per-slot state (``state_all``: every state of the packed tokens, whichever policy
+    owns it). Everything is read (``K_all``, ``pos_all``, the state) before anything is written, so
+    overlapping source and destination are safe."""
     dev, out = plan.block_table.device, geo.out
     idx = torch.cat([kept_tok[r] for r in out])  # [sum keep, H], into the packed tokens
     idx_kv, K_src, V_src = idx, K_all, V_all
@@ -319,7 +359,6 @@ def _write_kept(
         idx_kv = torch.cat(parts)
         K_src = torch.cat([K_all, *(merged[r][0] for r in out if r in merged)])
         V_src = torch.cat([V_all, *(merged[r][1] for r in out if r in merged)])
-    state_all = {k: s[geo.slots] for k, s in slot_state.items()}  # every state moves, whichever policy owns it
     if views is not None:
         # One block-table kernel per tensor; ``idx`` already indexes the packed tokens, so every
         # row's source offset is 0.
