@@ -107,7 +107,7 @@ def test_prefix_smoke(smollm2_model, tmp_path):
     """Shared prefixes (vLLM's own bench serve, prefix_repetition) and multi-turn chat on stock vLLM
     and kvevict with prefix caching (pure blocks and compacted windows), with pure blocks only, and
     without: kvevict reuses the windows it compacted (more than the pure prefix alone), the
-    cache-off server reuses nothing."""
+    cache-off server reuses nothing; the multi-turn needle runs on stock and kvevict."""
     r = _bench(tmp_path, "prefix")
     res = r["results"]
     assert set(res) == {"stock", "kvevict", "kvevict-pure", "kvevict-nocache"}
@@ -127,3 +127,13 @@ def test_prefix_smoke(smollm2_model, tmp_path):
     assert set(r["kvevict_over_stock"]) == {"kvevict", "kvevict-pure", "kvevict-nocache"}
     for name in ("kvevict", "kvevict-pure", "kvevict-nocache"):  # every request within its window bound
         assert res[name]["windows"]["requests"] > 0 and res[name]["windows"]["over_bound"] == 0
+    # The multi-turn needle: stock and kvevict answer the same conversations, kvevict on its windows.
+    needle = {n: res[n]["needle"] for n in ("stock", "kvevict")}
+    assert all("needle" not in res[n] for n in ("kvevict-pure", "kvevict-nocache"))
+    for n in needle.values():
+        assert len(n["conversations"]) == r["needle_conversations"] and 0 <= n["score"] <= 1
+        assert n["last_prompt_tokens"] > 2 * r["budget"]
+    assert [c["answer"] for c in needle["stock"]["conversations"]] == [
+        c["answer"] for c in needle["kvevict"]["conversations"]
+    ]
+    assert needle["kvevict"]["compressed_hit_tokens"] > 0

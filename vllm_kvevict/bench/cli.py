@@ -168,6 +168,8 @@ PRESETS = {
             "turns": 4,  # the history passes the first compaction point (512) in turn 2: turn 3 starts on its window
             "user_len": 160,
             "turn_output_len": 16,
+            "needle_conversations": 2,
+            "needle_user_len": 200,
         },
         # a 3000-token document or system prompt; chats whose history grows to several budgets
         "full": {
@@ -185,6 +187,9 @@ PRESETS = {
             "turns": 6,
             "user_len": 400,
             "turn_output_len": 48,
+            # history of five 500-token turns: about 2,700 tokens when the question comes, 5x the budget
+            "needle_conversations": 12,
+            "needle_user_len": 500,
         },
     },
     "memory": {
@@ -333,6 +338,8 @@ def cmd_prefix(args) -> int:
         args.turns,
         args.user_len,
         args.turn_output_len,
+        args.needle_conversations,
+        args.needle_user_len,
         args.out,
         progress=True,
     )
@@ -410,6 +417,8 @@ def build_parser() -> argparse.ArgumentParser:
         ("turns", int),
         ("user-len", int),
         ("turn-output-len", int),
+        ("needle-conversations", int),
+        ("needle-user-len", int),
     ):
         x.add_argument(f"--{name}", type=typ, default=None)
     x.set_defaults(func=cmd_prefix)

@@ -14,7 +14,12 @@ default: pure blocks and compacted windows cached), kvevict caching pure blocks 
 * *multi-turn chat*: conversations that each resend their whole history (every previous turn's
   prompt and answer) plus a new user message, turn after turn, concurrently across
   conversations, until the history is several times the budget: TTFT per turn (median over the
-  conversations), total output throughput, hit rate, and the peak of KV blocks in use.
+  conversations), total output throughput, hit rate, and the peak of KV blocks in use;
+* *multi-turn needle* (quality, stock and kvevict with prefix caching: the other two kvevict
+  servers compact at the same points and keep the same tokens): chat conversations through the
+  model's chat template whose first user turn hides a magic number in varied text, whose middle
+  turns add more text, and whose last turn asks for the number; the share of conversations
+  answered (RULER's string match), beside the same conversations without eviction.
 
 Reports each kvevict server's ratio to stock. Under eviction the pure prefix a request's first
 compaction frees and the windows it compacts at its compaction points enter the cache
@@ -134,6 +139,71 @@ def shared_prefix(
     }
 
 
+NEEDLE_QUESTION = "What is the special magic number for {key} mentioned in the provided text?"
+
+
+def needle_conversations(tokenizer, conversations: int, turns: int, user_len: int, seed: int = 0) -> list[dict]:
+    """The user turns of each multi-turn needle conversation: ``turns - 1`` turns of about
+    ``user_len`` tokens of varied text (the needle, one key's magic number, at a seeded depth of
+    the first), then the question."""
+    from vllm_kvevict.bench import tasks
+
+    out = []
+    for c in range(conversations):
+        rng = random.Random(seed * 1000 + c)
+        key, value = rng.choice(tasks.KEYS), tasks._magic(rng)
+        users = []
+        for t in range(turns - 1):
+            pieces = tasks._fill(tokenizer, user_len, lambda: tasks._sentence(rng))
+            if t == 0:
+                pieces = tasks._place(pieces, [tasks._needle(key, value)], [rng.randrange(0, len(pieces) + 1)])
+            head = tasks.HEAD if t == 0 else "Here is more of the text.\n"
+            users.append(head + " ".join(pieces) + "\nReply with OK.")
+        users.append(NEEDLE_QUESTION.format(key=key))
+        out.append({"key": key, "answer": value, "users": users})
+    return out
+
+
+def needle_chat(srv, convs: list[dict], answer_len: int, question_len: int = 32) -> dict:
+    """Run the conversations concurrently, each turn resending the whole chat (its answers
+    included); the score is the share of last answers that contain the number."""
+    from openai import OpenAI
+
+    client = OpenAI(base_url=srv.base_url + "/v1", api_key="unused", max_retries=0, timeout=3600)
+
+    def conversation(conv: dict) -> dict:
+        messages: list[dict] = []
+        prompt_tokens = 0
+        for t, user in enumerate(conv["users"]):
+            messages.append({"role": "user", "content": user})
+            last = t == len(conv["users"]) - 1
+            r = client.chat.completions.create(
+                model=srv.served_model_name,
+                messages=messages,
+                max_tokens=question_len if last else answer_len,
+                temperature=0,
+            )
+            text = r.choices[0].message.content or ""
+            prompt_tokens = r.usage.prompt_tokens
+            messages.append({"role": "assistant", "content": text})
+        return {
+            "answer": conv["answer"],
+            "output": text,
+            "score": float(conv["answer"] in text),
+            "prompt_tokens": prompt_tokens,
+        }
+
+    before = metrics(srv.base_url)
+    with ThreadPoolExecutor(len(convs)) as pool:
+        rows = list(pool.map(conversation, convs))
+    return {
+        "score": statistics.mean(r["score"] for r in rows),
+        "conversations": rows,
+        "last_prompt_tokens": statistics.median(r["prompt_tokens"] for r in rows),
+        **_hit_rate(before, metrics(srv.base_url)),
+    }
+
+
 def multi_turn(srv, conversations: int, turns: int, user_len: int, output_len: int, seed: int = 0) -> dict:
     """Conversations of ``turns`` turns, run concurrently; each turn resends the whole history."""
     from openai import OpenAI
@@ -233,14 +303,26 @@ def run_prefix(
     turns: int,
     user_len: int,
     turn_output_len: int,
+    needle_conversations_n: int = 0,
+    needle_user_len: int = 0,
     log_dir: str = ".",
     progress: bool = False,
 ) -> dict:
+    """Both workloads on every server, and the multi-turn needle on stock and kvevict (when
+    ``needle_conversations_n``: that many conversations of ``turns`` turns, ``needle_user_len``
+    tokens of text per user turn)."""
     out_dir = Path(log_dir)
     out_dir.mkdir(parents=True, exist_ok=True)
     common = common_args(kv_blocks, max_model_len, max(concurrency, conversations), chunk)
     results: dict[str, dict] = {}
     specs = _specs(policy, budget)
+    needles = []
+    if needle_conversations_n:
+        from transformers import AutoTokenizer
+
+        needles = needle_conversations(
+            AutoTokenizer.from_pretrained(model), needle_conversations_n, turns, needle_user_len
+        )
     bar = None
     if progress:
         from tqdm import tqdm
@@ -258,6 +340,8 @@ def run_prefix(
             res["multi_turn"] = multi_turn(srv, conversations, turns, user_len, turn_output_len)
             if bar is not None:
                 bar.update(1)
+            if needles and spec.name in ("stock", "kvevict"):
+                res["needle"] = needle_chat(srv, needles, turn_output_len)
             if spec.policy is not None:  # every request within its window bound (both workloads)
                 res["windows"] = window_peaks(srv.log())
             results[spec.name] = res
@@ -289,6 +373,8 @@ def run_prefix(
         "turns": turns,
         "user_len": user_len,
         "turn_output_len": turn_output_len,
+        "needle_conversations": needle_conversations_n,
+        "needle_user_len": needle_user_len,
         "results": results,
         "kvevict_over_stock": ratios,
     }
@@ -344,6 +430,14 @@ def format_table(report: dict) -> str:
                 f"{name}: {w['requests']} requests released, at most {w['max_peak_blocks']} blocks held by one "
                 f"(window bound {w['max_bound_blocks']}), {w['over_bound']} over their bound"
             )
+    if "needle" in r["stock"]:
+        lines.append(
+            f"multi-turn needle: {report['needle_conversations']} chats of {turns} turns "
+            f"(+{report['needle_user_len']} text tokens per turn, the needle in the first, the question in the last; "
+            f"last prompt {int(r['stock']['needle']['last_prompt_tokens'])} tokens): answered "
+            + ", ".join(f"{n} {r[n]['needle']['score']:.0%}" for n in ("stock", "kvevict") if "needle" in r[n])
+            + f" (windows served {_window_share(r['kvevict'].get('needle', {})):.0%} of kvevict's prompt tokens)"
+        )
     lines.append(
         "TTFT per turn: median over the conversations; hit rate: vLLM's prefix-cache hits / queries; "
         "windows: the share of queried tokens served by cached compacted windows"
