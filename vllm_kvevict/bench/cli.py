@@ -340,6 +340,8 @@ def cmd_prefix(args) -> int:
         args.turn_output_len,
         args.needle_conversations,
         args.needle_user_len,
+        args.stride,
+        tuple(args.servers.split(",")) if args.servers else prefix.SERVERS,
         args.out,
         progress=True,
     )
@@ -421,6 +423,8 @@ def build_parser() -> argparse.ArgumentParser:
         ("needle-user-len", int),
     ):
         x.add_argument(f"--{name}", type=typ, default=None)
+    x.add_argument("--stride", type=int, default=None, help="kvevict's compaction stride (default: the budget)")
+    x.add_argument("--servers", default=None, help="which servers besides stock (default: all four)")
     x.set_defaults(func=cmd_prefix)
     return ap
 

@@ -45,12 +45,13 @@ SERVERS = ("stock", "kvevict", "kvevict-pure", "kvevict-nocache")
 COLORS = ("gray", "tab:blue", "tab:green", "tab:orange")
 
 
-def _specs(policy: str, budget: int) -> list[ServerSpec]:
+def _specs(policy: str, budget: int, stride: int | None = None) -> list[ServerSpec]:
+    cfg: tuple[tuple[str, object], ...] = (("stride", stride),) if stride else ()
     return [
         ServerSpec("stock"),
-        ServerSpec("kvevict", policy, budget),
-        ServerSpec("kvevict-pure", policy, budget, config=(("cache_windows", False),)),
-        ServerSpec("kvevict-nocache", policy, budget, extra=("--no-enable-prefix-caching",)),
+        ServerSpec("kvevict", policy, budget, config=cfg),
+        ServerSpec("kvevict-pure", policy, budget, config=(*cfg, ("cache_windows", False))),
+        ServerSpec("kvevict-nocache", policy, budget, extra=("--no-enable-prefix-caching",), config=cfg),
     ]
 
 
@@ -305,17 +306,23 @@ def run_prefix(
     turn_output_len: int,
     needle_conversations_n: int = 0,
     needle_user_len: int = 0,
+    stride: int | None = None,
+    servers: tuple[str, ...] = SERVERS,
     log_dir: str = ".",
     progress: bool = False,
 ) -> dict:
     """Both workloads on every server, and the multi-turn needle on stock and kvevict (when
     ``needle_conversations_n``: that many conversations of ``turns`` turns, ``needle_user_len``
-    tokens of text per user turn)."""
+    tokens of text per user turn). ``stride``: the kvevict servers' compaction stride (None: the
+    default, the budget). ``servers``: which of :data:`SERVERS` to run (stock always)."""
+    unknown = set(servers) - set(SERVERS)
+    if unknown:
+        raise ValueError(f"unknown servers {sorted(unknown)}: choose from {', '.join(SERVERS)}")
     out_dir = Path(log_dir)
     out_dir.mkdir(parents=True, exist_ok=True)
     common = common_args(kv_blocks, max_model_len, max(concurrency, conversations), chunk)
     results: dict[str, dict] = {}
-    specs = _specs(policy, budget)
+    specs = [sp for sp in _specs(policy, budget, stride) if sp.name == "stock" or sp.name in servers]
     needles = []
     if needle_conversations_n:
         from transformers import AutoTokenizer
@@ -349,7 +356,7 @@ def run_prefix(
         bar.close()
     stock = results["stock"]
     ratios = {}
-    for name in SERVERS[1:]:
+    for name in [n for n in SERVERS[1:] if n in results]:
         r = results[name]
         ratios[name] = {
             "shared_median_ttft": r["shared_prefix"]["median_ttft_s"] / stock["shared_prefix"]["median_ttft_s"],
@@ -361,6 +368,7 @@ def run_prefix(
         "model": model,
         "policy": policy,
         "budget": budget,
+        "stride": stride or budget,
         "chunk": chunk,
         "kv_blocks": kv_blocks,
         "block_size": BLOCK,
@@ -389,14 +397,15 @@ def format_table(report: dict) -> str:
     r = report["results"]
     lines = [
         f"KV cache {report['kv_blocks']} blocks of {report['block_size']}; kvevict {report['policy']} budget "
-        f"{report['budget']}, prefill chunk {report['chunk']}",
+        f"{report['budget']}, stride {report.get('stride', report['budget'])}, prefill chunk {report['chunk']}",
         f"shared prefix (vllm bench serve, prefix_repetition): {report['num_prompts']} requests of "
         f"{report['prefix_len']} shared + {report['suffix_len']} own tokens, {report['shared_output_len']} out, "
         f"concurrency {report['concurrency']}",
         f"{'server':<18}{'TTFT med s':>11}{'TTFT p99 s':>11}{'out tok/s':>11}{'hit rate':>10}{'windows':>9}"
         f"{'peak KV':>9}{'x stock':>9}",
     ]
-    for name in SERVERS:
+    ran = [n for n in SERVERS if n in r]
+    for name in ran:
         s = r[name]["shared_prefix"]
         ratio = report["kvevict_over_stock"].get(name, {}).get("shared_output_tok_per_s")
         lines.append(
@@ -413,7 +422,7 @@ def format_table(report: dict) -> str:
         + "".join(f"{'turn ' + str(t) + ' s':>10}" for t in range(turns))
         + f"{'out tok/s':>11}{'hit rate':>10}{'windows':>9}{'peak KV':>9}{'x stock':>9}",
     ]
-    for name in SERVERS:
+    for name in ran:
         m = r[name]["multi_turn"]
         ratio = report["kvevict_over_stock"].get(name, {}).get("chat_output_tok_per_s")
         lines.append(
@@ -423,7 +432,7 @@ def format_table(report: dict) -> str:
             + f"{m['peak_kv_usage']:>9.0%}"
             + f"{(f'{ratio:.2f}' if ratio else '-'):>9}"
         )
-    for name in SERVERS[1:]:
+    for name in ran[1:]:
         w = r[name].get("windows")
         if w:
             lines.append(
@@ -436,7 +445,11 @@ def format_table(report: dict) -> str:
             f"(+{report['needle_user_len']} text tokens per turn, the needle in the first, the question in the last; "
             f"last prompt {int(r['stock']['needle']['last_prompt_tokens'])} tokens): answered "
             + ", ".join(f"{n} {r[n]['needle']['score']:.0%}" for n in ("stock", "kvevict") if "needle" in r[n])
-            + f" (windows served {_window_share(r['kvevict'].get('needle', {})):.0%} of kvevict's prompt tokens)"
+            + (
+                f" (windows served {_window_share(r['kvevict']['needle']):.0%} of kvevict's prompt tokens)"
+                if "needle" in r.get("kvevict", {})
+                else ""
+            )
         )
     lines.append(
         "TTFT per turn: median over the conversations; hit rate: vLLM's prefix-cache hits / queries; "
@@ -453,10 +466,11 @@ def plot(report: dict, path: str) -> None:
 
     r = report["results"]
     fig, (a, b) = plt.subplots(1, 2, figsize=(11, 4.5))
-    names = list(SERVERS)
+    names = [n for n in SERVERS if n in r]
+    colors = [c for n, c in zip(SERVERS, COLORS) if n in r]
     ttft = [r[n]["shared_prefix"]["median_ttft_s"] for n in names]
     hit = [r[n]["shared_prefix"]["prefix_hit_rate"] for n in names]
-    bars = a.bar(names, ttft, color=list(COLORS))
+    bars = a.bar(names, ttft, color=colors)
     for bar_, h in zip(bars, hit):
         a.annotate(
             f"hits {h:.0%}",
@@ -467,7 +481,7 @@ def plot(report: dict, path: str) -> None:
         )
     a.set_ylabel("median TTFT (s)")
     a.set_title(f"shared prefix: {report['prefix_len']} + {report['suffix_len']} tokens x {report['num_prompts']}")
-    for n, color in zip(names, COLORS):
+    for n, color in zip(names, colors):
         turns = r[n]["multi_turn"]["per_turn"]
         b.plot([t["prompt_len"] for t in turns], [t["median_ttft_s"] for t in turns], marker="o", label=n, color=color)
     b.axvline(report["budget"], color="red", linestyle=":", label="budget")
