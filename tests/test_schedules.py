@@ -50,9 +50,9 @@ from vllm_kvevict import kv_manager as mgr  # noqa: E402
 from vllm_kvevict.backends import plan as worker_plan  # noqa: E402
 from vllm_kvevict.config import parse_config  # noqa: E402
 from vllm_kvevict.request import ENGINE, WORKER, resolve  # noqa: E402
-from vllm_kvevict.vllm_compat.kv_cache import window_block_keys  # noqa: E402
+from vllm_kvevict.vllm_compat.kv_cache import tail_block_key, window_block_keys  # noqa: E402
 from vllm_kvevict.vllm_compat.runner import RunnerStep  # noqa: E402
-from vllm_kvevict.window import evicted_tokens, peak_blocks, step_window  # noqa: E402
+from vllm_kvevict.window import evicted_tokens, last_boundary, peak_blocks, step_window  # noqa: E402
 
 BS = 16
 EOS = 2
@@ -133,6 +133,7 @@ class Attempt:
     tokens: list[int]  # the tokens the worker knows (prompt, then what it sampled)
     expected: dict[int, object] = field(default_factory=dict)  # logical slot -> the label it must hold
     evicted: bool = False  # a compaction has run in this attempt
+    window: tuple | None = None  # (prefix digest, salt) of the window its computed tokens attend to
 
 
 class StandInWorker:
@@ -151,6 +152,8 @@ class StandInWorker:
         self.hit_reads = 0
         self.window_reads = 0  # attempts that started on a cached compacted window
         self.windows: dict[bytes, tuple[bytes, str, int]] = {}  # window block hash -> (prefix, salt, first slot)
+        self.tails: dict[bytes, tuple] = {}  # tail block hash -> its slots' labels
+        self.tail_reads = 0  # attempts that started past a cached window, on its tail
         self.last_step: dict[str, int] = {}  # request id -> the last step it ran in
         self.compacted_in: dict[str, list[int]] = {}  # request id -> the steps its current attempt compacted in
         self.compacted_at: dict[str, list[int]] = {}  # request id -> the L of each of those compactions
@@ -227,20 +230,28 @@ class StandInWorker:
             if L - 1 > L0 and step_window(L0, L - 1, len(self.prompts[rid]), window).compacts:
                 self._fail(f"{rid}: the step [{L0}, {L}) crosses a compaction point")
             if rid in starts and L0:
-                if e_prev:  # a cached compacted window: what the same request compacted at L0
-                    self.window_reads += 1
-                    at, salt = _prefix_digests(att.tokens[:L0])[-1], plan.states[r].settings.window_salt
-                    for q in range(e_prev, L0):
-                        att.expected[q] = ("compacted", at, salt, q)
+                if e_prev:  # a cached compacted window at b: what the same request compacted at b,
+                    self.window_reads += 1  # then its tail: what it computed after b up to L0
+                    settings = plan.states[r].settings
+                    w, prompt = settings.window, len(self.prompts[rid])
+                    b = last_boundary(L0 if w.decode else min(L0, prompt), w)
+                    ds = _prefix_digests(att.tokens[:L0])
+                    att.window = (ds[b - 1], settings.window_salt)
+                    for q in range(e_prev, b):
+                        att.expected[q] = ("compacted", *att.window, q)
+                    for q in range(b, L0):
+                        att.expected[q] = ("after", *att.window, ds[q])
+                    self.tail_reads += L0 > b
                     att.evicted = True
                 else:  # pure blocks: the pure KV of its own tokens
                     pure = _prefix_digests(att.tokens[:L0])
                     for q in range(L0):
                         att.expected[q] = ("pure", pure[q])
                     self.hit_reads += 1
-            digests = _prefix_digests(att.tokens[:L]) if not att.evicted else None
+            digests = _prefix_digests(att.tokens[:L])
             for p in range(L0, L):
-                label = ("pure", digests[p]) if digests is not None else ("impure", att.uid, p)
+                # after a compaction: a function of the window it attends to and its tokens
+                label = ("after", *att.window, digests[p]) if att.evicted else ("pure", digests[p])
                 self._write(att.blocks[p // BS], p % BS, label)
                 att.expected[p] = label
         for r, rid in enumerate(rids):  # attention reads the window
@@ -262,6 +273,7 @@ class StandInWorker:
                 att.evicted = True
                 # what compaction keeps depends on the tokens and the configuration alone
                 at, salt = _prefix_digests(att.tokens[:L])[-1], plan.states[r].settings.window_salt
+                att.window = (at, salt)
                 for q in range(e_new, L):
                     label = ("compacted", at, salt, q)
                     self._write(att.blocks[q // BS], q % BS, label)
@@ -334,6 +346,15 @@ class StandInWorker:
                         )
                         break
                 continue
+            tail = self.tails.get(bytes(get_block_hash(h)))
+            if tail is not None:  # a cached tail block: what a request computed after the window
+                for o in range(BS):
+                    if self.slots.get((block.block_id, o)) != tail[o]:
+                        self._fail(
+                            f"tail block {block.block_id} is cached but slot {o} holds {self.slots.get((block.block_id, o))}"
+                        )
+                        break
+                continue
             want = digests_of_hash.get(bytes(get_block_hash(h)))
             if want is None:
                 self._fail(f"block {block.block_id} has a hash no request's tokens produce")
@@ -373,6 +394,7 @@ class Mix:
     requests: tuple[Req, ...]
     seed: int = 0
     reserve_full_isl: bool = True  # vLLM's admission gate: the whole prompt must fit (off: more preemption)
+    stride: int = 0  # the server's compaction stride (0: each request's W): above W, windows have tails
 
 
 @st.composite
@@ -399,6 +421,7 @@ def mixes(draw):
         requests=tuple(reqs),
         seed=draw(st.integers(0, 2**16)),
         reserve_full_isl=draw(st.booleans()),
+        stride=draw(st.sampled_from([0, 0, 96, 144])),
     )
 
 
@@ -409,7 +432,7 @@ def run_mix(make_config, mix: Mix) -> StandInWorker:
     config = make_config(mix.max_batched, mix.max_seqs, mix.reserve_full_isl)
     config.cache_config.num_gpu_blocks = mix.pool_blocks
     in_flight = mix.max_batched * (2 if mix.async_scheduling else 1)
-    server = parse_config(SERVER)
+    server = parse_config({**SERVER, **({"stride": mix.stride} if mix.stride else {})})
     spec = mgr.KVEvictSpec.from_spec(
         FullAttentionSpec(block_size=BS, num_kv_heads=2, head_size=8, dtype=torch.float32),
         server,
@@ -456,6 +479,13 @@ def run_mix(make_config, mix: Mix) -> StandInWorker:
             keys = window_block_keys("sha256", req.block_hashes[b // BS - 1], settings.window_salt, (b - e) // BS, 0)
             for j, key in enumerate(keys):
                 worker.windows[bytes(get_block_hash(key))] = (ds[b - 1], settings.window_salt, e + j * BS)
+        for b in range(w.step, len(req.block_hashes) * BS + 1, w.step):  # and their tails'
+            if evicted_tokens(b, b, w) == 0 or not settings.shares_tails:
+                continue
+            for i in range(b, min(settings.tail_end(b), len(req.block_hashes) * BS), BS):
+                key = tail_block_key("sha256", req.block_hashes[(i + BS) // BS - 1], b, settings.window_salt, 0)
+                labels = tuple(("after", ds[b - 1], settings.window_salt, ds[q]) for q in range(i, i + BS))
+                worker.tails[bytes(get_block_hash(key))] = labels
 
     def fits(prompt: list[int], max_tokens: int, xargs) -> bool:
         window = resolve(server, xargs, BS).window
@@ -657,6 +687,33 @@ WINDOW_MIXES = {
         ),
     ),
 }
+
+
+#: Stride 96 over the server's budget 48 (W = 48): the blocks a request computes in [b, b + 48) after
+#: each compaction point b are cached as the window's tail, and a later request with that prefix
+#: starts past the window, at the last tail block its own tokens share (a document of 400: the
+#: window at 384 and the tail block [384, 400)).
+TAIL_MIXES = {
+    "shared document": dataclasses.replace(WINDOW_MIXES["shared document"], stride=96),
+    "shared document (async)": dataclasses.replace(WINDOW_MIXES["shared document (async)"], stride=96),
+    "arriving while the tail is made": dataclasses.replace(
+        WINDOW_MIXES["arriving while the window is made"], stride=96
+    ),
+    # r0 computes 319 tokens: the window at 288 and the tail block [288, 304)
+    "chat turn": Mix(
+        False, 128, 4, 60, (_r("new", 0, 200, 120, 0.0, 0), _r("turn", 0, 40, 10, 0.0, 0, arrive=150)), stride=96
+    ),
+    "with preemption": dataclasses.replace(WINDOW_MIXES["with preemption"], stride=96),
+}
+
+
+@pytest.mark.parametrize("name", sorted(TAIL_MIXES))
+def test_requests_start_on_cached_tails(vllm_config, name):
+    """Each mix starts some request past a cached window, on blocks another request computed
+    after it, and every slot every request reads holds what that request would have computed."""
+    worker = run_mix(vllm_config, TAIL_MIXES[name])
+    assert not worker.violations, "\n".join(worker.violations[:10])
+    assert worker.tail_reads > 0, "no request started on a cached tail"
 
 
 @pytest.mark.parametrize("name", sorted(WINDOW_MIXES))

@@ -18,6 +18,7 @@ from vllm_kvevict.window import (
     pure_hit_limit,
     step_limit,
     step_window,
+    tail_end,
     window_bound_blocks,
 )
 
@@ -89,6 +90,20 @@ def test_pure_hit_limit_is_below_every_compaction(cfg, prompt_len, out):
     else:
         assert not firsts or limit <= firsts[0]
         assert limit % cfg.block_size == 0
+
+
+@given(cfg=configs("chunked"), k=st.integers(1, 20), qwin=st.sampled_from([0, 8, 64, 200]))
+def test_a_tail_is_never_rewritten(cfg, k, qwin):
+    """The tail of the window at a compaction point ``b`` (blocks computed after ``b``) lies wholly
+    below what the next compaction writes, ``[E(p), p)``, leaves a request starting at its end
+    ``qwin`` queries before ``p``, and is empty when the stride is ``W``."""
+    b, p = k * cfg.step, (k + 1) * cfg.step
+    end = tail_end(b, cfg, qwin)
+    assert b <= end <= p and end % cfg.block_size == 0
+    if end > b:
+        assert end <= evicted_tokens(p, p, cfg) and p - end >= qwin
+    if cfg.step <= cfg.window:
+        assert end == b
 
 
 def test_examples():

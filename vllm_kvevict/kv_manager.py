@@ -130,6 +130,8 @@ class _Attempt:
     fence: int | None = None
     #: compaction points scheduled whose windows wait to be cached (once their step has run)
     windows: list[int] = field(default_factory=list)
+    #: tokens up to which the blocks computed after compaction points (tails) have been cached
+    tails_done: int = 0
 
 
 class KVEvictManager(FullAttentionManager):
@@ -336,7 +338,7 @@ class KVEvictManager(FullAttentionManager):
         e = evicted_tokens(processed_computed_tokens, num_prompt_tokens, window)
         blocks = self.req_to_blocks.get(request_id)
         att = self._attempts.get(request_id)
-        if att is not None and att.windows:  # before the blocks of a window it has left go back
+        if att is not None and self.enable_caching:  # before the blocks of a window it has left go back
             self._cache_windows(request_id, att, processed_computed_tokens)
         if e <= 0 or blocks is None or att is None:
             return
@@ -376,7 +378,7 @@ class KVEvictManager(FullAttentionManager):
             return
         computed = min(request.num_computed_tokens, len(self.req_to_blocks.get(request_id, ())) * self.block_size)
         self._cache_pure(request, computed if att.fence is None else min(att.fence, computed))
-        if att.windows:
+        if self.enable_caching:
             self._cache_windows(request_id, att, vllm_kv_cache.processed_tokens(request))
 
     def _cache_windows(self, request_id: str, att: _Attempt, processed: int) -> None:
@@ -384,16 +386,49 @@ class KVEvictManager(FullAttentionManager):
         from then on their blocks are never written again (the next compaction writes
         ``[E(b) + stride, b + stride)``, above ``b`` since the stride is at least ``W``), and a
         request hitting them reads them in a later step. A window whose last tokens are not yet
-        known to the core (async scheduling) is dropped, as is one whose blocks are going back."""
-        ready = [b for b in att.windows if b <= processed]
-        if not ready:
-            return
-        att.windows = [b for b in att.windows if b > processed]
+        known to the core (async scheduling) is dropped, as is one whose blocks are going back.
+        Then the tails computed since (:meth:`_cache_tails`)."""
         st = ENGINE.get(request_id)
         if st is None or st.request is None:
             return
-        for b in ready:
-            self._cache_window(st.request, st.settings, b)
+        ready = [b for b in att.windows if b <= processed]
+        if ready:
+            att.windows = [b for b in att.windows if b > processed]
+            for b in ready:
+                self._cache_window(st.request, st.settings, b)
+        if st.settings.shares_tails:
+            self._cache_tails(st.request, st.settings, att, processed)
+
+    def _cache_tails(self, request, settings: RequestSettings, att: _Attempt, processed: int) -> None:
+        """Cache the request's own blocks computed after a compaction point ``b``, below its tail
+        end (``RequestSettings.tail_end``: no later compaction rewrites them), once their step has
+        run: their KV is a function of the window at ``b`` and the tokens up to them, keyed so
+        (``vllm_compat.kv_cache.tail_block_key``); a later request with that prefix and
+        configuration starts past the window on them (:meth:`window_hit`). Blocks it holds as a
+        hit are cached already."""
+        window, bs, hbs = settings.window, self.block_size, self.block_pool.hash_block_size
+        blocks = self.req_to_blocks.get(request.request_id, [])
+        known = min(processed, len(request.block_hashes) * hbs, len(blocks) * bs)
+        prompt = request.num_prompt_tokens
+        i = max(att.tails_done, first_boundary(window))
+        while i + bs <= known:
+            b = last_boundary(i if window.decode else min(i, prompt), window)
+            if i + bs > settings.tail_end(b):  # rewritten by the next compaction: on to its point
+                i = max(i + bs, b + window.step)
+                continue
+            blk = blocks[i // bs]
+            if not blk.is_null and blk.block_hash is None:
+                key = self._tail_key(request.block_hashes[(i + bs) // hbs - 1], settings, b)
+                if vllm_kv_cache.cached_block(self.block_pool, key) is None:
+                    vllm_kv_cache.cache_block(self.block_pool, key, blk)
+            i += bs
+        att.tails_done = max(att.tails_done, i)
+
+    def _tail_key(self, block_hash, settings: RequestSettings, b: int):
+        spec = self.kv_cache_spec
+        return vllm_kv_cache.tail_block_key(
+            spec.evict_hash_algo, block_hash, b, settings.window_salt, self.kv_cache_group_id
+        )
 
     def _cache_window(self, request, settings: RequestSettings, b: int) -> None:
         bs, hbs = self.block_size, self.block_pool.hash_block_size
@@ -418,8 +453,9 @@ class KVEvictManager(FullAttentionManager):
     def window_hit(self, request, num_tokens: int) -> tuple[list, int] | None:
         """The cached window the request may start on, beyond its pure hit of ``num_tokens``:
         the one at its last compaction point ``b`` below its known tokens whose every block is
-        still cached under the request's own prefix and configuration, as ``(blocks, b)`` (the
-        blocks: null for ``[0, E(b))``, then the window's). None when there is none."""
+        still cached under the request's own prefix and configuration, with the blocks of its
+        tail cached since (up to ``t``), as ``(blocks, t)`` (the blocks: null for ``[0, E(b))``,
+        then the window's, then the tail's). None when there is none."""
         st = self.state_of(request)
         st.window_hit = 0
         settings = st.settings
@@ -440,8 +476,18 @@ class KVEvictManager(FullAttentionManager):
                     break  # this window is not (wholly) cached: try the point before
                 blocks.append(blk)
             else:
-                st.window_hit = b
-                return [self.block_pool.null_block] * (e // bs) + blocks, b
+                t = b
+                if settings.shares_tails:
+                    end = min(settings.tail_end(b), top // bs * bs)
+                    while t + bs <= end:
+                        key = self._tail_key(request.block_hashes[(t + bs) // hbs - 1], settings, b)
+                        blk = vllm_kv_cache.cached_block(self.block_pool, key)
+                        if blk is None:
+                            break
+                        blocks.append(blk)
+                        t += bs
+                st.window_hit = t
+                return [self.block_pool.null_block] * (e // bs) + blocks, t
             b -= window.step
         return None
 

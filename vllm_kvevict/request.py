@@ -31,7 +31,7 @@ from typing import TYPE_CHECKING, Any
 
 from vllm_kvevict.config import KVEvictConfig, RecallConfig, request_config, request_overrides
 from vllm_kvevict.policies import Policy, PolicyParams, get_policy
-from vllm_kvevict.window import WindowConfig, admission_blocks
+from vllm_kvevict.window import WindowConfig, admission_blocks, tail_end
 
 if TYPE_CHECKING:
     import torch
@@ -86,6 +86,18 @@ class RequestSettings:
             and not self.config.recall.enabled
             and needs.window <= w.step
         )
+
+    @property
+    def shares_tails(self) -> bool:
+        """Whether the blocks this request computes after a compaction point, up to where its next
+        compaction writes (``window.tail_end``), are cached beside the window and a later request
+        may start past the window on them: a request that shares windows, whose policy keeps no
+        per-slot state (a tail token's state keeps changing with every later query)."""
+        return self.shares_windows and not self.policy.needs.state
+
+    def tail_end(self, b: int) -> int:
+        """The end of the tail of this request's window at compaction point ``b``."""
+        return tail_end(b, self.window, self.policy.needs.window)
 
     @cached_property
     def window_salt(self) -> str:

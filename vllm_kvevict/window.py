@@ -103,6 +103,17 @@ def first_boundary(cfg: WindowConfig) -> int:
     return round_up(cfg.budget + cfg.block_size, cfg.step)
 
 
+def tail_end(b: int, cfg: WindowConfig, query_window: int = 0) -> int:
+    """Where the *tail* of the window compacted at ``b`` ends: the blocks ``[b, tail_end)`` a
+    request computes after ``b`` that its next compaction (at ``p = b + stride``, writing
+    ``[p - W, p)``) never rewrites, and from which a request starting there still sees the
+    ``query_window`` queries its next compaction reads. Their KV is a function of the window and
+    the tokens up to them: cacheable beside the window (docs/architecture.md, "Compressed
+    windows"). Empty (``b``) when the stride is ``W``."""
+    p = b + cfg.step
+    return max(b, cfg.block_size * ((p - max(cfg.window, query_window)) // cfg.block_size))
+
+
 def pure_hit_limit(prompt_len: int, total_len: int, cfg: WindowConfig) -> int | None:
     """The most tokens of a pure prefix-cache hit a request may start on without changing what it
     computes: the ``E`` of its first compaction (``None``: it never compacts, any hit), for a

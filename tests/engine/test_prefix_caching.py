@@ -169,7 +169,8 @@ def test_hits_are_reused_by_evicting_requests(server, hf_model, vocab):
     """A second evicting request sharing less than the first compaction point gets the pure blocks
     (vLLM's own hit counter grows by them), starts its prefill after them, frees them at its first
     compaction, and equals the replay of what it kept; one sharing more starts on the window the
-    first request compacted at 512 (docs/architecture.md, "Compressed windows")."""
+    first request compacted at 512 and the tail it computed after it (docs/architecture.md,
+    "Compressed windows")."""
     _reset_cache(server)
     a = complete(server, _prompt(vocab, 900, 4, 50, 5), 16)
     before = server.metrics()
@@ -190,10 +191,14 @@ def test_hits_are_reused_by_evicting_requests(server, hf_model, vocab):
         assert all(len(h) == first - E1 for h in kept)
     rel = _released(server, c["id"])
     assert rel and int(rel[-1][2]) <= BOUND  # peak within the window bound
-    # sharing a's first 900 tokens: a's window at 512
+    # sharing a's first 900 tokens: a's window at 512, then the tail a computed after it (its
+    # blocks up to 928 = 1024 - 96, which a's next compaction would not have rewritten), as far as
+    # d's own tokens go: 896
     d = complete(server, _prompt(vocab, 900, 4, 30, 7), 16)
-    assert d["cached_tokens"] == CHUNK
-    assert server.metrics()["kvevict:compressed_hits_total"] - after.get("kvevict:compressed_hits_total", 0.0) == 1
+    assert d["cached_tokens"] == 896
+    now = server.metrics()
+    assert now["kvevict:compressed_hits_total"] - after.get("kvevict:compressed_hits_total", 0.0) == 1
+    assert now["kvevict:compressed_hit_tokens_total"] - after.get("kvevict:compressed_hit_tokens_total", 0.0) == 896
     check_against_reference(hf_model, d, load_attempts(server.dump_dir))
     assert a["tokens"] is not None
 

@@ -11,6 +11,7 @@ import torch
 
 from vllm_kvevict import envs
 from vllm_kvevict.vllm_compat import distributed as vllm_distributed
+from vllm_kvevict.window import last_boundary
 
 
 def _write(records: list[dict]) -> None:
@@ -48,11 +49,18 @@ def dump_kept(plan, rows: list[int], layer: int, kept: list[torch.Tensor], heads
     )
 
 
+def _window_start(plan, r: int, block_size: int) -> dict:
+    window, L = plan.states[r].settings.window, plan.L_prev[r]
+    b = last_boundary(L if window.decode else min(L, plan.prompt_lens[r]), window)
+    return {"window_point": b, "window_blocks": _blocks(plan, r, plan.e_prev[r], b, block_size)}
+
+
 def dump_starts(plan, step, block_size: int) -> None:
     """A request's first step (also after preemption, when vLLM recomputes it), which may start
     on a prefix-cache hit (``shared`` tokens): pure blocks, or a cached compacted window
-    (``window_blocks``, the physical blocks of ``[e_prev, shared)``, which the compaction that
-    made them recorded as its ``blocks``)."""
+    (``window_point`` ``b`` and ``window_blocks``, the physical blocks of ``[e_prev, b)``, which
+    the compaction that made them recorded as its ``blocks``), with the blocks of its tail up to
+    ``shared``."""
     if step is None or step.dummy:
         return
     rank = vllm_distributed.tensor_parallel()[0]
@@ -64,11 +72,7 @@ def dump_starts(plan, step, block_size: int) -> None:
                 "num_tokens": step.num_tokens[r],
                 "rank": rank,
                 "shared": plan.L_prev[r],
-                **(
-                    {"window_blocks": _blocks(plan, r, plan.e_prev[r], plan.L_prev[r], block_size)}
-                    if plan.e_prev[r]
-                    else {}
-                ),
+                **(_window_start(plan, r, block_size) if plan.e_prev[r] else {}),
             }
             for r in range(len(plan.seq_lens))
             if plan.req_ids[r] in step.starts

@@ -248,21 +248,8 @@ def evict_step(
             if w.compact and w.keep_evicted and w.row in kept_tok:
                 evicted[w.row] = _dropped(w.row, i, bounds, kept_tok, row_scores, K_all, V_all, pos_all, state_all)
     if out:
-        _write_kept(
-            plan,
-            geo,
-            kept_tok,
-            merged,
-            K_all,
-            V_all,
-            pos_all,
-            block_size,
-            write,
-            slot_pos,
-            slot_state,
-            state_all,
-            views,
-        )
+        src = (K_all, V_all, pos_all, state_all)
+        _write_kept(plan, geo, kept_tok, merged, src, (block_size, write, slot_pos, slot_state, views))
     return [torch_ops.per_head(pos_all, kept_tok[r]) for r in out]
 
 
@@ -325,25 +312,13 @@ def _packed(bounds: list[int], idxs: list[int], device) -> tuple[torch.Tensor | 
     return tok, cu
 
 
-def _write_kept(
-    plan,
-    geo: Geometry,
-    kept_tok,
-    merged,
-    K_all,
-    V_all,
-    pos_all,
-    block_size,
-    write,
-    slot_pos,
-    slot_state,
-    state_all,
-    views,
-) -> None:
+def _write_kept(plan, geo: Geometry, kept_tok, merged, src: tuple, dst: tuple) -> None:
     """Write each row's kept tokens, in order, into its logical tokens ``[e_new, L)``, with their
-    positions and per-slot state (``state_all``: every state of the packed tokens, whichever policy
-    owns it). Everything is read (``K_all``, ``pos_all``, the state) before anything is written, so
-    overlapping source and destination are safe."""
+    positions and per-slot state. ``src``: the packed tokens' ``(K, V, positions, state)`` (every
+    state, whichever policy owns it); ``dst``: ``(block_size, write, slot_pos, slot_state, views)``.
+    Everything is read before anything is written, so overlapping source and destination are safe."""
+    K_all, V_all, pos_all, state_all = src
+    block_size, write, slot_pos, slot_state, views = dst
     dev, out = plan.block_table.device, geo.out
     idx = torch.cat([kept_tok[r] for r in out])  # [sum keep, H], into the packed tokens
     idx_kv, K_src, V_src = idx, K_all, V_all

@@ -165,9 +165,9 @@ def needle_conversations(tokenizer, conversations: int, turns: int, user_len: in
     return out
 
 
-def needle_chat(srv, convs: list[dict], answer_len: int, question_len: int = 32) -> dict:
-    """Run the conversations concurrently, each turn resending the whole chat (its answers
-    included); the score is the share of last answers that contain the number."""
+def needle_chat(srv, convs: list[dict], answer_len: int, concurrency: int, question_len: int = 32) -> dict:
+    """Run the conversations, ``concurrency`` at a time, each turn resending the whole chat (its
+    answers included); the score is the share of last answers that contain the number."""
     from openai import OpenAI
 
     client = OpenAI(base_url=srv.base_url + "/v1", api_key="unused", max_retries=0, timeout=3600)
@@ -195,7 +195,7 @@ def needle_chat(srv, convs: list[dict], answer_len: int, question_len: int = 32)
         }
 
     before = metrics(srv.base_url)
-    with ThreadPoolExecutor(len(convs)) as pool:
+    with ThreadPoolExecutor(concurrency) as pool:
         rows = list(pool.map(conversation, convs))
     return {
         "score": statistics.mean(r["score"] for r in rows),
@@ -313,7 +313,7 @@ def run_prefix(
 ) -> dict:
     """Both workloads on every server, and the multi-turn needle on stock and kvevict (when
     ``needle_conversations_n``: that many conversations of ``turns`` turns, ``needle_user_len``
-    tokens of text per user turn). ``stride``: the kvevict servers' compaction stride (None: the
+    tokens of text per user turn, ``conversations`` at a time). ``stride``: the kvevict servers' compaction stride (None: the
     default, the budget). ``servers``: which of :data:`SERVERS` to run (stock always)."""
     unknown = set(servers) - set(SERVERS)
     if unknown:
@@ -348,7 +348,7 @@ def run_prefix(
             if bar is not None:
                 bar.update(1)
             if needles and spec.name in ("stock", "kvevict"):
-                res["needle"] = needle_chat(srv, needles, turn_output_len)
+                res["needle"] = needle_chat(srv, needles, turn_output_len, conversations)
             if spec.policy is not None:  # every request within its window bound (both workloads)
                 res["windows"] = window_peaks(srv.log())
             results[spec.name] = res

@@ -64,10 +64,11 @@ def load_attempts(dump_dir: str | Path) -> dict[str, list[Attempt]]:
 
 
 def _window_history(made: dict, rec: dict) -> Events:
-    """An attempt that starts on a cached compacted window at ``b`` (its ``shared`` tokens) runs on
-    what the compactions of the request that made the window kept: that request's events up to
-    ``b`` (found by the window's physical blocks, which its compaction at ``b`` recorded)."""
-    b = rec["shared"]
+    """An attempt that starts on a cached compacted window at ``b`` (``window_point``; its
+    ``shared`` tokens may go on into the window's tail) runs on what the compactions of the
+    request that made the window kept: that request's events up to ``b`` (found by the window's
+    physical blocks, which its compaction at ``b`` recorded)."""
+    b = rec.get("window_point", rec["shared"])
     donor = made.get((b, tuple(rec["window_blocks"])))
     if donor is None:
         raise ValueError(f"{rec['req_id']} starts on a cached window at {b} that no recorded compaction made")

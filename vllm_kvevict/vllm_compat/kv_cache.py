@@ -63,6 +63,18 @@ def window_block_keys(hash_algo: str, prefix_hash, salt: str, n: int, group_id: 
     )
 
 
+def tail_block_key(hash_algo: str, block_hash, b: int, salt: str, group_id: int):
+    """The prefix-cache key of a block computed after the compaction at ``b`` (a window's tail):
+    vLLM's block hash chained on the pure hash of the token prefix through that block, with ``b``
+    as its "tokens" and the eviction configuration as extra keys (its KV is a function of the
+    window at ``b`` and the tokens up to it); with the KV cache group, as vLLM keys its map."""
+    from vllm.utils.hashing import get_hash_fn_by_name
+    from vllm.v1.core.kv_cache_utils import hash_block_tokens, make_block_hash_with_group_id
+
+    fn = get_hash_fn_by_name(hash_algo)
+    return make_block_hash_with_group_id(hash_block_tokens(fn, block_hash, (b,), ("kvevict-tail", salt)), group_id)
+
+
 def cache_block(block_pool, key, block) -> None:
     """Enter ``block`` in vLLM's prefix cache under ``key`` (``BlockPool._insert_block_hash``, 0.32
     and 0.33: the block takes the hash, the map gains it; vLLM's LRU evicts it as any cached block)."""
