@@ -418,13 +418,15 @@ class KVEvictManager(FullAttentionManager):
                 continue
             blk = blocks[i // bs]
             if not blk.is_null and blk.block_hash is None:
-                key = self._tail_key(request.block_hashes[(i + bs) // hbs - 1], settings, b)
+                key = self._tail_key(request, settings, b, i)
                 if vllm_kv_cache.cached_block(self.block_pool, key) is None:
                     vllm_kv_cache.cache_block(self.block_pool, key, blk)
             i += bs
         att.tails_done = max(att.tails_done, i)
 
-    def _tail_key(self, block_hash, settings: RequestSettings, b: int):
+    def _tail_key(self, request, settings: RequestSettings, b: int, i: int):
+        """The key of the request's block starting at token ``i``, in the tail of its window at ``b``."""
+        block_hash = request.block_hashes[(i + self.block_size) // self.block_pool.hash_block_size - 1]
         spec = self.kv_cache_spec
         return vllm_kv_cache.tail_block_key(
             spec.evict_hash_algo, block_hash, b, settings.window_salt, self.kv_cache_group_id
@@ -480,8 +482,7 @@ class KVEvictManager(FullAttentionManager):
                 if settings.shares_tails:
                     end = min(settings.tail_end(b), top // bs * bs)
                     while t + bs <= end:
-                        key = self._tail_key(request.block_hashes[(t + bs) // hbs - 1], settings, b)
-                        blk = vllm_kv_cache.cached_block(self.block_pool, key)
+                        blk = vllm_kv_cache.cached_block(self.block_pool, self._tail_key(request, settings, b, t))
                         if blk is None:
                             break
                         blocks.append(blk)

@@ -92,8 +92,9 @@ class RequestSettings:
         """Whether the blocks this request computes after a compaction point, up to where its next
         compaction writes (``window.tail_end``), are cached beside the window and a later request
         may start past the window on them: a request that shares windows, whose policy keeps no
-        per-slot state (a tail token's state keeps changing with every later query)."""
-        return self.shares_windows and not self.policy.needs.state
+        per-slot state (a tail token's state keeps changing with every later query), and whose
+        tails are not empty (a stride at least a block above ``W`` and the query window)."""
+        return self.shares_windows and not self.policy.needs.state and self.tail_end(0) > 0
 
     def tail_end(self, b: int) -> int:
         """The end of the tail of this request's window at compaction point ``b``."""

@@ -150,6 +150,19 @@ class KVEvictBuilderMixin:
         return self.kvevict_metadata.of(super().build(common_prefix_len, cm, fast_build, **kwargs), plan)
 
 
+def _slots(plan, ranges: tuple[tuple[int, int, int], ...], block_size: int) -> torch.Tensor:
+    """The physical slots of logical tokens ``[start, end)`` of each ``(row, start, end)``, packed;
+    computed by the step's first layer that asks and kept on the plan for the others."""
+    key = ("slots", block_size, ranges)
+    slots = plan.memo.get(key)
+    if slots is None:
+        dev = plan.block_table.device
+        rows, starts, ends = (torch.tensor(col, device=dev) for col in zip(*ranges))
+        blocks, offs, _ = torch_ops.logical_tokens(plan.block_table, rows, starts, ends, block_size)
+        slots = plan.memo[key] = blocks * block_size + offs
+    return slots
+
+
 class KVEvictImplMixin(RecallMixin):
     """Mixed into vLLM's attention impls: attention over the window, then compaction."""
 
@@ -253,11 +266,7 @@ class KVEvictImplMixin(RecallMixin):
                 continue
             ls = self._layer_state(plan, r, layer)
             if ls.window_state is None and plan.req_ids[r] in plan.starts and plan.e_prev[r] > 0:
-                e, b, bs, dev = plan.e_prev[r], plan.L_prev[r], kv_cache.shape[2], plan.block_table.device
-                blocks, offs, _ = torch_ops.logical_tokens(
-                    plan.block_table, *(torch.tensor([x], device=dev) for x in (r, e, b)), bs
-                )
-                slots = blocks * bs + offs
+                slots = _slots(plan, ((r, plan.e_prev[r], plan.L_prev[r]),), kv_cache.shape[2])
                 ls.window_state = {
                     k: self._state(kv_cache, k, dtype, init, snapshot=True)[slots].clone()
                     for k, (dtype, init) in needs.state.items()
@@ -279,15 +288,7 @@ class KVEvictImplMixin(RecallMixin):
         rows = [w for w in rows if plan.states[w.row].settings.shares_windows]
         if not rows:
             return
-        bs, dev = kv_cache.shape[2], plan.block_table.device
-        blocks, offs, _ = torch_ops.logical_tokens(
-            plan.block_table,
-            torch.tensor([w.row for w in rows], device=dev),
-            torch.tensor([plan.e_new[w.row] for w in rows], device=dev),
-            torch.tensor([plan.seq_lens[w.row] for w in rows], device=dev),
-            bs,
-        )
-        slots = blocks * bs + offs
+        slots = _slots(plan, tuple((w.row, plan.e_new[w.row], plan.seq_lens[w.row]) for w in rows), kv_cache.shape[2])
         for k, (dtype, init) in {k: v for w in rows for k, v in w.policy.needs.state.items()}.items():
             self._state(kv_cache, k, dtype, init, snapshot=True)[slots] = self._kvevict_slot_state[k][slots]
 

@@ -157,9 +157,10 @@ def evict_step(
     else:
         K_all, V_all = gather(geo.blocks, geo.offsets)  # [N, H, D]
     pos_all = slot_pos[slots_all]  # [N, H]
+    overlays = overlays or {}
     state_all = {k: s[slots_all] for k, s in slot_state.items()}  # [N, H] each, overlays applied
     for i, w in enumerate(work):
-        for k, t in (overlays or {}).get(w.row, {}).items():
+        for k, t in overlays.get(w.row, {}).items():
             state_all[k][bounds[i] : bounds[i] + t.shape[0]] = t
     kept_tok: dict[int, torch.Tensor] = {}  # row -> [keep, H] indices into the packed tokens
     row_scores: dict[int, torch.Tensor] = {}  # row -> [n, H] the scores it was selected by
@@ -236,7 +237,7 @@ def evict_step(
     # cache and the per-slot state as they were, so the step can be retried row by row.
     for i, state in observed:  # before the compaction below, which moves the state from state_all
         lo, hi = bounds[i], bounds[i + 1]
-        own = (overlays or {}).get(work[i].row, {})
+        own = overlays.get(work[i].row, {})
         for k in state:
             new = state[k].transpose(0, 1).to(slot_state[k].dtype)
             state_all[k][lo:hi] = new

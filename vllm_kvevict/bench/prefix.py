@@ -313,8 +313,9 @@ def run_prefix(
 ) -> dict:
     """Both workloads on every server, and the multi-turn needle on stock and kvevict (when
     ``needle_conversations_n``: that many conversations of ``turns`` turns, ``needle_user_len``
-    tokens of text per user turn, ``conversations`` at a time). ``stride``: the kvevict servers' compaction stride (None: the
-    default, the budget). ``servers``: which of :data:`SERVERS` to run (stock always)."""
+    tokens of text per user turn, ``conversations`` at a time). ``stride``: the kvevict servers'
+    compaction stride (None: the default, the budget). ``servers``: which of :data:`SERVERS` to
+    run (stock always)."""
     unknown = set(servers) - set(SERVERS)
     if unknown:
         raise ValueError(f"unknown servers {sorted(unknown)}: choose from {', '.join(SERVERS)}")

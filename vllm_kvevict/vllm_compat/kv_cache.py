@@ -46,33 +46,34 @@ def register_spec(spec_cls: type, manager_cls: type) -> None:
     KVCacheSpecRegistry.register(spec_cls, manager_cls, uniform_type_base_spec=FullAttentionSpec)
 
 
-def window_block_keys(hash_algo: str, prefix_hash, salt: str, n: int, group_id: int) -> Iterator:
-    """The prefix-cache keys of a compacted window's ``n`` blocks, in order (lazily: a lookup stops
-    at the first block not cached): vLLM's own block hash
-    (``hash_block_tokens`` with the server's ``prefix_caching_hash_algo``) chained on the hash of
-    the token prefix the window was compacted from, with the block's index in the window as its
-    "tokens" and the eviction configuration as extra keys, so it can equal no pure block's hash and
-    no other configuration's window; with the KV cache group, as vLLM keys its map."""
+def _keyed(hash_algo: str, group_id: int):
+    """``key(parent, tokens, extra)``: vLLM's own block hash (``hash_block_tokens`` with the
+    server's ``prefix_caching_hash_algo``) with the KV cache group, as vLLM keys its map."""
     from vllm.utils.hashing import get_hash_fn_by_name
     from vllm.v1.core.kv_cache_utils import hash_block_tokens, make_block_hash_with_group_id
 
     fn = get_hash_fn_by_name(hash_algo)
-    return (
-        make_block_hash_with_group_id(hash_block_tokens(fn, prefix_hash, (j,), ("kvevict-window", salt)), group_id)
-        for j in range(n)
+    return lambda parent, tokens, extra: make_block_hash_with_group_id(
+        hash_block_tokens(fn, parent, tokens, extra), group_id
     )
+
+
+def window_block_keys(hash_algo: str, prefix_hash, salt: str, n: int, group_id: int) -> Iterator:
+    """The prefix-cache keys of a compacted window's ``n`` blocks, in order (lazily: a lookup stops
+    at the first block not cached): vLLM's block hash chained on the hash of the token prefix the
+    window was compacted from, with the block's index in the window as its "tokens" and the
+    eviction configuration as extra keys, so it can equal no pure block's hash and no other
+    configuration's window."""
+    key = _keyed(hash_algo, group_id)
+    return (key(prefix_hash, (j,), ("kvevict-window", salt)) for j in range(n))
 
 
 def tail_block_key(hash_algo: str, block_hash, b: int, salt: str, group_id: int):
     """The prefix-cache key of a block computed after the compaction at ``b`` (a window's tail):
     vLLM's block hash chained on the pure hash of the token prefix through that block, with ``b``
     as its "tokens" and the eviction configuration as extra keys (its KV is a function of the
-    window at ``b`` and the tokens up to it); with the KV cache group, as vLLM keys its map."""
-    from vllm.utils.hashing import get_hash_fn_by_name
-    from vllm.v1.core.kv_cache_utils import hash_block_tokens, make_block_hash_with_group_id
-
-    fn = get_hash_fn_by_name(hash_algo)
-    return make_block_hash_with_group_id(hash_block_tokens(fn, block_hash, (b,), ("kvevict-tail", salt)), group_id)
+    window at ``b`` and the tokens up to it)."""
+    return _keyed(hash_algo, group_id)(block_hash, (b,), ("kvevict-tail", salt))
 
 
 def cache_block(block_pool, key, block) -> None:
