@@ -149,6 +149,9 @@ class StandInWorker:
         self.step_seq = 0
         self.hash_stamp: dict[int, tuple[object, int]] = {}  # block id -> (its hash, step it was hashed in)
         self.compactions = 0
+        self.copies = 0  # blocks copied by vLLM's kv_cache_block_copies
+        self.copied_starts = 0  # attempts that started on a hit holding copies of cached blocks
+        self.preemptions = 0
         self.hit_reads = 0
         self.window_reads = 0  # attempts that started on a cached compacted window
         self.windows: dict[bytes, tuple[bytes, str, int]] = {}  # window block hash -> (prefix, salt, first slot)
@@ -193,6 +196,14 @@ class StandInWorker:
                 self.seen_by_core.discard(rid)
             elif ids is not None:
                 self.attempts[rid].blocks.extend(ids[0])
+        # vLLM's block copies, before the step's forward (every source computed in an earlier step)
+        copies = [(c.src_block_id, c.dst_block_id) for c in out.kv_cache_block_copies or ()]
+        labels = [[self.slots.get((src, o)) for o in range(BS)] for src, _ in copies]
+        for (_, dst), got in zip(copies, labels):
+            for o in range(BS):
+                self._write(dst, o, got[o])
+        self.copies += len(copies)
+        copied = {dst for _, dst in copies}
         computed = {n.req_id: n.num_computed_tokens for n in out.scheduled_new_reqs}
         computed.update(zip(cached.req_ids, cached.num_computed_tokens))
         rids = list(out.num_scheduled_tokens)
@@ -230,6 +241,7 @@ class StandInWorker:
             if L - 1 > L0 and step_window(L0, L - 1, len(self.prompts[rid]), window).compacts:
                 self._fail(f"{rid}: the step [{L0}, {L}) crosses a compaction point")
             if rid in starts and L0:
+                self.copied_starts += any(att.blocks[q // BS] in copied for q in range(0, L0, BS))
                 if e_prev:  # a cached compacted window at b: what the same request compacted at b,
                     self.window_reads += 1  # then its tail: what it computed after b up to L0
                     settings = plan.states[r].settings
@@ -301,6 +313,7 @@ class StandInWorker:
             if ids is not None:
                 skip = cached.num_computed_tokens[i] // BS if rid in cached.resumed_req_ids else 0
                 fresh += ids[0][skip:]
+        fresh += [c.dst_block_id for c in out.kv_cache_block_copies or ()]
         for block in fresh:
             self.hash_stamp.pop(block, None)
 
@@ -482,7 +495,7 @@ def run_mix(make_config, mix: Mix) -> StandInWorker:
         for b in range(w.step, len(req.block_hashes) * BS + 1, w.step):  # and their tails'
             if evicted_tokens(b, b, w) == 0 or not settings.shares_tails:
                 continue
-            for i in range(b, min(settings.tail_end(b), len(req.block_hashes) * BS), BS):
+            for i in range(b, min(settings.hit_end(b + w.step), len(req.block_hashes) * BS), BS):
                 key = tail_block_key("sha256", req.block_hashes[(i + BS) // BS - 1], b, settings.window_salt, 0)
                 labels = tuple(("after", ds[b - 1], settings.window_salt, ds[q]) for q in range(i, i + BS))
                 worker.tails[bytes(get_block_hash(key))] = labels
@@ -536,6 +549,7 @@ def run_mix(make_config, mix: Mix) -> StandInWorker:
                 if rid in processed and rid not in out.scheduled_cached_reqs.resumed_req_ids:
                     worker.core_allocates(rid, processed[rid])
             for rid in out.preempted_req_ids or ():
+                worker.preemptions += 1
                 if worker.compacted_unseen(rid):
                     worker.paths.add("preempted before the core saw it compact")
             worker.allocated(out)
@@ -598,11 +612,11 @@ PATHS = {
         False, 256, 4, 60, (_r("doc0", 80, 16, 1, 1.0, 0), _r("doc0", 200, 20, 3, 0.0, 3, arrive=3))
     ),
     "aborted before the core saw it compact": Mix(
-        False, 256, 4, 60, (_r("doc0", 112, 16, 1, 0.0, 0, abort=2), _r("doc0", 200, 20, 3, 0.0, 3, arrive=1))
+        False, 256, 4, 60, (_r("doc0", 112, 16, 1, 0.0, 0, abort=3), _r("doc0", 200, 20, 3, 0.0, 3, arrive=1))
     ),
-    # r1's two-step prefill (96 tokens, stride 48) compacts at its end in step 17, when r0 (eviction
-    # off, 11 blocks) and r1 (6 blocks) fill the 17-block pool; in step 18 r0 decodes into a new
-    # block, so FCFS preempts r1 before it is scheduled again
+    # r1's prefill (96 tokens, stride 48; cut at 80, where its first compaction's blocks are copied
+    # aside) compacts at its end while r0 (eviction off, 11 blocks) and r1 fill the 17-block pool;
+    # in the next step r0 decodes into a new block, so FCFS preempts r1 before it is scheduled again
     "preempted before the core saw it compact": Mix(
         False,
         256,
@@ -610,7 +624,7 @@ PATHS = {
         18,
         (
             _r("new", 0, 160, 100, 0.0, 3),
-            _r("doc0", 80, 16, 20, 0.0, 0, arrive=16),
+            _r("doc0", 80, 16, 20, 0.0, 0, arrive=15),
             _r("doc0", 96, 30, 2, 0.0, 3, arrive=40),
         ),
     ),
@@ -623,6 +637,28 @@ PATHS.update(
         if not k.startswith("preempted")
     }
 )
+
+
+#: Mixes a longer exploration found (``SCHEDULE_EXAMPLES=2000``), kept so that every run has them.
+FOUND = {
+    # r1 (CriticalKV, ``once``: it compacts at the end of its 240-token prompt) is preempted after
+    # its prefill and resumes with one generated token to recompute: its step must stop at 240
+    # (``window.step_limit``), not compact over [192, 241) at once
+    "a resumed once request reaches its prompt's end at a step's end": Mix(
+        True,
+        64,
+        2,
+        24,
+        (_r("doc0", 16, 193, 1, 0.0, 0), _r("doc0", 40, 200, 2, 0.0, 5), _r("doc0", 16, 1, 1, 0.0, 0)),
+        reserve_full_isl=False,
+    ),
+}
+
+
+@pytest.mark.parametrize("name", sorted(FOUND))
+def test_found_mixes(vllm_config, name):
+    worker = run_mix(vllm_config, FOUND[name])
+    assert not worker.violations, "\n".join(worker.violations[:10])
 
 
 @pytest.mark.parametrize("path", sorted(PATHS))
@@ -705,6 +741,61 @@ TAIL_MIXES = {
     ),
     "with preemption": dataclasses.replace(WINDOW_MIXES["with preemption"], stride=96),
 }
+
+
+#: The default stride (W = 48): a compaction at p rewrites [p - 48, p); the blocks before
+#: hit_end(p) = p - 16 are copied aside first (the step reaching p starts there) and cached, and a
+#: later request that starts on them gets its own copies (its next compaction rewrites them).
+COPY_MIXES = {
+    # r0 (440 tokens) compacts at 432: [384, 416) is copied aside as the tail of the window at 384;
+    # r1 starts on that window and the tail block [384, 400) that its document shares
+    "shared document": Mix(
+        False, 256, 4, 60, (_r("doc0", 400, 40, 5, 0.0, 0), _r("doc0", 400, 30, 5, 0.0, 0, arrive=30))
+    ),
+    "shared document (async)": Mix(
+        True, 256, 4, 60, (_r("doc0", 400, 40, 5, 0.0, 0), _r("doc0", 400, 30, 5, 0.0, 0, arrive=30))
+    ),
+    # r0 compacts first at 96 (E1 = 48): [48, 80) is copied aside as pure blocks; r1 (a 90-token
+    # document) starts on the pure hit [0, 80), past E1, with its own copies of [48, 80)
+    "pure hit past the first compaction": Mix(
+        False, 256, 4, 60, (_r("doc0", 90, 30, 5, 0.0, 0), _r("doc0", 90, 20, 5, 0.0, 0, arrive=6))
+    ),
+    # r1 looks up while r0 caches [0, 96) as it is computed (eviction off): no copy reads a block
+    # that the step being scheduled computes
+    "hit on blocks being computed": Mix(
+        True,
+        256,
+        4,
+        60,
+        (_r("doc0", 200, 30, 5, 0.0, 3), _r("doc0", 90, 20, 5, 0.0, 0), _r("doc0", 90, 20, 5, 0.0, 0, arrive=1)),
+    ),
+    # a pool of 20 blocks: a request is preempted and starts again on copies
+    "with preemption": Mix(
+        False,
+        64,
+        4,
+        20,
+        (
+            _r("doc0", 400, 40, 40, 0.0, 0),
+            _r("doc0", 400, 30, 40, 0.0, 0, arrive=20),
+            _r("doc0", 400, 20, 40, 0.0, 0, arrive=20),
+            _r("turn", 0, 20, 40, 0.0, 0, arrive=40),
+        ),
+    ),
+}
+
+
+@pytest.mark.parametrize("name", sorted(COPY_MIXES))
+def test_requests_start_on_copied_blocks(vllm_config, name):
+    """Blocks a compaction rewrites are copied aside and cached; requests start on them with
+    their own copies; every slot every request reads holds what it would have computed, and no
+    request writes a cached block."""
+    worker = run_mix(vllm_config, COPY_MIXES[name])
+    assert not worker.violations, "\n".join(worker.violations[:10])
+    if name != "hit on blocks being computed":
+        assert worker.copied_starts > 0, "no request started on copies"
+    if name == "with preemption":
+        assert worker.preemptions > 0, "no request was preempted"
 
 
 @pytest.mark.parametrize("name", sorted(TAIL_MIXES))

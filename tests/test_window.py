@@ -12,8 +12,11 @@ from hypothesis import strategies as st
 
 from vllm_kvevict.window import (
     WindowConfig,
+    copy_range,
     evicted_tokens,
     first_boundary,
+    hit_end,
+    next_point,
     peak_blocks,
     pure_hit_limit,
     step_limit,
@@ -60,18 +63,28 @@ def test_chunked_compacts_only_at_boundaries(cfg, prompt_len):
             assert L - e <= W + S
 
 
-@given(cfg=configs("chunked"), prompt_len=st.integers(1, 800), data=st.data())
-def test_window_does_not_depend_on_the_chunks(cfg, prompt_len, data):
+@given(
+    cfg=configs("chunked"),
+    prompt_len=st.integers(1, 800),
+    saves=st.sampled_from([None, 0, 8, 64]),
+    data=st.data(),
+)
+def test_window_does_not_depend_on_the_chunks(cfg, prompt_len, saves, data):
     """Steps cut at step_limit() never cross a compaction point: a request compacts at the same
-    points whatever chunks the scheduler cuts (every L at which E moves is reached by some step)."""
+    points whatever chunks the scheduler cuts (every L at which E moves is reached by some step).
+    With ``saves`` (a request whose tails are cached), the step that reaches a point ``p`` starts
+    at ``hit_end(p)`` or later, so the blocks ``[E(p), hit_end(p))`` are complete before it."""
     L, points, total = 0, [], prompt_len + 200
     while L < total:
         n = data.draw(st.integers(1, 400))
-        limit = step_limit(L, prompt_len, cfg)
+        limit = step_limit(L, prompt_len, cfg, saves)
         n = min(n, total - L, limit if limit is not None else n)
         s = step_window(L, L + n, prompt_len, cfg)
         if s.compacts:
             points.append(s.L)
+            if saves is not None:
+                cut = hit_end(s.L, cfg, saves)
+                assert L >= cut or s.e_new >= cut
         L += n
     expected = [
         x for x in range(1, total + 1) if evicted_tokens(x, prompt_len, cfg) > evicted_tokens(x - 1, prompt_len, cfg)
@@ -106,6 +119,30 @@ def test_a_tail_is_never_rewritten(cfg, k, qwin):
         assert end == b
 
 
+@given(cfg=configs("chunked"), hit_blocks=st.integers(0, 40), out=st.integers(0, 300), qwin=st.sampled_from([0, 8, 64]))
+def test_a_hit_copies_what_its_next_compaction_rewrites(cfg, hit_blocks, out, qwin):
+    """``copy_range`` of a hit: exactly the hit's tokens that the request's next compaction writes
+    (``[E(p), p)``), none when it never compacts again; a hit up to ``hit_end`` still computes the
+    last block before that compaction and the queries it reads."""
+    prompt = 800
+    hit = min(hit_blocks * cfg.block_size, prompt - 1) // cfg.block_size * cfg.block_size
+    lo, hi = copy_range(hit, prompt, prompt + out, cfg)
+    later = [
+        L
+        for L in range(hit + 1, prompt + out + 1)
+        if evicted_tokens(L, prompt, cfg) > evicted_tokens(L - 1, prompt, cfg)
+    ]
+    if not later:
+        assert (lo, hi) == (0, 0)
+        return
+    p = later[0]
+    assert p == next_point(hit, cfg)
+    e = evicted_tokens(p, prompt, cfg)
+    assert (lo, hi) == ((e, hit) if hit > e else (0, 0))
+    end = hit_end(p, cfg, qwin)
+    assert end % cfg.block_size == 0 and p - end >= max(cfg.block_size, qwin)
+
+
 def test_examples():
     cfg = WindowConfig(budget=256, block_size=32)  # stride W = 256
     assert cfg.step == cfg.window == 256 and first_boundary(cfg) == 512
@@ -115,7 +152,7 @@ def test_examples():
     assert [step_limit(L, 1000, odd) for L in (0, 1, 63, 64, 1000)] == [64, 63, 1, 64, 24]
     once = WindowConfig(budget=256, block_size=32, trigger="once")
     assert [evicted_tokens(L, 1000, once) for L in (999, 1000, 5000)] == [0, 736, 736]
-    assert step_limit(10, 1000, once) is None
+    assert step_limit(10, 1000, once) == 990 and step_limit(1000, 1000, once) is None
     no_decode = WindowConfig(budget=256, block_size=32, decode=False)
     assert evicted_tokens(2000, 1000, no_decode) == 512  # the last boundary inside the prompt: 768
     assert step_limit(1000, 1000, no_decode) is None
@@ -123,6 +160,12 @@ def test_examples():
     assert pure_hit_limit(3000, 3100, cfg) == 256
     assert pure_hit_limit(300, 400, cfg) is None  # never reaches its first compaction point
     assert pure_hit_limit(1000, 1100, once) == 736
+    # copies: a hit of 480 (pure) copies [256, 480) before the compaction at 512; a step from 0
+    # stops at hit_end(512) = 480 so that those blocks are complete before the step reaching 512
+    assert hit_end(512, cfg) == 480 and hit_end(512, cfg, 64) == 448
+    assert copy_range(480, 1000, 1100, cfg) == (256, 480) and copy_range(480, 500, 500, cfg) == (0, 0)
+    assert copy_range(512, 1000, 1100, cfg) == (0, 0)  # a window hit at a point: nothing rewritten
+    assert [step_limit(L, 1000, cfg, 0) for L in (0, 256, 479, 480, 512, 735, 736)] == [256, 224, 1, 32, 224, 1, 32]
     with pytest.raises(ValueError, match="stride"):
         WindowConfig(budget=100, block_size=32, stride=48)
     with pytest.raises(ValueError):

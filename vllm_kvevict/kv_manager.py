@@ -20,6 +20,11 @@ This holds whatever happens between a step and the core's next look at the reque
 is aborted or preempted, or sits out rounds; async scheduling). A prefix-cache hit is held
 read-only, and only up to the ``E`` of its first compaction (``window.pure_hit_limit``), which
 frees it: the request computes what it would have computed without the hit.
+
+Compressed windows (docs/architecture.md, "Compressed windows"): the window a request holds after
+each compaction point is cached once that step has run, with the blocks it computes after it
+(tails); the blocks a compaction rewrites are copied aside before it and cached, and a request
+that starts on such blocks gets its own copies (vLLM's copy-on-write, ``kv_cache_block_copies``).
 """
 
 from __future__ import annotations
@@ -36,6 +41,7 @@ from vllm_kvevict.vllm_compat import kv_cache as vllm_kv_cache
 from vllm_kvevict.vllm_compat.kv_cache import FullAttentionManager, FullAttentionSpec
 from vllm_kvevict.window import (
     WindowConfig,
+    copy_range,
     evicted_tokens,
     first_boundary,
     last_boundary,
@@ -132,6 +138,9 @@ class _Attempt:
     windows: list[int] = field(default_factory=list)
     #: tokens up to which the blocks computed after compaction points (tails) have been cached
     tails_done: int = 0
+    #: copies of blocks the compaction at ``p`` rewrites, waiting for that step to run:
+    #: ``(p, first token of the block, the copy)`` (the manager holds one reference to each copy)
+    saves: list[tuple[int, int, object]] = field(default_factory=list)
 
 
 class KVEvictManager(FullAttentionManager):
@@ -149,6 +158,12 @@ class KVEvictManager(FullAttentionManager):
         self.pool_peak_used = 0
         self._in_free = False
         self._popped: _Attempt | None = None
+        #: whether blocks are copied (hits that a compaction would rewrite, blocks it rewrites):
+        #: prefix caching on, one KV cache group, vLLM's hash blocks the size of its blocks
+        self.copies = False
+        #: ids of the blocks hashed as pure in the step being scheduled (perhaps computed in it: no
+        #: copy, which runs before the step, may read them)
+        self._fresh: set[int] = set()
         #: requests that evict: request id -> (blocks held, window bound), for the gauges
         self._windows: dict[str, tuple[int, int]] = {}
         # One manager per process records (a model with several kvevict KV cache groups has one
@@ -163,9 +178,13 @@ class KVEvictManager(FullAttentionManager):
         return len(self.req_to_blocks.get(request_id, ())) - (att.nulled if att else 0)
 
     def allocate_new_blocks(self, request_id: str, num_tokens: int, num_tokens_main_model: int):
+        hit = len(self.req_to_blocks.get(request_id, ())) * self.block_size  # at its first: the hit
         new = super().allocate_new_blocks(request_id, num_tokens, num_tokens_main_model)
         att = self._attempts.get(request_id)
         if att is None:  # the first allocation of an attempt
+            lo, hi = self._hit_copies(request_id, hit)
+            for i in range(lo // self.block_size, hi // self.block_size):
+                vllm_kv_cache.copy_on_write(self, request_id, i)  # reserved by get_num_blocks_to_allocate
             att = self._attempts[request_id] = self._new_attempt(request_id)
             self._count_hit(request_id)
         att.peak = max(att.peak, self._held(request_id))
@@ -173,6 +192,16 @@ class KVEvictManager(FullAttentionManager):
         self.pool_peak_used = max(self.pool_peak_used, pool.num_gpu_blocks - 1 - pool.get_num_free_blocks())
         self._track_window(request_id)
         return new
+
+    def _hit_copies(self, request_id: str, hit: int) -> tuple[int, int]:
+        """The tokens ``[lo, hi)`` of a request's ``hit``-token prefix-cache hit that it copies
+        before its first step, because its next compaction rewrites them (``window.copy_range``;
+        the lookup stopped the hit before any block computed in the step being scheduled)."""
+        st = ENGINE.get(request_id)
+        if not self.copies or st is None or st.request is None or not st.settings.shares_tails or hit <= 0:
+            return (0, 0)
+        prompt = st.request.num_prompt_tokens
+        return copy_range(hit, prompt, prompt + st.request.max_tokens, st.settings.window)
 
     def _new_attempt(self, request_id: str) -> _Attempt:
         """A request that starts on a cached window at ``b`` starts with ``E(b)`` evicted: its
@@ -217,26 +246,39 @@ class KVEvictManager(FullAttentionManager):
         self._metrics.set("window_blocks_bound", sum(b for _, b in self._windows.values()))
 
     def get_num_blocks_to_allocate(
-        self, request_id: str, num_tokens: int, *args, apply_admission_cap: bool = False, **kwargs
+        self,
+        request_id: str,
+        num_tokens: int,
+        new_computed_blocks,
+        total_computed_tokens: int,
+        *args,
+        apply_admission_cap: bool = False,
+        **kwargs,
     ) -> int:
         """vLLM's count, with the admission cap of the request's *own* window: its bound when it
         evicts in ``chunked`` mode, none (the whole sequence must fit) when a per-request override
         turns eviction off, chooses a ``once`` policy or a larger budget. (The API refuses a
-        request whose peak exceeds the whole pool, so every admitted request can finish alone.)"""
+        request whose peak exceeds the whole pool, so every admitted request can finish alone.)
+        At an attempt's first allocation, plus the copies of its hit (:meth:`_hit_copies`)."""
+        a = (request_id, num_tokens, new_computed_blocks, total_computed_tokens, *args)
+        copies = 0
+        if request_id not in self._attempts:
+            lo, hi = self._hit_copies(request_id, total_computed_tokens)
+            copies = (hi - lo) // self.block_size
         if not apply_admission_cap:
-            return super().get_num_blocks_to_allocate(request_id, num_tokens, *args, **kwargs)
+            return super().get_num_blocks_to_allocate(*a, **kwargs) + copies
         server_cap = self.max_admission_blocks_per_request
         st = ENGINE.get(request_id)
         if st is not None:
             self.max_admission_blocks_per_request = st.settings.admission_blocks(*self.kv_cache_spec.in_flight)
         try:
-            return super().get_num_blocks_to_allocate(request_id, num_tokens, *args, apply_admission_cap=True, **kwargs)
+            return super().get_num_blocks_to_allocate(*a, apply_admission_cap=True, **kwargs) + copies
         finally:
             self.max_admission_blocks_per_request = server_cap
 
-    def scheduled(self, request, num_tokens: int) -> None:
+    def scheduled(self, request, start: int, num_tokens: int) -> None:
         """The scheduler has scheduled a step after which the workers will have computed
-        ``num_tokens`` of the request's tokens; they compact in it when its ``E`` exceeds the last
+        ``num_tokens`` of the request's tokens (``start`` before it); they compact in it when its ``E`` exceeds the last
         scheduled step's (the same pure function, on the same integers, as on the workers:
         ``backends/plan.py``). Decided here, from the schedule, never from what the core later
         sees of the step: the request may finish, be aborted or preempted, or sit out rounds
@@ -246,7 +288,8 @@ class KVEvictManager(FullAttentionManager):
         were computed with nothing evicted and no compaction ever writes them (every compaction
         writes ``[E, L)`` with ``E >= E1``), so they are hashed now; no block at or after ``E1`` is
         ever hashed in this attempt (the first compaction rewrites ``[E1, L1)``, and everything
-        computed after it attended to a window)."""
+        computed after it attended to a window), except the copies of the blocks it rewrites
+        (:meth:`_save`)."""
         rid = request.request_id
         st = ENGINE.get(rid)
         att = self._attempts.get(rid)
@@ -260,12 +303,74 @@ class KVEvictManager(FullAttentionManager):
             self._cache_pure(request, e)
         if self.enable_caching and st.settings.shares_windows and num_tokens % st.settings.window.step == 0:
             att.windows.append(num_tokens)  # cached once the step has run (remove_skipped_blocks, free)
+            if self.copies and st.settings.shares_tails:
+                self._save(request, st.settings, att, start, num_tokens)
         if self._metrics is not None:  # one compaction on the workers, in the step just scheduled
             policy, freed = st.settings.policy_name, (e - att.scheduled_e) // self.block_size
             self._metrics.inc("blocks_freed", policy, freed)
             self._metrics.inc("tokens_evicted", policy, freed * self.block_size)
             self._metrics.inc("compactions", policy)
         att.scheduled_e = e
+
+    def _save(self, request, settings: RequestSettings, att: _Attempt, start: int, p: int) -> None:
+        """Copy aside the request's blocks that its compaction at ``p``, in the step just scheduled,
+        rewrites: ``[E(p), min(start, hit_end(p)))`` (the scheduler ends the step before at
+        ``hit_end``: ``window.step_limit``), computed in earlier steps, the workers copying them
+        before this step's forward. Each copy is cached once the step has run
+        (:meth:`_cache_windows`) as a tail of the window before ``p`` (a pure block before the first
+        compaction), so a later request with this prefix starts past them. Blocks whose key is cached
+        already (what the request itself started on) are not copied; nothing is when the pool has
+        no room to spare."""
+        bs, pool = self.block_size, self.block_pool
+        e = evicted_tokens(p, request.num_prompt_tokens, settings.window)
+        blocks = self.req_to_blocks.get(request.request_id, [])
+        todo = []
+        for i in range(e, min(start, settings.hit_end(p), len(blocks) * bs), bs):
+            blk = blocks[i // bs]
+            if blk.is_null or blk.block_hash is not None:
+                continue
+            key = self._save_key(request, settings, p, i)
+            if key is not None and vllm_kv_cache.cached_block(pool, key) is not None:
+                continue
+            todo.append((i, blk))
+        if not todo or pool.get_num_free_blocks() - len(todo) < max(len(todo), pool.num_gpu_blocks // 8):
+            return
+        for i, blk in todo:
+            att.saves.append((p, i, vllm_kv_cache.copy_aside(self, blk)))
+
+    def _save_key(self, request, settings: RequestSettings, p: int, i: int):
+        """The key of the request's block at token ``i``, before its compaction point ``p``: a tail
+        of the window at the point before, or a pure block before the first compaction (None while
+        the core does not know its tokens)."""
+        bs, hbs = self.block_size, self.block_pool.hash_block_size
+        if len(request.block_hashes) * hbs < i + bs:
+            return None
+        b = p - settings.window.step
+        if evicted_tokens(b, request.num_prompt_tokens, settings.window) == 0:
+            return vllm_kv_cache.pure_block_key(request.block_hashes[(i + bs) // hbs - 1], self.kv_cache_group_id)
+        return self._tail_key(request, settings, b, i)
+
+    def _cache_saves(self, request, settings: RequestSettings | None, att: _Attempt, processed: int | None) -> None:
+        """Cache the copies whose step has run (``processed`` tokens; None: the attempt ends, drop
+        the others) and let go of them: the pool's LRU evicts them as any cached block."""
+        keep, done = [], []
+        for p, i, blk in att.saves:
+            if processed is not None and p > processed:
+                keep.append((p, i, blk))
+                continue
+            if processed is not None and settings is not None:
+                key = self._save_key(request, settings, p, i)
+                if key is not None and vllm_kv_cache.cached_block(self.block_pool, key) is None:
+                    vllm_kv_cache.cache_block(self.block_pool, key, blk)
+            done.append(blk)
+        att.saves = keep
+        if done:
+            self.block_pool.free_blocks(done)
+
+    def take_pending_cow_copies(self):
+        """vLLM drains the step's copies once it has scheduled everything: a new step begins."""
+        self._fresh.clear()
+        return super().take_pending_cow_copies()
 
     def pop_blocks_for_free(self, request_id: str):
         """vLLM's last call for a request on both of its free paths: ``free`` (blocks go back to
@@ -274,6 +379,8 @@ class KVEvictManager(FullAttentionManager):
         self._cache_at_free(request_id)
         blocks = super().pop_blocks_for_free(request_id)
         att = self._attempts.pop(request_id, None)
+        if att is not None and att.saves:
+            self._cache_saves(None, None, att, None)
         self._track_window(request_id, gone=True)
         if self._in_free:
             self._popped = att  # logged by free() once the blocks are back in the pool
@@ -356,7 +463,17 @@ class KVEvictManager(FullAttentionManager):
         it is freed (:meth:`_cache_at_free`). Any other request: vLLM's own caching."""
         if self.window_for(request.request_id).enabled:
             return
+        self._vllm_cache_blocks(request, num_tokens, retention_interval, replay_boundaries)
+
+    def _vllm_cache_blocks(self, request, num_tokens: int, retention_interval=None, replay_boundaries=()) -> None:
+        """vLLM's hashing of the request's full blocks below ``num_tokens``; the blocks it hashes
+        now may be computed in the step being scheduled, so no copy reads them in it."""
+        blocks = self.req_to_blocks.get(request.request_id, ())
+        before = self.num_cached_block.get(request.request_id, 0)
         super().cache_blocks(request, num_tokens, retention_interval, replay_boundaries=replay_boundaries)
+        after = self.num_cached_block.get(request.request_id, 0)
+        if self.copies and after > before:
+            self._fresh.update(blk.block_id for blk in blocks[before:after])
 
     def _cache_pure(self, request, num_tokens: int) -> None:
         """Hash the request's full blocks below ``num_tokens``, whose KV is what vLLM computes for
@@ -365,7 +482,7 @@ class KVEvictManager(FullAttentionManager):
         if not self.enable_caching or num_tokens <= 0:
             return
         num_tokens = min(num_tokens, len(request.block_hashes) * self.block_size, request.num_tokens)
-        super().cache_blocks(request, num_tokens // self.block_size * self.block_size, replay_boundaries=())
+        self._vllm_cache_blocks(request, num_tokens // self.block_size * self.block_size)
 
     def _cache_at_free(self, request_id: str) -> None:
         """When a request with an evicting window is freed (finished, aborted, preempted), every
@@ -396,6 +513,8 @@ class KVEvictManager(FullAttentionManager):
             att.windows = [b for b in att.windows if b > processed]
             for b in ready:
                 self._cache_window(st.request, st.settings, b)
+        if att.saves:
+            self._cache_saves(st.request, st.settings, att, processed)
         if st.settings.shares_tails:
             self._cache_tails(st.request, st.settings, att, processed)
 
@@ -480,7 +599,9 @@ class KVEvictManager(FullAttentionManager):
             else:
                 t = b
                 if settings.shares_tails:
-                    end = min(settings.tail_end(b), top // bs * bs)
+                    end = min(
+                        settings.hit_end(b + window.step) if self.copies else settings.tail_end(b), top // bs * bs
+                    )
                     while t + bs <= end:
                         blk = vllm_kv_cache.cached_block(self.block_pool, self._tail_key(request, settings, b, t))
                         if blk is None:
@@ -497,7 +618,10 @@ class KVEvictManager(FullAttentionManager):
         of them when its window never evicts; none when its policy keeps per-slot state (the state
         of a shared block is another request's); otherwise at most the ``E`` of its first
         compaction (``window.pure_hit_limit``), which frees them and writes only above them: the
-        request computes exactly what it would have computed without the hit."""
+        request computes exactly what it would have computed without the hit. A request that
+        caches its tails goes on to ``hit_end`` of its first compaction point, with its own copies
+        of the blocks that compaction rewrites (:meth:`_hit_copies`), up to the first block
+        hashed in the step being scheduled."""
         if num_tokens <= 0:
             return 0
         settings = self.state_of(request).settings
@@ -506,8 +630,25 @@ class KVEvictManager(FullAttentionManager):
             return num_tokens
         if settings.policy.needs.state:
             return 0
-        limit = pure_hit_limit(request.num_prompt_tokens, request.num_prompt_tokens + request.max_tokens, window)
-        return num_tokens if limit is None else min(num_tokens, limit)
+        prompt = request.num_prompt_tokens
+        limit = pure_hit_limit(prompt, prompt + request.max_tokens, window)
+        if limit is None:
+            return num_tokens
+        num_tokens = min(num_tokens, max(limit, settings.hit_end(first_boundary(window))))
+        if num_tokens > limit and not (self.copies and settings.shares_tails):
+            num_tokens = limit
+        return self._not_fresh(request, limit, num_tokens)
+
+    def _not_fresh(self, request, lo: int, hi: int) -> int:
+        """``hi``, or the first block in ``[lo, hi)`` hashed in the step being scheduled (which the
+        request would copy before that step computes it)."""
+        bs, hbs = self.block_size, self.block_pool.hash_block_size
+        for i in range(lo, hi, bs):
+            key = vllm_kv_cache.pure_block_key(request.block_hashes[(i + bs) // hbs - 1], self.kv_cache_group_id)
+            blk = vllm_kv_cache.cached_block(self.block_pool, key)
+            if blk is None or blk.block_id in self._fresh:
+                return i
+        return hi
 
 
 _metrics_owner: KVEvictManager | None = None
@@ -520,11 +661,16 @@ def install_scheduler_hooks() -> None:
     vLLM's free paths: the attempt when the request is preempted, everything when it has
     finished. Idempotent."""
 
+    def ours(managers: list) -> list[KVEvictManager]:
+        found = [m for m in managers if isinstance(m, KVEvictManager)]
+        for m in found:  # copies need one KV cache group whose hash blocks are its blocks
+            m.copies = m.enable_caching and len(managers) == 1 and m.block_pool.hash_block_size == m.block_size
+        return found
+
     def on_allocate(request, managers: list) -> None:
-        for m in managers:
-            if isinstance(m, KVEvictManager):
-                m.state_of(request).request = request
-                return
+        for m in ours(managers):
+            m.state_of(request).request = request
+            return
 
     def on_end(request) -> None:
         if request.is_finished():
@@ -534,29 +680,28 @@ def install_scheduler_hooks() -> None:
             st.restart(0)
 
     def on_prefix_hit(request, num_tokens: int, managers: list) -> int:
-        ours = [m for m in managers if isinstance(m, KVEvictManager)]
-        return min([m.usable_hit(request, num_tokens) for m in ours], default=num_tokens)
+        return min([m.usable_hit(request, num_tokens) for m in ours(managers)], default=num_tokens)
 
     def on_hit(request, num_tokens: int) -> None:
         st = ENGINE.get(request.request_id)
         if st is not None:
             st.shared = num_tokens
 
-    def on_scheduled(request, num_tokens: int, managers: list) -> None:
-        for m in managers:
-            if isinstance(m, KVEvictManager):
-                m.scheduled(request, num_tokens)
+    def on_scheduled(request, start: int, num_tokens: int, managers: list) -> None:
+        for m in ours(managers):
+            m.scheduled(request, start, num_tokens)
 
     def on_window(request, num_tokens: int, managers: list) -> tuple[list, int] | None:
         (m,) = managers
         return m.window_hit(request, num_tokens) if isinstance(m, KVEvictManager) else None
 
     def on_chunk(request, start: int, num_tokens: int, managers: list) -> int:
-        for m in managers:
-            if isinstance(m, KVEvictManager):
-                limit = step_limit(start, request.num_prompt_tokens, m.state_of(request).settings.window)
-                if limit is not None:
-                    num_tokens = min(num_tokens, limit)
+        for m in ours(managers):
+            settings = m.state_of(request).settings
+            saves = settings.policy.needs.window if m.copies and settings.shares_tails else None
+            limit = step_limit(start, request.num_prompt_tokens, settings.window, saves)
+            if limit is not None:
+                num_tokens = min(num_tokens, limit)
         return num_tokens
 
     vllm_kv_cache.install_request_hooks(on_allocate, on_end, on_prefix_hit, on_scheduled, on_hit, on_chunk, on_window)

@@ -31,7 +31,7 @@ from typing import TYPE_CHECKING, Any
 
 from vllm_kvevict.config import KVEvictConfig, RecallConfig, request_config, request_overrides
 from vllm_kvevict.policies import Policy, PolicyParams, get_policy
-from vllm_kvevict.window import WindowConfig, admission_blocks, tail_end
+from vllm_kvevict.window import WindowConfig, admission_blocks, hit_end, tail_end
 
 if TYPE_CHECKING:
     import torch
@@ -89,16 +89,20 @@ class RequestSettings:
 
     @property
     def shares_tails(self) -> bool:
-        """Whether the blocks this request computes after a compaction point, up to where its next
-        compaction writes (``window.tail_end``), are cached beside the window and a later request
-        may start past the window on them: a request that shares windows, whose policy keeps no
-        per-slot state (a tail token's state keeps changing with every later query), and whose
-        tails are not empty (a stride at least a block above ``W`` and the query window)."""
-        return self.shares_windows and not self.policy.needs.state and self.tail_end(0) > 0
+        """Whether the blocks this request computes after a compaction point (or before its first)
+        are cached and a later request may start past the window (or the pure prefix) on them: a
+        request that shares windows and whose policy keeps no per-slot state (a tail token's state
+        keeps changing with every later query). Those below ``window.tail_end`` are cached as they
+        are; those its next compaction rewrites, up to ``window.hit_end``, are copied aside first."""
+        return self.shares_windows and not self.policy.needs.state
 
     def tail_end(self, b: int) -> int:
         """The end of the tail of this request's window at compaction point ``b``."""
         return tail_end(b, self.window, self.policy.needs.window)
+
+    def hit_end(self, p: int) -> int:
+        """The most tokens before compaction point ``p`` a hit may cover (``window.hit_end``)."""
+        return hit_end(p, self.window, self.policy.needs.window)
 
     @cached_property
     def window_salt(self) -> str:

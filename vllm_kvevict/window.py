@@ -30,7 +30,9 @@ Trigger modes:
 
 A prefix-cache hit of pure blocks (computed without eviction) is cut to the first compaction's
 ``E`` (:func:`pure_hit_limit`): the first compaction frees those blocks and writes only above them,
-so a request behaves exactly as if it had computed them itself.
+so a request behaves exactly as if it had computed them itself. A request that caches its tails
+may go on to :func:`hit_end` with its own copies of what its next compaction rewrites
+(:func:`copy_range`).
 
 ``E`` is a multiple of ``block_size`` and non-decreasing in ``L`` for a fixed configuration.
 """
@@ -114,6 +116,35 @@ def tail_end(b: int, cfg: WindowConfig, query_window: int = 0) -> int:
     return max(b, cfg.block_size * ((p - max(cfg.window, query_window)) // cfg.block_size))
 
 
+def next_point(L: int, cfg: WindowConfig) -> int:
+    """The first compaction point above ``L`` at which a ``chunked`` window evicts."""
+    return max(last_boundary(L, cfg) + cfg.step, first_boundary(cfg))
+
+
+def hit_end(p: int, cfg: WindowConfig, query_window: int = 0) -> int:
+    """The most tokens before compaction point ``p`` a request that caches its tails may start on
+    (a prefix-cache hit): it still computes the last block before ``p`` and the ``query_window``
+    queries its compaction at ``p`` reads. The scheduler ends the step before the one reaching
+    ``p`` here (:func:`step_limit`), so that the blocks ``[E(p), hit_end)``, which the compaction
+    at ``p`` rewrites, are complete before it and are copied aside to be cached
+    (docs/architecture.md, "Compressed windows")."""
+    bs = cfg.block_size
+    return bs * ((p - max(bs, query_window)) // bs)
+
+
+def copy_range(hit: int, prompt_len: int, total_len: int, cfg: WindowConfig) -> tuple[int, int]:
+    """The tokens ``[lo, hi)`` of a ``hit``-token prefix-cache hit that the request's next
+    compaction rewrites: it gets its own copies of those blocks before its first step (the
+    cached ones are read-only). Empty when it never compacts again."""
+    if not cfg.enabled or cfg.trigger != "chunked":
+        return (0, 0)
+    p = next_point(hit, cfg)
+    if p > (total_len if cfg.decode else prompt_len):
+        return (0, 0)
+    lo = evicted_tokens(p, prompt_len, cfg)
+    return (lo, hit) if hit > lo else (0, 0)
+
+
 def pure_hit_limit(prompt_len: int, total_len: int, cfg: WindowConfig) -> int | None:
     """The most tokens of a pure prefix-cache hit a request may start on without changing what it
     computes: the ``E`` of its first compaction (``None``: it never compacts, any hit), for a
@@ -128,12 +159,24 @@ def pure_hit_limit(prompt_len: int, total_len: int, cfg: WindowConfig) -> int | 
     return _floor_evict(b1, cfg)
 
 
-def step_limit(L: int, prompt_len: int, cfg: WindowConfig) -> int | None:
+def step_limit(L: int, prompt_len: int, cfg: WindowConfig, saves: int | None = None) -> int | None:
     """The most tokens a step may compute from ``L`` without crossing a compaction point (``None``:
-    no limit: eviction off, ``once``, or a ``decode=False`` window past its prompt)."""
-    if not cfg.enabled or cfg.trigger != "chunked" or (not cfg.decode and L >= prompt_len):
+    no limit: eviction off, a ``once`` window past its prompt, or a ``decode=False`` one). A
+    ``once`` window compacts at the end of its prompt, which a request resumed after preemption
+    (prompt and generated tokens to recompute) must reach at the end of a step too. ``saves``
+    (the query window of a request whose tails are cached): nor past :func:`hit_end` of the next
+    point, when the blocks before it are copied aside."""
+    if not cfg.enabled or (not cfg.decode and L >= prompt_len):
         return None
-    return cfg.step - L % cfg.step
+    if cfg.trigger != "chunked":
+        return prompt_len - L if L < prompt_len else None
+    limit = cfg.step - L % cfg.step
+    if saves is not None:
+        p = L + limit
+        cut = hit_end(p, cfg, saves)
+        if L < cut and evicted_tokens(L, prompt_len, cfg) < evicted_tokens(p, prompt_len, cfg) < cut:
+            limit = cut - L
+    return limit
 
 
 def window_bound_blocks(cfg: WindowConfig, max_in_flight: int, max_chunk: int | None = None) -> int:

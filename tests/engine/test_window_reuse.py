@@ -117,6 +117,39 @@ def test_shared_document_starts_on_the_window(server, hf_model, vocab):
     assert int(_released(server, out["id"])[-1][2]) <= BOUND
 
 
+def test_shared_document_starts_past_the_window_on_copies(server, hf_model, vocab):
+    """The first request's compaction at 768 rewrites [672, 768); the blocks of it computed in
+    earlier steps, [672, 736), were copied aside and cached as the tail of the window at 672. A
+    request whose document covers [672, 704) starts on the window and that block, with its own
+    copy of it (its compaction at 768 rewrites it), and computes what it computes alone."""
+    doc = make_prompt(730, 4, vocab)
+    mine = doc + make_prompt(40, 5, vocab)
+    alone = _from_scratch(server, mine, 24)
+    first = complete(server, doc + make_prompt(100, 6, vocab), 24)
+    wait_until(lambda: _released(server, first["id"]), 60, "the first request's release line")
+    hits, tokens = _counters(server)
+    out = complete(server, mine, 24)
+    assert out["cached_tokens"] == 704
+    _same(out, alone)
+    check_against_reference(hf_model, out, load_attempts(server.dump_dir))
+    assert _counters(server) == (hits + 1, tokens + 704)
+
+
+def test_pure_hit_past_the_first_compaction(server, hf_model, vocab):
+    """Before the first compaction (at 192, E 96) the blocks it rewrites, [96, 160), are copied
+    aside as pure blocks: a request sharing 180 tokens starts on 160 of them (its own copies of
+    [96, 160)) and computes what it computes alone."""
+    doc = make_prompt(180, 7, vocab)
+    mine = doc + make_prompt(300, 8, vocab)
+    alone = _from_scratch(server, mine, 24)
+    first = complete(server, doc + make_prompt(100, 9, vocab), 24)
+    wait_until(lambda: _released(server, first["id"]), 60, "the first request's release line")
+    out = complete(server, mine, 24)
+    assert out["cached_tokens"] == 160
+    _same(out, alone)
+    check_against_reference(hf_model, out, load_attempts(server.dump_dir))
+
+
 def test_chat_turns_continue_from_their_window(server, vocab):
     """Six turns, each repeating the previous prompt and answer, the history growing past 10x the
     budget: each turn starts on the window the conversation reached at its last compaction point,
@@ -127,7 +160,9 @@ def test_chat_turns_continue_from_their_window(server, vocab):
         prompt = history + make_prompt(150, 10 + t, vocab)
         out = complete(server, prompt, 40)
         turns.append(out)
-        if t:
+        if t == 1:  # turn 0 (190 tokens) never compacted: its pure blocks, up to hit_end(192)
+            assert out["cached_tokens"] == 160, out["cached_tokens"]
+        elif t:
             assert out["cached_tokens"] == last_boundary(len(history) - 1, WINDOW), (t, out["cached_tokens"])
         wait_until(lambda out=out: _released(server, out["id"]), 60, "the turn's release line")
         assert int(_released(server, out["id"])[-1][2]) <= BOUND
@@ -148,7 +183,10 @@ def test_another_configuration_never_sees_the_window(server, vocab):
     wait_until(lambda: _released(server, first["id"]), 60, "the first request's release line")
     hits, _ = _counters(server)
     out = complete(server, mine, 16, other)
-    assert out["cached_tokens"] == 96  # the first request's pure blocks: E at its first compaction (192)
+    # the first request's pure blocks: below E at its first compaction (192), then the blocks that
+    # compaction rewrote, copied aside first, up to hit_end(192) = 160 (this request copies
+    # [128, 160) again: its own first compaction, at 256, rewrites them)
+    assert out["cached_tokens"] == 160
     _same(out, alone)
     assert _counters(server)[0] == hits
 

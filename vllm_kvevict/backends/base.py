@@ -40,6 +40,7 @@ from vllm_kvevict.vllm_compat import attention as vllm_attention
 from vllm_kvevict.vllm_compat import distributed as vllm_distributed
 from vllm_kvevict.vllm_compat import kv_cache as vllm_kv_cache
 from vllm_kvevict.vllm_compat import runner as vllm_runner
+from vllm_kvevict.window import last_boundary
 
 # The worker's VllmConfig, seen while the model is built (inside vLLM's config context).
 # ``customize_spec`` runs later, outside that context, and reads it from here.
@@ -161,6 +162,33 @@ def _slots(plan, ranges: tuple[tuple[int, int, int], ...], block_size: int) -> t
         blocks, offs, _ = torch_ops.logical_tokens(plan.block_table, rows, starts, ends, block_size)
         slots = plan.memo[key] = blocks * block_size + offs
     return slots
+
+
+def _in_order(plan, block_size: int) -> tuple[torch.Tensor, torch.Tensor] | None:
+    """The slots and positions of the tokens that requests starting an attempt on a prefix-cache
+    hit hold in their logical order: past the last compaction point of the window they start on
+    (all of a pure hit). Their blocks may be copies the engine core made (vLLM's
+    ``kv_cache_block_copies``: the KV, not this plugin's per-slot positions), so every layer
+    writes their positions, whatever the request's own settings (a pure copy is any request's
+    hit); a block read where it is cached gets the same positions again. Computed by the step's
+    first layer, kept on the plan for the others."""
+    key = ("in_order", block_size)
+    if key not in plan.memo:
+        ranges = []
+        for r, rid in enumerate(plan.req_ids or ()):
+            L0 = plan.L_prev[r]
+            if rid not in plan.starts or L0 <= 0:
+                continue
+            window, prompt = plan.states[r].settings.window, plan.prompt_lens[r]
+            start = last_boundary(L0 if window.decode else min(L0, prompt), window) if plan.e_prev[r] > 0 else 0
+            if start < L0:
+                ranges.append((r, start, L0))
+        plan.memo[key] = (
+            (_slots(plan, tuple(ranges), block_size), torch.cat([torch.arange(a, b) for _, a, b in ranges]))
+            if ranges
+            else None
+        )
+    return plan.memo[key]
 
 
 class KVEvictImplMixin(RecallMixin):
@@ -350,6 +378,9 @@ class KVEvictImplMixin(RecallMixin):
             valid = plan.slot_mapping >= 0
             written = plan.memo["written"] = (plan.slot_mapping[valid], plan.positions[valid].to(torch.int32)[:, None])
         slot_pos[written[0]] = written[1]
+        in_order = _in_order(plan, kv_cache.shape[2]) if plan.starts else None
+        if in_order is not None:
+            slot_pos[in_order[0]] = in_order[1].to(slot_pos)[:, None]
         compact = set(plan.compact_rows)
         if not plan.states:  # a dummy batch: no request behind its rows
             return

@@ -10,6 +10,13 @@ signatures, with two differences that do not reach the plugin:
 * ``SingleTypeKVCacheManager.pop_blocks_for_free`` (0.33) strips leading null blocks (those eviction
   leaves) before handing the list to the block pool; the plugin's override passes the list on.
 
+Block copies (:func:`copy_on_write`, :func:`copy_aside`) use vLLM's copy-on-write of partial
+prefix-cache hits, the same in 0.32 and 0.33: ``SingleTypeKVCacheManager._apply_cow`` and
+``_pending_cow_copies`` (drained by ``take_pending_cow_copies`` into
+``SchedulerOutput.kv_cache_block_copies``, which the V1 runner's ``_update_states`` copies with
+``copy_kv_cache_blocks_inplace`` before the step's forward; the scheduler frees both ends once the
+step has run).
+
 KV cache planning moved from ``v1/core/kv_cache_utils.py`` to a new module,
 ``vllm.v1.core.kv_cache_planning``, in 0.33; the plugin reaches it only through
 ``KVCacheSpec.max_memory_usage_bytes(vllm_config)``, whose signature is the same in both.
@@ -29,8 +36,11 @@ __all__ = [
     "FullAttentionSpec",
     "cache_block",
     "cached_block",
+    "copy_aside",
+    "copy_on_write",
     "install_request_hooks",
     "processed_tokens",
+    "pure_block_key",
     "register_spec",
     "request_extra_args",
     "window_block_keys",
@@ -76,6 +86,39 @@ def tail_block_key(hash_algo: str, block_hash, b: int, salt: str, group_id: int)
     return _keyed(hash_algo, group_id)(block_hash, (b,), ("kvevict-tail", salt))
 
 
+def pure_block_key(block_hash, group_id: int):
+    """The key vLLM caches a pure block of this KV cache group under (its block hash with the group)."""
+    from vllm.v1.core.kv_cache_utils import make_block_hash_with_group_id
+
+    return make_block_hash_with_group_id(block_hash, group_id)
+
+
+def copy_on_write(manager, request_id: str, index: int):
+    """Give the request its own copy of the shared block at ``index`` of its block list, before
+    the workers run its next step: vLLM's copy-on-write of a partial prefix-cache hit
+    (``SingleTypeKVCacheManager._apply_cow``, 0.32 and 0.33): the new block takes the shared one's
+    place, the pair goes into the step's ``SchedulerOutput.kv_cache_block_copies`` (the workers
+    copy every layer's block before the step's forward), and the scheduler keeps both until the
+    copy has run. The shared block must have been computed in an earlier step. Returns the copy."""
+    block = manager.block_pool.get_new_blocks(1)[0]
+    manager._apply_cow(request_id, index, manager.req_to_blocks[request_id][index], block)
+    if manager._record_new_block_ids:
+        manager.new_block_ids.append(block.block_id)
+    return block
+
+
+def copy_aside(manager, block):
+    """A new block that holds a copy of ``block`` (computed in an earlier step) once the workers
+    start the step being scheduled: the same copies as :func:`copy_on_write`, the request keeping
+    its block. The caller holds one reference to the copy (the scheduler frees its own once the
+    copy has run)."""
+    copy = manager.block_pool.get_new_blocks(1)[0]
+    block.ref_cnt += 1  # the scheduler's hold on both ends until the copy has run
+    copy.ref_cnt += 1  # the caller's
+    manager._pending_cow_copies.append((block, copy))
+    return copy
+
+
 def cache_block(block_pool, key, block) -> None:
     """Enter ``block`` in vLLM's prefix cache under ``key`` (``BlockPool._insert_block_hash``, 0.32
     and 0.33: the block takes the hash, the map gains it; vLLM's LRU evicts it as any cached block)."""
@@ -101,7 +144,7 @@ def install_request_hooks(
     on_allocate: Callable[[object, list], None],
     on_end: Callable[[object], None],
     on_prefix_hit: Callable[[object, int, list], int],
-    on_scheduled: Callable[[object, int, list], None],
+    on_scheduled: Callable[[object, int, int, list], None],
     on_hit: Callable[[object, int], None],
     on_chunk: Callable[[object, int, int, list], int],
     on_window: Callable[[object, int, list], tuple[list, int] | None],
@@ -109,11 +152,12 @@ def install_request_hooks(
     """The single-type managers only see request ids; ``KVCacheManager`` sees the request.
 
     ``on_allocate(request, single_type_managers)`` runs before every ``allocate_slots``;
-    ``on_scheduled(request, L,
+    ``on_scheduled(request, start, L,
     single_type_managers)`` after every ``allocate_slots`` that succeeded, i.e. for every step the
     scheduler schedules the request in, with ``L`` the tokens whose KV the workers will have
     computed once that step has run (the request's computed tokens, the hit it adopts in this
-    step, and the step's new tokens: vLLM's own sum in ``allocate_slots``); ``on_end(request)``
+    step, and the step's new tokens: vLLM's own sum in ``allocate_slots``) and ``start`` those
+    computed before it; ``on_end(request)``
     after ``free`` and after ``pop_blocks_for_free`` (the deferred-free path of
     ``Scheduler._free_request_blocks``), so per-request state ends on both of vLLM's free paths
     (``request.is_finished()`` tells a finished request from a preempted one: vLLM frees a
@@ -153,8 +197,8 @@ def install_request_hooks(
             if blocks is not None:
                 a = signature.bind(self, request, *args, **kwargs).arguments
                 hit = a.get("num_new_computed_tokens", 0) + a.get("num_external_computed_tokens", 0)
-                L = min(computed + hit, self.max_model_len) + a["num_new_tokens"]
-                on_scheduled(request, L, list(self.coordinator.single_type_managers))
+                start = min(computed + hit, self.max_model_len)
+                on_scheduled(request, start, start + a["num_new_tokens"], list(self.coordinator.single_type_managers))
             return blocks
 
         return allocate_slots
