@@ -495,7 +495,7 @@ def run_mix(make_config, mix: Mix) -> StandInWorker:
         for b in range(w.step, len(req.block_hashes) * BS + 1, w.step):  # and their tails'
             if evicted_tokens(b, b, w) == 0 or not settings.shares_tails:
                 continue
-            for i in range(b, min(settings.hit_end(b + w.step), len(req.block_hashes) * BS), BS):
+            for i in range(b, min(b + w.step, len(req.block_hashes) * BS), BS):
                 key = tail_block_key("sha256", req.block_hashes[(i + BS) // BS - 1], b, settings.window_salt, 0)
                 labels = tuple(("after", ds[b - 1], settings.window_salt, ds[q]) for q in range(i, i + BS))
                 worker.tails[bytes(get_block_hash(key))] = labels
@@ -755,6 +755,12 @@ COPY_MIXES = {
     "shared document (async)": Mix(
         True, 256, 4, 60, (_r("doc0", 400, 40, 5, 0.0, 0), _r("doc0", 400, 30, 5, 0.0, 0, arrive=30))
     ),
+    # r0 and r1 arrive together: r1 waits (KVEvictManager.waits_for_window) until r0 has cached
+    # the window at 384 and the copies of [384, 416), then starts on them
+    "arriving together": Mix(False, 256, 4, 60, (_r("doc0", 400, 40, 5, 0.0, 0), _r("doc0", 400, 30, 5, 0.0, 0))),
+    "arriving together (async)": Mix(
+        True, 256, 4, 60, (_r("doc0", 400, 40, 5, 0.0, 0), _r("doc0", 400, 30, 5, 0.0, 0))
+    ),
     # r0 compacts first at 96 (E1 = 48): [48, 80) is copied aside as pure blocks; r1 (a 90-token
     # document) starts on the pure hit [0, 80), past E1, with its own copies of [48, 80)
     "pure hit past the first compaction": Mix(
@@ -768,6 +774,13 @@ COPY_MIXES = {
         4,
         60,
         (_r("doc0", 200, 30, 5, 0.0, 3), _r("doc0", 90, 20, 5, 0.0, 0), _r("doc0", 90, 20, 5, 0.0, 0, arrive=1)),
+    ),
+    # r0 computes 319 tokens, its last compaction point 288: when it ends, its block [288, 304) is
+    # cached as the last tail of that window; r1 (its prompt and answer, then its own) starts on
+    # the window and that block, with its own copy of it (its compaction at 336 rewrites it)
+    "chat turn": Mix(False, 128, 4, 60, (_r("new", 0, 200, 120, 0.0, 0), _r("turn", 0, 40, 10, 0.0, 0, arrive=150))),
+    "chat turn (async)": Mix(
+        True, 128, 4, 60, (_r("new", 0, 200, 120, 0.0, 0), _r("turn", 0, 40, 10, 0.0, 0, arrive=150))
     ),
     # a pool of 20 blocks: a request is preempted and starts again on copies
     "with preemption": Mix(

@@ -38,13 +38,14 @@ from vllm_kvevict._logging import logger
 from vllm_kvevict.config import KVEvictConfig, config_from_json
 from vllm_kvevict.request import ENGINE, RequestSettings, RequestState, resolve
 from vllm_kvevict.vllm_compat import kv_cache as vllm_kv_cache
-from vllm_kvevict.vllm_compat.kv_cache import FullAttentionManager, FullAttentionSpec
+from vllm_kvevict.vllm_compat.kv_cache import FullAttentionManager, FullAttentionSpec, RequestStatus
 from vllm_kvevict.window import (
     WindowConfig,
     copy_range,
     evicted_tokens,
     first_boundary,
     last_boundary,
+    next_point,
     pure_hit_limit,
     step_limit,
     window_bound_blocks,
@@ -487,7 +488,8 @@ class KVEvictManager(FullAttentionManager):
     def _cache_at_free(self, request_id: str) -> None:
         """When a request with an evicting window is freed (finished, aborted, preempted), every
         step it will ever run has been scheduled: its blocks below the fence (all of them when no
-        scheduled step compacted) were computed without eviction and are never written again."""
+        scheduled step compacted) were computed without eviction and are never written again;
+        so are those after its last scheduled compaction point (:meth:`_cache_last_tail`)."""
         att = self._attempts.get(request_id)
         st = ENGINE.get(request_id)
         request = st.request if st is not None else None
@@ -496,7 +498,31 @@ class KVEvictManager(FullAttentionManager):
         computed = min(request.num_computed_tokens, len(self.req_to_blocks.get(request_id, ())) * self.block_size)
         self._cache_pure(request, computed if att.fence is None else min(att.fence, computed))
         if self.enable_caching:
-            self._cache_windows(request_id, att, vllm_kv_cache.processed_tokens(request))
+            processed = vllm_kv_cache.processed_tokens(request)
+            self._cache_windows(request_id, att, processed)
+            if self.copies and st.settings.shares_tails:
+                self._cache_last_tail(request, st.settings, att, processed)
+
+    def _cache_last_tail(self, request, settings: RequestSettings, att: _Attempt, processed: int) -> None:
+        """Cache, as the tail of the window at the request's last scheduled compaction point ``b``,
+        its blocks after ``b`` whose step has run: no compaction will rewrite them (the request is
+        freed), and their KV is a function of the window and the tokens up to them. The next turn
+        of a chat, whose prompt repeats this one's prompt and answer, starts past the window on
+        them (with its own copies of those its next compaction rewrites)."""
+        window, bs, hbs = settings.window, self.block_size, self.block_pool.hash_block_size
+        prompt, L = request.num_prompt_tokens, request.num_computed_tokens
+        b = last_boundary(L if window.decode else min(L, prompt), window)
+        if evicted_tokens(b, prompt, window) == 0 or processed < b:
+            return  # it never compacted (its blocks are pure), or the step reaching b has not run
+        blocks = self.req_to_blocks.get(request.request_id, [])
+        known = min(processed, len(request.block_hashes) * hbs, len(blocks) * bs)
+        for i in range(b, known - bs + 1, bs):
+            blk = blocks[i // bs]
+            if blk.is_null or blk.block_hash is not None:
+                continue
+            key = self._tail_key(request, settings, b, i)
+            if vllm_kv_cache.cached_block(self.block_pool, key) is None:
+                vllm_kv_cache.cache_block(self.block_pool, key, blk)
 
     def _cache_windows(self, request_id: str, att: _Attempt, processed: int) -> None:
         """Cache the windows of the compaction points whose step has run (``processed`` tokens):
@@ -613,6 +639,38 @@ class KVEvictManager(FullAttentionManager):
             b -= window.step
         return None
 
+    def waits_for_window(self, request) -> bool:
+        """Whether a waiting request waits a step rather than start now: when a running request
+        with its configuration, sharing a block or more of its prefix beyond what it would hit now,
+        has yet to compute (and cache) the windows and copies that cover that prefix. Two
+        users of one document arriving together then compute it once, as they would on stock
+        vLLM, whose blocks are shared while they are computed (a compacted window exists only once
+        the step that makes it has run). The wait ends when that request has processed the point
+        past the shared prefix (its copies are then cached) or is no longer running."""
+        st = ENGINE.get(request.request_id)
+        if not self.copies or st is None or not st.settings.shares_tails:
+            return False
+        settings, hbs = st.settings, self.block_pool.hash_block_size
+        window = settings.window
+        mine = request.block_hashes[: (request.num_tokens - 1) // hbs]
+        for rid in self._attempts:
+            other = ENGINE.get(rid)
+            if rid == request.request_id or other is None or other.request is None:
+                continue
+            if other.settings.window_salt != settings.window_salt:
+                continue
+            theirs, n = other.request.block_hashes, 0
+            while n < min(len(mine), len(theirs)) and mine[n] == theirs[n]:
+                n += 1
+            shared = n * hbs
+            if shared - st.shared < window.block_size:
+                continue
+            p = next_point(shared, window)
+            done = p if other.request.num_prompt_tokens >= p else other.request.num_prompt_tokens
+            if vllm_kv_cache.processed_tokens(other.request) < done:
+                return True
+        return False
+
     def usable_hit(self, request, num_tokens: int) -> int:
         """How many of ``num_tokens`` prefix-cache hit tokens (pure blocks) the request may use: all
         of them when its window never evicts; none when its policy keeps per-slot state (the state
@@ -697,6 +755,8 @@ def install_scheduler_hooks() -> None:
 
     def on_chunk(request, start: int, num_tokens: int, managers: list) -> int:
         for m in ours(managers):
+            if request.status != RequestStatus.RUNNING and m.waits_for_window(request):
+                return 0
             settings = m.state_of(request).settings
             saves = settings.policy.needs.window if m.copies and settings.shares_tails else None
             limit = step_limit(start, request.num_prompt_tokens, settings.window, saves)

@@ -31,7 +31,7 @@ from tests.engine.evict_common import TOL, check_against_reference, complete, ma
 from tests.engine.test_memory import RELEASED
 from vllm_kvevict.testing.hf_reference import attempts_for, load_attempts
 from vllm_kvevict.testing.server import VLLMServer, wait_until
-from vllm_kvevict.window import WindowConfig, last_boundary, window_bound_blocks
+from vllm_kvevict.window import WindowConfig, hit_end, last_boundary, window_bound_blocks
 
 pytestmark = [pytest.mark.engine, pytest.mark.timeout(1200)]
 
@@ -152,8 +152,9 @@ def test_pure_hit_past_the_first_compaction(server, hf_model, vocab):
 
 def test_chat_turns_continue_from_their_window(server, vocab):
     """Six turns, each repeating the previous prompt and answer, the history growing past 10x the
-    budget: each turn starts on the window the conversation reached at its last compaction point,
-    equals the turn computed alone, and holds at most its window bound."""
+    budget: each turn starts on the window the conversation reached at its last compaction point
+    and the blocks the previous turn computed after it (cached when it ended), equals the turn
+    computed alone, and holds at most its window bound."""
     history: list[int] = []
     turns = []
     for t in range(6):
@@ -162,8 +163,10 @@ def test_chat_turns_continue_from_their_window(server, vocab):
         turns.append(out)
         if t == 1:  # turn 0 (190 tokens) never compacted: its pure blocks, up to hit_end(192)
             assert out["cached_tokens"] == 160, out["cached_tokens"]
-        elif t:
-            assert out["cached_tokens"] == last_boundary(len(history) - 1, WINDOW), (t, out["cached_tokens"])
+        elif t:  # the window at the last turn's last compaction point b, then the blocks it computed
+            computed = len(history) - 1  # after b (its last token was sampled, never computed)
+            b = last_boundary(computed, WINDOW)
+            assert out["cached_tokens"] == min(computed // BS * BS, hit_end(b + WINDOW.step, WINDOW)), (t, b)
         wait_until(lambda out=out: _released(server, out["id"]), 60, "the turn's release line")
         assert int(_released(server, out["id"])[-1][2]) <= BOUND
         history = prompt + out["tokens"]

@@ -28,12 +28,14 @@ from collections.abc import Callable, Iterator
 
 from vllm.v1.core.single_type_kv_cache_manager import FullAttentionManager
 from vllm.v1.kv_cache_interface import FullAttentionSpec
+from vllm.v1.request import RequestStatus
 
 from vllm_kvevict.vllm_compat.patching import wrap_method
 
 __all__ = [
     "FullAttentionManager",
     "FullAttentionSpec",
+    "RequestStatus",
     "cache_block",
     "cached_block",
     "copy_aside",
@@ -174,7 +176,8 @@ def install_request_hooks(
     the scheduler is about to give a request (running or waiting, after every cap of its own:
     ``Scheduler._reserve_prefill_lookahead``, the last one before the allocation in both of
     ``schedule``'s loops, 0.32 and 0.33) and returns how many of those tokens it may compute (at
-    least one); ``on_window(request, num_tokens, single_type_managers)`` sees every lookup after
+    least one; 0 for a waiting request: not in this step, which makes 0.32's scheduler stop
+    admitting waiting requests for the step and 0.33's requeue it behind the others); ``on_window(request, num_tokens, single_type_managers)`` sees every lookup after
     the pure hit is decided (``num_tokens``), on a model with one KV cache group, and returns a
     cached compacted window the request may start on instead, ``(blocks, tokens)`` (the group's
     block list: null blocks for the evicted prefix, then the window's), or None. vLLM 0.32/0.33:
@@ -241,7 +244,10 @@ def install_request_hooks(
             if n <= 0:
                 return n
             managers = list(self.kv_cache_manager.coordinator.single_type_managers)
-            return max(1, min(n, on_chunk(request, num_computed_tokens, n, managers)))
+            allowed = on_chunk(request, num_computed_tokens, n, managers)
+            if allowed <= 0 and request.status != RequestStatus.RUNNING:
+                return 0  # a waiting request: not in this step
+            return max(1, min(n, allowed))
 
         return reserve
 
