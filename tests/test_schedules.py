@@ -778,10 +778,8 @@ COPY_MIXES = {
     # r0 computes 319 tokens, its last compaction point 288: when it ends, its block [288, 304) is
     # cached as the last tail of that window; r1 (its prompt and answer, then its own) starts on
     # the window and that block, with its own copy of it (its compaction at 336 rewrites it)
-    "chat turn": Mix(False, 128, 4, 60, (_r("new", 0, 200, 120, 0.0, 0), _r("turn", 0, 40, 10, 0.0, 0, arrive=150))),
-    "chat turn (async)": Mix(
-        True, 128, 4, 60, (_r("new", 0, 200, 120, 0.0, 0), _r("turn", 0, 40, 10, 0.0, 0, arrive=150))
-    ),
+    "chat turn": dataclasses.replace(TAIL_MIXES["chat turn"], stride=0),
+    "chat turn (async)": dataclasses.replace(TAIL_MIXES["chat turn"], stride=0, async_scheduling=True),
     # a pool of 20 blocks: a request is preempted and starts again on copies
     "with preemption": Mix(
         False,
