@@ -652,6 +652,13 @@ FOUND = {
         (_r("doc0", 16, 193, 1, 0.0, 0), _r("doc0", 40, 200, 2, 0.0, 5), _r("doc0", 16, 1, 1, 0.0, 0)),
         reserve_full_isl=False,
     ),
+    # (found by the soak test) r0 (budget 96: window bound 12 blocks) ends with the last tail
+    # [384, 464); r1 continues it, and starting on that tail would need 5 copies beside its bound:
+    # 17 blocks in a pool of 16, never admitted, every waiting request stuck behind it; the hit
+    # stops where no copy is needed (KVEvictManager._copies_fit)
+    "a hit whose copies would not fit beside its window bound": Mix(
+        False, 128, 4, 17, (_r("new", 0, 470, 10, 0.0, 2), _r("turn", 0, 20, 10, 0.0, 2, arrive=80))
+    ),
 }
 
 

@@ -628,6 +628,10 @@ class KVEvictManager(FullAttentionManager):
                     end = min(
                         settings.hit_end(b + window.step) if self.copies else settings.tail_end(b), top // bs * bs
                     )
+                    p = b + window.step
+                    e_p = evicted_tokens(p, prompt, window)
+                    if end > e_p and not self._copies_fit(settings, (end - e_p) // bs):
+                        end = max(b, min(end, e_p))
                     while t + bs <= end:
                         blk = vllm_kv_cache.cached_block(self.block_pool, self._tail_key(request, settings, b, t))
                         if blk is None:
@@ -693,9 +697,20 @@ class KVEvictManager(FullAttentionManager):
         if limit is None:
             return num_tokens
         num_tokens = min(num_tokens, max(limit, settings.hit_end(first_boundary(window))))
-        if num_tokens > limit and not (self.copies and settings.shares_tails):
+        if num_tokens > limit and not (
+            self.copies
+            and settings.shares_tails
+            and self._copies_fit(settings, (num_tokens - limit) // self.block_size)
+        ):
             num_tokens = limit
         return self._not_fresh(request, limit, num_tokens)
+
+    def _copies_fit(self, settings: RequestSettings, copies: int) -> bool:
+        """Whether a request's first step, which holds the copies of its hit beside its window
+        bound (the shared blocks go back once the copies have run), fits the pool: a hit that
+        needs more is cut below them, else the request could never be admitted."""
+        bound = window_bound_blocks(settings.window, *self.kv_cache_spec.in_flight)
+        return bound + copies <= self.block_pool.num_gpu_blocks - 1
 
     def _not_fresh(self, request, lo: int, hi: int) -> int:
         """``hi``, or the first block in ``[lo, hi)`` hashed in the step being scheduled (which the
@@ -715,9 +730,11 @@ _metrics_owner: KVEvictManager | None = None
 def install_scheduler_hooks() -> None:
     """Resolve each request's settings the first time the scheduler looks at it (a prefix-cache
     lookup, a step's size or an allocation), record the request and the prefix-cache hit its
-    attempt starts on, cut every step at the request's next compaction point, and end both on
-    vLLM's free paths: the attempt when the request is preempted, everything when it has
-    finished. Idempotent."""
+    attempt starts on, cut every step at the request's next compaction point (and a block short
+    of it when the blocks it rewrites are copied aside), let a waiting request wait for a running
+    one that computes its prefix (:meth:`KVEvictManager.waits_for_window`), and end both on vLLM's
+    free paths: the attempt when the request is preempted, everything when it has finished.
+    Idempotent."""
 
     def ours(managers: list) -> list[KVEvictManager]:
         found = [m for m in managers if isinstance(m, KVEvictManager)]
