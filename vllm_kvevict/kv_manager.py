@@ -351,22 +351,18 @@ class KVEvictManager(FullAttentionManager):
             return vllm_kv_cache.pure_block_key(request.block_hashes[(i + bs) // hbs - 1], self.kv_cache_group_id)
         return self._tail_key(request, settings, b, i)
 
-    def _cache_saves(self, request, settings: RequestSettings | None, att: _Attempt, processed: int | None) -> None:
-        """Cache the copies whose step has run (``processed`` tokens; None: the attempt ends, drop
-        the others) and let go of them: the pool's LRU evicts them as any cached block."""
-        keep, done = [], []
-        for p, i, blk in att.saves:
-            if processed is not None and p > processed:
-                keep.append((p, i, blk))
-                continue
-            if processed is not None and settings is not None:
-                key = self._save_key(request, settings, p, i)
-                if key is not None and vllm_kv_cache.cached_block(self.block_pool, key) is None:
-                    vllm_kv_cache.cache_block(self.block_pool, key, blk)
-            done.append(blk)
-        att.saves = keep
-        if done:
-            self.block_pool.free_blocks(done)
+    def _cache_saves(self, request, settings: RequestSettings, att: _Attempt, processed: int) -> None:
+        """Cache the copies whose step has run (``processed`` tokens) and let go of them: the pool's
+        LRU evicts them as any cached block. (The attempt's end lets go of the others uncached.)"""
+        ready = [s for s in att.saves if s[0] <= processed]
+        if not ready:
+            return
+        att.saves = [s for s in att.saves if s[0] > processed]
+        for p, i, blk in ready:
+            key = self._save_key(request, settings, p, i)
+            if key is not None:
+                vllm_kv_cache.cache_block(self.block_pool, key, blk)
+        self.block_pool.free_blocks([blk for *_, blk in ready])
 
     def take_pending_cow_copies(self):
         """vLLM drains the step's copies once it has scheduled everything: a new step begins."""
@@ -380,8 +376,8 @@ class KVEvictManager(FullAttentionManager):
         self._cache_at_free(request_id)
         blocks = super().pop_blocks_for_free(request_id)
         att = self._attempts.pop(request_id, None)
-        if att is not None and att.saves:
-            self._cache_saves(None, None, att, None)
+        if att is not None and att.saves:  # copies whose step had not run: not cached
+            self.block_pool.free_blocks([blk for *_, blk in att.saves])
         self._track_window(request_id, gone=True)
         if self._in_free:
             self._popped = att  # logged by free() once the blocks are back in the pool
@@ -514,15 +510,9 @@ class KVEvictManager(FullAttentionManager):
         b = last_boundary(L if window.decode else min(L, prompt), window)
         if evicted_tokens(b, prompt, window) == 0 or processed < b:
             return  # it never compacted (its blocks are pure), or the step reaching b has not run
-        blocks = self.req_to_blocks.get(request.request_id, [])
-        known = min(processed, len(request.block_hashes) * hbs, len(blocks) * bs)
-        for i in range(b, known - bs + 1, bs):
-            blk = blocks[i // bs]
-            if blk.is_null or blk.block_hash is not None:
-                continue
-            key = self._tail_key(request, settings, b, i)
-            if vllm_kv_cache.cached_block(self.block_pool, key) is None:
-                vllm_kv_cache.cache_block(self.block_pool, key, blk)
+        held = len(self.req_to_blocks.get(request.request_id, ())) * bs
+        known = min(processed, len(request.block_hashes) * hbs, held)
+        self._cache_tail_blocks(request, settings, b, b, known // bs * bs)
 
     def _cache_windows(self, request_id: str, att: _Attempt, processed: int) -> None:
         """Cache the windows of the compaction points whose step has run (``processed`` tokens):
@@ -558,16 +548,23 @@ class KVEvictManager(FullAttentionManager):
         i = max(att.tails_done, first_boundary(window))
         while i + bs <= known:
             b = last_boundary(i if window.decode else min(i, prompt), window)
-            if i + bs > settings.tail_end(b):  # rewritten by the next compaction: on to its point
+            end = settings.tail_end(b)
+            if i + bs > end:  # rewritten by the next compaction: on to its point
                 i = max(i + bs, b + window.step)
                 continue
-            blk = blocks[i // bs]
-            if not blk.is_null and blk.block_hash is None:
-                key = self._tail_key(request, settings, b, i)
-                if vllm_kv_cache.cached_block(self.block_pool, key) is None:
-                    vllm_kv_cache.cache_block(self.block_pool, key, blk)
-            i += bs
+            j = min(end, known // bs * bs)
+            self._cache_tail_blocks(request, settings, b, i, j)
+            i = j
         att.tails_done = max(att.tails_done, i)
+
+    def _cache_tail_blocks(self, request, settings: RequestSettings, b: int, lo: int, hi: int) -> None:
+        """Cache the request's own blocks in ``[lo, hi)`` (whole blocks) as the tail of its window
+        at ``b``; blocks it holds as a hit are cached already."""
+        blocks = self.req_to_blocks.get(request.request_id, [])
+        for i in range(lo, hi, self.block_size):
+            blk = blocks[i // self.block_size]
+            if not blk.is_null and blk.block_hash is None:
+                vllm_kv_cache.cache_block(self.block_pool, self._tail_key(request, settings, b, i), blk)
 
     def _tail_key(self, request, settings: RequestSettings, b: int, i: int):
         """The key of the request's block starting at token ``i``, in the tail of its window at ``b``."""

@@ -161,7 +161,7 @@ def pure_hit_limit(prompt_len: int, total_len: int, cfg: WindowConfig) -> int | 
 
 def step_limit(L: int, prompt_len: int, cfg: WindowConfig, saves: int | None = None) -> int | None:
     """The most tokens a step may compute from ``L`` without crossing a compaction point (``None``:
-    no limit: eviction off, a ``once`` window past its prompt, or a ``decode=False`` one). A
+    no limit: eviction off, or a ``once`` or ``decode=False`` window past its prompt). A
     ``once`` window compacts at the end of its prompt, which a request resumed after preemption
     (prompt and generated tokens to recompute) must reach at the end of a step too. ``saves``
     (the query window of a request whose tails are cached): nor past :func:`hit_end` of the next

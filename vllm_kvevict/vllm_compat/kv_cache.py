@@ -123,8 +123,10 @@ def copy_aside(manager, block):
 
 def cache_block(block_pool, key, block) -> None:
     """Enter ``block`` in vLLM's prefix cache under ``key`` (``BlockPool._insert_block_hash``, 0.32
-    and 0.33: the block takes the hash, the map gains it; vLLM's LRU evicts it as any cached block)."""
-    block_pool._insert_block_hash(key, block, num_tokens=None)
+    and 0.33: the block takes the hash, the map gains it; vLLM's LRU evicts it as any cached block),
+    unless a block is cached under ``key`` already (the same KV, from another request)."""
+    if cached_block(block_pool, key) is None:
+        block_pool._insert_block_hash(key, block, num_tokens=None)
 
 
 def cached_block(block_pool, key):
@@ -159,8 +161,7 @@ def install_request_hooks(
     scheduler schedules the request in, with ``L`` the tokens whose KV the workers will have
     computed once that step has run (the request's computed tokens, the hit it adopts in this
     step, and the step's new tokens: vLLM's own sum in ``allocate_slots``) and ``start`` those
-    computed before it; ``on_end(request)``
-    after ``free`` and after ``pop_blocks_for_free`` (the deferred-free path of
+    computed before it; ``on_end(request)`` after ``free`` and after ``pop_blocks_for_free`` (the deferred-free path of
     ``Scheduler._free_request_blocks``), so per-request state ends on both of vLLM's free paths
     (``request.is_finished()`` tells a finished request from a preempted one: vLLM frees a
     preempted request's blocks before it sets its status to ``PREEMPTED``, a finished one's after
@@ -177,8 +178,9 @@ def install_request_hooks(
     ``Scheduler._reserve_prefill_lookahead``, the last one before the allocation in both of
     ``schedule``'s loops, 0.32 and 0.33) and returns how many of those tokens it may compute (at
     least one; 0 for a waiting request: not in this step, which makes 0.32's scheduler stop
-    admitting waiting requests for the step and 0.33's requeue it behind the others); ``on_window(request, num_tokens, single_type_managers)`` sees every lookup after
-    the pure hit is decided (``num_tokens``), on a model with one KV cache group, and returns a
+    admitting waiting requests for the step and 0.33's requeue it behind the others);
+    ``on_window(request, num_tokens, single_type_managers)`` sees every lookup after the pure hit
+    is decided (``num_tokens``), on a model with one KV cache group, and returns a
     cached compacted window the request may start on instead, ``(blocks, tokens)`` (the group's
     block list: null blocks for the evicted prefix, then the window's), or None. vLLM 0.32/0.33:
     ``get_computed_blocks`` returns ``(KVCacheBlocks, num_tokens,
