@@ -5,6 +5,7 @@ with plain loops in float64 (nothing from the policy modules)."""
 from __future__ import annotations
 
 import math
+from dataclasses import fields, replace
 
 import torch
 
@@ -15,6 +16,18 @@ INF = float("inf")
 
 def make_policy(name, **kw):
     return get_policy(name, POLICIES[name].Params(**kw))
+
+
+def on_device(view: KVView, device) -> KVView:
+    """``view`` with every tensor, per-slot state included, on ``device`` (a GPU where there is one:
+    what the engine hands a policy there)."""
+
+    def move(x):
+        if isinstance(x, torch.Tensor):
+            return x.to(device)
+        return {k: move(v) for k, v in x.items()} if isinstance(x, dict) else x
+
+    return replace(view, **{f.name: move(getattr(view, f.name)) for f in fields(view)})
 
 
 def fresh_state(policy, H, n):

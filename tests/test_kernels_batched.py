@@ -107,7 +107,7 @@ def test_scatter_right_aligns_per_head():
 TRITON_CASES = CASES + [(32, 4, 64, [300, 3], [32, 0])]  # rows longer than one tile
 
 
-@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
+@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16, torch.float16])
 @pytest.mark.parametrize("case", range(len(TRITON_CASES)))
 def test_triton_gather_scores_select_scatter(tri, case, dtype):
     bs, H, D, lens, starts = TRITON_CASES[case]
@@ -143,6 +143,24 @@ def test_triton_gather_scores_select_scatter(tri, case, dtype):
     assert torch.equal(want, got)
 
 
+@pytest.mark.parametrize(
+    "lens,H,D",
+    [
+        ([3000, 0, 1, 2, 1500, 37], 2, 64),  # 3 chunks per row: rows shorter than that, empty rows
+        ([70_000, 5], 1, 16),  # more than 32 chunks' worth: 32, longer ones
+    ],
+)
+@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
+def test_triton_keydiff_splits_long_rows(tri, lens, H, D, dtype):
+    """Sets of more than 2048 tokens score every row in chunks (at most 32), the anchor summed over
+    the chunks' partial sums: the statement's scores."""
+    cu = ref.cu_from_lengths(torch.tensor(lens))
+    g = torch.Generator().manual_seed(len(lens))
+    K = (torch.randn(int(cu[-1]), H, D, generator=g) + 0.3).to(dtype).to(DEV)  # a common direction
+    cu = cu.to(DEV)
+    torch.testing.assert_close(tri.keydiff_scores(K, cu), FUSED["keydiff_scores"](K, cu), atol=1e-5, rtol=1e-5)
+
+
 def test_triton_select_extreme_scores(tri):
     scores = torch.tensor([[float("inf")], [-1e30], [float("-inf")], [3.0], [float("inf")], [-0.0], [0.0]])
     pos = torch.tensor([[0], [1], [2], [3], [4], [5], [6]])
@@ -171,10 +189,10 @@ def _step(monkeypatch, batched: bool, kernels: str):
     monkeypatch.setattr(ops, "select_topk", lambda *a: calls.append(a[2].numel() - 1) or select(*a))
     NB, H, bs, D = 40, 2, 16, 64
     g = torch.Generator().manual_seed(3)
-    cache = torch.randn(NB, H, bs, 2 * D, generator=g)
-    slot_pos = torch.randint(0, 10_000, (NB * bs, H), generator=g, dtype=torch.int32)
-    state = {"h2o": torch.rand(NB * bs, H, generator=g)}  # another policy's state moves with the tokens
-    tables = torch.randperm(NB - 1, generator=g)[:36].reshape(6, 6) + 1
+    cache = torch.randn(NB, H, bs, 2 * D, generator=g).to(DEV)
+    slot_pos = torch.randint(0, 10_000, (NB * bs, H), generator=g, dtype=torch.int32).to(DEV)
+    state = {"h2o": torch.rand(NB * bs, H, generator=g).to(DEV)}  # another policy's state moves with the tokens
+    tables = (torch.randperm(NB - 1, generator=g)[:36].reshape(6, 6) + 1).to(DEV)
     lens, e_prev, e_new = [90, 40, 70, 33, 64, 80], [16, 0, 32, 0, 0, 48], [48, 16, 48, 16, 32, 64]
     plan = StepPlan(
         L_prev=[0] * 6,
@@ -340,3 +358,53 @@ def test_every_op_has_both_implementations(tri):
     assert set(FUSED) == {"keydiff_scores", "key_norms", "projected_value_norms"}
     for name, statement in FUSED.items():
         assert list(inspect.signature(getattr(tri, name)).parameters) == list(inspect.signature(statement).parameters)
+
+
+@pytest.mark.skipif(not CUDA, reason="only a GPU's atomics sum in a varying order")
+def test_statements_give_the_same_bits_every_run_and_in_any_batch():
+    """The torch statements on a GPU: KeyDiff's anchor and KVMerger's set sums are segmented sums
+    (index_add_ adds with atomics there, in whatever order the threads come), so a score, a kept
+    set and a merged value are the same bits on every run, and a row's scores do not depend on
+    which rows share its call."""
+    from tests.policy_reference import build, make_policy, on_device
+
+    g = torch.Generator().manual_seed(0)
+    lens = [3000, 1, 4096, 700, 0, 2048]
+    cu = ref.cu_from_lengths(torch.tensor(lens)).to(DEV)
+    K = (torch.randn(sum(lens), 8, 128, generator=g) + 0.05).to(DEV)  # a common direction: long sums
+    s = FUSED["keydiff_scores"](K, cu)
+    assert torch.equal(s, FUSED["keydiff_scores"](K, cu))
+    for r, n in enumerate(lens):
+        a = int(cu[r])
+        alone = FUSED["keydiff_scores"](K[a : a + n], torch.tensor([0, n], device=DEV))
+        assert torch.equal(alone, s[a : a + n]), r
+
+    pol = make_policy("kvmerger", threshold=0.0)  # every unprotected run merges: long sets
+    view, _ = build(pol, H=2, G=2, n=3000, d=128, seed=1)
+    view.state["h2o"] = torch.rand(2, 3000, generator=g)
+    view = on_device(view, DEV)
+    kept, (Km, Vm) = pol.evict(view, 300)
+    for _ in range(3):
+        kept2, (Km2, Vm2) = pol.evict(view, 300)
+        assert torch.equal(kept, kept2) and torch.equal(Km, Km2) and torch.equal(Vm, Vm2)
+
+
+@pytest.mark.skipif(not CUDA, reason="auto's choices on a GPU")
+def test_auto_runs_the_measured_fastest_implementation_on_a_gpu(monkeypatch):
+    """``KVEVICT_KERNELS=auto`` on a GPU: torch's ``column_sums``, and torch's ``select_topk`` for
+    sets with a row longer than ``SELECT_TRITON_MAX_ROW`` (Triton's below); Triton for the rest."""
+    from vllm_kvevict.kernels import ops
+
+    monkeypatch.setenv("KVEVICT_KERNELS", "auto")
+    t = torch.empty(1, device=DEV)
+    assert ops.backend_for(t, "column_sums") is ref
+    assert ops.backend_for(t, "gather_paged").__name__.endswith("triton_ops")
+    calls, select = [], ref.select_topk
+    monkeypatch.setattr(ref, "select_topk", lambda *a: calls.append(int(a[2][-1])) or select(*a))
+    for n in (ops.SELECT_TRITON_MAX_ROW, ops.SELECT_TRITON_MAX_ROW + 1):
+        cu = torch.tensor([0, 3, 3 + n], device=DEV)
+        scores = torch.rand(int(cu[-1]), 2, device=DEV)
+        pos = torch.arange(int(cu[-1]), device=DEV)[:, None].expand(-1, 2).contiguous()
+        idx, _ = ops.select_topk(scores, pos, cu, torch.tensor([2, 100], device=DEV))
+        assert idx.shape == (102, 2)
+    assert calls == [3 + ops.SELECT_TRITON_MAX_ROW + 1]  # the longer set only

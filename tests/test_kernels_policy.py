@@ -14,7 +14,7 @@ import numpy as np
 import pytest
 import torch
 
-from tests.policy_reference import build, make_policy
+from tests.policy_reference import build, make_policy, on_device
 from vllm_kvevict.kernels import torch_ops as ref
 from vllm_kvevict.policies import criticalkv
 from vllm_kvevict.policies import lshe as lshe_mod
@@ -259,6 +259,7 @@ def test_lshe_observe_unchanged(request, monkeypatch, kernels, hash_mode, bits, 
     H, n, m, budget, layer = 2, 80, 30, 35, 5
     pol = make_policy("lshe", bits=bits, hash=hash_mode)
     view, _ = build(pol, H=H, G=G, n=n, d=d, m=m, budget=budget, layer=layer, seed=bits + G)
+    view = on_device(view, DEV)
     R = _projection(pol.params.seed, layer, bits, d)
     view.state["lsh_code"][:, : n - m] = old_simhash(view.K[:, : n - m], R)  # the cached keys' codes
     view.state["lsh_victim"][:, 10:14] = n - m - 1  # victims of earlier steps
@@ -280,6 +281,7 @@ def test_criticalkv_unchanged(request, monkeypatch, kernels, G, d):
     kernels_param(request, monkeypatch, kernels)
     pol = make_policy("criticalkv", snapkv={"window": 4, "pooling": "max"})
     view, _ = build(pol, H=2, G=G, n=60, d=d, D=48, m=4, seed=G)
+    view = on_device(view, DEV)
     view.keep = 25
     want = old_projected_value_norms(view.V, view.W_O, G)
     got = criticalkv.projected_value_norms(view.V, view.W_O, G)

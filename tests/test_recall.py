@@ -127,7 +127,8 @@ def test_recall_scores_equal_the_loops(kernel, kernels, monkeypatch):
     pos = torch.stack([torch.randperm(40)[:n] for _ in range(H)], dim=1)  # window and tier mixed, any order
     q_pos = torch.arange(35, 35 + w)
     Q = torch.randn(H * G, w, d)
-    got = recall_scores(Q, q_pos, K, pos, G, 0.3, None, kernel)
+    dev = "cuda" if torch.cuda.is_available() else "cpu"
+    got = recall_scores(Q.to(dev), q_pos.to(dev), K.to(dev), pos.to(dev), G, 0.3, None, kernel).cpu()
     want = _reference_scores(Q, q_pos, K, pos, G, 0.3, kernel)
     torch.testing.assert_close(got.double(), want, rtol=1e-5, atol=1e-6)
 
@@ -147,3 +148,43 @@ def test_selection_protects_the_observation_window_and_orders_by_position():
 def test_complement():
     kept = torch.tensor([[0, 2], [3, 4]])
     assert complement(5, kept).tolist() == [[1, 0], [2, 1], [4, 3]]
+
+
+@pytest.mark.skipif(not torch.cuda.is_available(), reason="needs a GPU: pinned host memory and CUDA events")
+def test_tier_on_a_gpu_copies_without_waiting_and_reads_only_landed_copies():
+    """A GPU's tier: each chunk is copied to pinned host memory on the current stream and ``add``
+    returns while the copy is in flight (the stream held busy by a long kernel before it); the
+    chunk is merged only after its event, so the tier's tokens are the device's values (pinned
+    memory read early would hold whatever ``torch.empty`` left there)."""
+    n, H, D, dev = 2048, 8, 128, "cuda"
+
+    def entry(seed: int, first_pos: int) -> TierEntry:
+        g = torch.Generator(device=dev).manual_seed(seed)
+        K = torch.randn(n, H, D, device=dev, generator=g).to(torch.bfloat16)
+        pos = (first_pos + torch.arange(n, device=dev))[:, None].expand(n, H).contiguous()
+        score = torch.rand(n, H, device=dev, generator=g)
+        return TierEntry(K, -K, pos, score, {"acc": score * 2})
+
+    a, b = entry(0, 0), entry(1, n)
+    want = [e.map(lambda t: t.cpu()) for e in (a, b)]  # what the device holds
+    tier = Tier()
+    torch.cuda.synchronize()
+    torch.cuda._sleep(1_000_000_000)  # about half a second of GPU time ahead of the copy
+    tier.add(a, cap=n)
+    (pending,) = tier.chunks
+    assert pending.copy is not None and not pending.copy.query()  # in flight: the host went on
+    assert pending.K.device.type == "cpu" and pending.K.is_pinned()
+    tier.add(b, cap=n)  # waits for a's copy; b's own copy landed or not, it is kept apart until then
+    assert tier.chunks[0].copy is None and tier.tokens == 2 * n
+    got = tier.take(dev)
+    torch.cuda.synchronize()
+    assert got.K.device.type == "cuda" and got.tokens == n
+
+    cat = TierEntry(*(torch.cat([getattr(w, f) for w in want]) for f in ("K", "V", "pos", "score")))
+    best = torch.topk(cat.score, n, dim=0).indices  # [n, H]; random scores: no ties
+    best = torch.gather(best, 0, torch.argsort(torch.gather(cat.pos, 0, best), dim=0))
+    h = torch.arange(H)[None, :]
+    order = torch.argsort(got.pos.cpu(), dim=0)
+    for f in ("K", "V", "pos", "score"):
+        assert torch.equal(getattr(got, f).cpu()[order, h], getattr(cat, f)[best, h]), f
+    assert torch.equal(got.state["acc"].cpu()[order, h], 2 * cat.score[best, h])

@@ -76,8 +76,9 @@ _VARS = [
         "KVEVICT_KERNELS",
         "auto",
         lambda s: s.strip().lower() or "auto",
-        "which implementation of the eviction kernels runs: `auto` (Triton for CUDA tensors, torch "
-        "otherwise), `torch`, `triton`, `cuda` (the `csrc/` extension where it has the op)",
+        "which implementation of the eviction kernels runs: `auto` (Triton for CUDA tensors but torch's "
+        "`column_sums` and long-row selection, as measured on an H100; torch otherwise), `torch`, `triton`, "
+        "`cuda` (the `csrc/` extension where it has the op)",
         "kernels",
     ),
     EnvVar(

@@ -10,13 +10,18 @@ Per (requests R, context n) on one layer's paged cache (FlashAttention layout, b
 * ``compact``: gather the window through the block table, select ``budget`` tokens per (request,
   KV head), scatter them right-aligned (:mod:`vllm_kvevict.kernels.ops`: Triton on CUDA). Reported
   as bytes moved (K and V of the kept tokens, read and written) per second, and as a fraction of
-  the device-to-device copy bandwidth measured in the same run (``torch.Tensor.copy_`` of 1 GiB).
+  the device-to-device copy bandwidth measured in the same run (``torch.Tensor.copy_`` of 1 GiB);
+  ``all x``: the step's whole cache traffic (the gather of every token's K and V, read and written,
+  plus the kept ones' scatter) as that fraction.
 * ``chunk``: one prefill chunk's eviction work (scores + select + scatter over the window
   ``budget + chunk``) against the chunk's attention over its context in the same run
   (``scaled_dot_product_attention`` with a lower-right causal mask, the chunk's queries over the
   window, which torch runs as FlashAttention on CUDA): the fraction eviction adds. Scores:
-  ``--score keydiff`` (batched over the requests) or ``snapkv`` (every request's 32-query window
-  attention in one ragged ``column_sums``, as the engine runs it).
+  ``--score keydiff`` (batched over the requests), ``snapkv`` (every request's 32-query window
+  attention in one ragged ``column_sums``, as the engine runs it) or ``recall`` (recall's
+  query-aware score, :func:`~vllm_kvevict.backends.recall.recall_scores`, one request at a time as
+  the engine runs it, over the window as candidates, max-pooled over 31 positions, the 32 query
+  positions protected).
 
 Times are medians of CUDA-event-timed repetitions (wall clock on CPU). Prints a table and writes
 JSON and a PNG. No vLLM needed: this is what runs on a machine with a GPU and only torch + Triton.
@@ -34,8 +39,15 @@ from pathlib import Path
 import torch
 from torch.nn.attention.bias import causal_lower_right
 
+from vllm_kvevict import envs
+from vllm_kvevict.backends.recall import recall_scores
 from vllm_kvevict.kernels import ops
+from vllm_kvevict.kernels.ops import FUSED
 from vllm_kvevict.policies.keydiff import keydiff_scores
+
+#: recall's pooling width in the benchmark (the server's default, config.RecallConfig.kernel)
+RECALL_KERNEL = 31
+SCORES = ("keydiff", "snapkv", "recall")
 
 
 def _timer(device: torch.device, fn, reps: int) -> float:
@@ -86,6 +98,20 @@ def snapkv_scores(K, pos, cu, Qw, G: int) -> torch.Tensor:
     return cs.reshape(K.shape[0], -1, G).mean(dim=-1)
 
 
+def recall_step_scores(K, pos, cu, Qw, G: int) -> torch.Tensor:
+    """``[N, H]``: recall's query-aware score of every request's candidates, one request at a time
+    (as the engine's recall runs), its window queries' own positions protected (``inf``)."""
+    R, Hq, w, D = Qw.shape
+    out = []
+    for r in range(R):
+        a, b = int(cu[r]), int(cu[r + 1])
+        last = pos[b - 1, 0]
+        q_pos = last - w + 1 + torch.arange(w, device=K.device)
+        s = recall_scores(Qw[r], q_pos, K[a:b], pos[a:b], G, D**-0.5, None, RECALL_KERNEL)
+        out.append(s.masked_fill(pos[a:b] > last - w, float("inf")))
+    return torch.cat(out)
+
+
 def eviction_step(k, v, table, rows, starts, ends, budget: int, score: str = "keydiff", Qw=None, G: int = 1):
     K, V, cu = ops.gather_paged(k, v, table, rows, starts, ends)
     pos = (
@@ -93,13 +119,75 @@ def eviction_step(k, v, table, rows, starts, ends, budget: int, score: str = "ke
         .expand(-1, K.shape[1])
         .contiguous()
     )
-    scores = keydiff_scores(K, cu) if score == "keydiff" else snapkv_scores(K, pos, cu, Qw, G)
+    if score == "keydiff":
+        scores = keydiff_scores(K, cu)
+    elif score == "snapkv":
+        scores = snapkv_scores(K, pos, cu, Qw, G)
+    else:
+        scores = recall_step_scores(K, pos, cu, Qw, G)
     keep = torch.full((rows.numel(),), budget, device=K.device)
     idx, cu_keep = ops.select_topk(scores, pos, cu, keep)
     dst = ends - (cu_keep[1:] - cu_keep[:-1])
     ops.scatter_paged(k, K, idx, cu, cu_keep, table, rows, dst)
     ops.scatter_paged(v, V, idx, cu, cu_keep, table, rows, dst)
     return int(cu_keep[-1])
+
+
+def implementations(device: torch.device) -> dict[str, object]:
+    """The kernel modules that run on ``device``: torch always; Triton and the CUDA extension on a
+    GPU where they import and build."""
+    from vllm_kvevict.kernels import torch_ops
+
+    mods: dict[str, object] = {"torch": torch_ops}
+    if device.type == "cuda":
+        try:
+            from vllm_kvevict.kernels import triton_ops
+
+            mods["triton"] = triton_ops
+        except ImportError:
+            pass
+        try:
+            from vllm_kvevict.kernels import cuda_ops
+
+            cuda_ops.build()
+            mods["cuda"] = cuda_ops
+        except Exception as e:  # noqa: BLE001 - reported, the others still measured
+            print(f"cuda kernels not measured: {e}", file=sys.stderr)
+    return mods
+
+
+def op_times(k, v, table, rows, starts, ends, budget: int, Qw, G: int, reps: int) -> dict[str, dict[str, float]]:
+    """Median seconds of each operation of one eviction step over the windows ``[starts, ends)``,
+    per implementation that has it: which one each op should default to."""
+    dev = k.device
+    mods = implementations(dev)
+    K, V, cu = ops.gather_paged(k, v, table, rows, starts, ends)
+    pos = torch.arange(K.shape[0], device=dev)[:, None] - cu[:-1].repeat_interleave(cu[1:] - cu[:-1])[:, None]
+    pos = pos.expand(-1, K.shape[1]).contiguous()
+    scores = keydiff_scores(K, cu)
+    keep = torch.full((rows.numel(),), budget, device=dev)
+    idx, cu_keep = ops.select_topk(scores, pos, cu, keep)
+    dst = ends - (cu_keep[1:] - cu_keep[:-1])
+    R, Hq, w, D = Qw.shape
+    last = pos[cu[1:] - 1, 0]
+    q_pos = (last[:, None] - w + 1 + torch.arange(w, device=dev)).reshape(-1)
+    Q = Qw.transpose(1, 2).reshape(R * w, Hq, D)
+    cu_q = torch.arange(R + 1, device=dev) * w
+    calls = {
+        "gather_paged": lambda m: m.gather_paged(k, v, table, rows, starts, ends),
+        "keydiff_scores": lambda m: (m.keydiff_scores if m is not mods["torch"] else FUSED["keydiff_scores"])(K, cu),
+        "select_topk": lambda m: m.select_topk(scores, pos, cu, keep),
+        "scatter_paged": lambda m: m.scatter_paged(k, K, idx, cu, cu_keep, table, rows, dst),
+        "column_sums": lambda m: m.column_sums(Q, K, q_pos, pos, cu_q, cu, G, D**-0.5, None),
+    }
+    out: dict[str, dict[str, float]] = {}
+    for op, call in calls.items():
+        out[op] = {
+            name: _timer(dev, lambda m=m: call(m), reps)
+            for name, m in mods.items()
+            if hasattr(m, op) or (name == "torch" and op in FUSED)
+        }
+    return out
 
 
 def run(
@@ -115,6 +203,7 @@ def run(
     dtype: torch.dtype,
     reps: int,
     score: str = "keydiff",
+    per_op: bool = False,
 ) -> dict:
     dev = torch.device(device)
     bw = copy_bandwidth(dev, 1 << 30 if dev.type == "cuda" else 1 << 26)
@@ -130,6 +219,9 @@ def run(
             kept = eviction_step(k, v, table, rows, starts, ends, budget)
             t_all = _timer(dev, lambda: eviction_step(k, v, table, rows, starts, ends, budget), reps)
             moved = 2 * 2 * kept * H * D * k.element_size()  # K and V, read and written
+            # all the step's cache traffic: the gather reads and writes every token's K and V, the
+            # scatter the kept ones (scores and selection read the gathered copy: not counted)
+            traffic = moved + 2 * 2 * R * n * H * D * k.element_size()
             # one prefill chunk: eviction over the window budget + chunk vs the chunk's attention over it
             win = min(n, budget + chunk)
             w_ends = torch.full((R,), win, dtype=torch.int64, device=dev)
@@ -146,6 +238,13 @@ def run(
                 return torch.nn.functional.scaled_dot_product_attention(q, kk, vv, attn_mask=mask)
 
             t_attn = _timer(dev, attn, reps)
+            by_op = {}
+            if per_op:  # each op per implementation: over the whole context and over one chunk's window
+                G = Hq // H
+                by_op = {
+                    "context": op_times(k, v, table, rows, starts, ends, budget, Qw, G, reps),
+                    "window": op_times(k, v, table, rows, starts, w_ends, budget, Qw, G, reps),
+                }
             rows_out.append(
                 {
                     "requests": R,
@@ -155,11 +254,14 @@ def run(
                     "compact_bytes": moved,
                     "compact_bw": moved / t_all,
                     "compact_bw_fraction": moved / t_all / bw,
+                    "traffic_bytes": traffic,
+                    "traffic_bw_fraction": traffic / t_all / bw,
                     "window": win,
                     "chunk": chunk,
                     "chunk_evict_s": t_chunk,
                     "chunk_attn_s": t_attn,
                     "chunk_fraction": t_chunk / t_attn,
+                    **({"ops": by_op} if by_op else {}),
                 }
             )
             del cache
@@ -169,7 +271,11 @@ def run(
         "device": torch.cuda.get_device_name(dev) if dev.type == "cuda" else "cpu",
         "copy_bw": bw,
         "shapes": {"q_heads": Hq, "kv_heads": H, "head_dim": D, "block_size": bs, "dtype": str(dtype)},
-        "kernels": ops.backend_for(torch.empty(0, device=dev)).__name__.rsplit(".", 1)[-1],
+        "kernels": (
+            envs.KVEVICT_KERNELS
+            if envs.KVEVICT_KERNELS != "auto"
+            else ops.backend_for(torch.empty(0, device=dev)).__name__.rsplit(".", 1)[-1].removesuffix("_ops")
+        ),
         "score": score,
         "rows": rows_out,
     }
@@ -178,7 +284,8 @@ def run(
 def format_row(r: dict) -> str:
     return (
         f"{r['requests']:>5}{r['context']:>8}{r['budget']:>8}{r['compact_s'] * 1e3:>11.3f}"
-        f"{r['compact_bw'] / 1e9:>10.1f}{r['compact_bw_fraction']:>8.2f}{r['chunk_evict_s'] * 1e3:>12.3f}"
+        f"{r['compact_bw'] / 1e9:>10.1f}{r['compact_bw_fraction']:>8.2f}{r['traffic_bw_fraction']:>8.2f}"
+        f"{r['chunk_evict_s'] * 1e3:>12.3f}"
         f"{r['chunk_attn_s'] * 1e3:>10.3f}{r['chunk_fraction']:>8.3f}"
     )
 
@@ -187,10 +294,22 @@ def format_table(report: dict) -> str:
     lines = [
         f"{report['device']} ({report['kernels']} kernels, {report.get('score', 'keydiff')} scores), copy bandwidth {report['copy_bw'] / 1e9:.0f} GB/s; "
         f"per layer, {report['shapes']}",
-        f"{'reqs':>5}{'context':>8}{'budget':>8}{'compact ms':>11}{'GB/s':>10}{'x copy':>8}{'chunk ev ms':>12}"
+        f"{'reqs':>5}{'context':>8}{'budget':>8}{'compact ms':>11}{'GB/s':>10}{'x copy':>8}{'all x':>8}"
+        f"{'chunk ev ms':>12}"
         f"{'attn ms':>10}{'ev/attn':>8}",
     ]
     lines += [format_row(r) for r in report["rows"]]
+    timed = [r for r in report["rows"] if "ops" in r]
+    if timed:
+        impls = sorted({i for r in timed for t in r["ops"].values() for o in t.values() for i in o})
+        lines += ["", "per op, ms (over the whole context / one chunk's window):"]
+        lines.append(f"{'reqs':>5}{'tokens':>8} {'op':<16}" + "".join(f"{i:>10}" for i in impls))
+        for r in timed:
+            for where, table in r["ops"].items():
+                n = r["context"] if where == "context" else r["window"]
+                for op, t in table.items():
+                    cells = "".join(f"{t[i] * 1e3:>10.3f}" if i in t else f"{'-':>10}" for i in impls)
+                    lines.append(f"{r['requests']:>5}{n:>8} {op:<16}{cells}")
     return "\n".join(lines)
 
 
@@ -232,7 +351,8 @@ def main(argv: list[str] | None = None) -> int:
     ap.add_argument("--block-size", type=int, default=16)
     ap.add_argument("--dtype", default="bfloat16")
     ap.add_argument("--reps", type=int, default=10)
-    ap.add_argument("--score", choices=["keydiff", "snapkv"], default="keydiff")
+    ap.add_argument("--score", choices=SCORES, default="keydiff")
+    ap.add_argument("--ops", action="store_true", help="also time each op per implementation (torch, triton, cuda)")
     ap.add_argument("--out", default="bench-results")
     a = ap.parse_args(argv)
     report = run(
@@ -248,6 +368,7 @@ def main(argv: list[str] | None = None) -> int:
         getattr(torch, a.dtype),
         a.reps,
         a.score,
+        a.ops,
     )
     print(format_table(report))
     out = Path(a.out)

@@ -1,12 +1,17 @@
 # SPDX-License-Identifier: Apache-2.0
 """The batched eviction operations, dispatched by device: Triton kernels for CUDA tensors (when
-Triton imports), the vectorised torch implementations otherwise (the CPU engine).
+Triton imports), the vectorised torch implementations otherwise (the CPU engine). Measured on an
+H100 (docs/kernels.md, "On a GPU"), two operations default to torch on a GPU too: ``column_sums``
+(:data:`TORCH_ON_CUDA`: the Triton kernel was 10-40x slower than torch's) and ``select_topk`` for
+sets whose longest row exceeds :data:`SELECT_TRITON_MAX_ROW` tokens (the Triton kernel runs one
+program per row and head).
 
 ``KVEVICT_KERNELS=torch`` forces the torch path everywhere (debugging, A/B timing);
 ``KVEVICT_KERNELS=triton`` forces Triton (CPU tensors then need ``TRITON_INTERPRET=1``);
 ``KVEVICT_KERNELS=cuda`` takes the CUDA C++ extension (``csrc/``, :mod:`.cuda_ops`, built on first
 use) for CUDA tensors in the operations it implements (:data:`CUDA_OPS`), Triton for the rest. Auto
-does not pick it: it has not been measured against Triton on a GPU yet.
+does not pick it: faster than Triton for ``scatter_paged`` only, about equal for ``gather_paged`` on
+the H100, and it compiles with nvcc at first use.
 """
 
 from __future__ import annotations
@@ -35,6 +40,11 @@ OPS = (
 
 #: the operations ``csrc/`` implements
 CUDA_OPS = ("gather_paged", "scatter_paged", "keydiff_scores", "key_norms")
+#: operations whose torch implementation ``auto`` runs on a GPU as well (faster there than Triton's)
+TORCH_ON_CUDA = ("column_sums",)
+#: ``select_topk`` on a GPU under ``auto``: Triton's for sets whose rows are all at most this long,
+#: torch's (a sort) beyond
+SELECT_TRITON_MAX_ROW = 4096
 
 
 @cache
@@ -61,6 +71,8 @@ def backend_for(t: torch.Tensor, op: str | None = None) -> ModuleType:
         return torch_ops
     if choice == "cuda" and t.is_cuda and op in CUDA_OPS:
         return _cuda()
+    if choice == "auto" and t.is_cuda and op in TORCH_ON_CUDA:
+        return torch_ops
     if choice == "triton" or t.is_cuda:
         mod = _triton()
         if mod is not None:
@@ -100,7 +112,16 @@ def gather_paged(k_cache, v_cache, block_table, rows, starts, ends):
 
 
 def select_topk(scores, pos, cu, keep):
-    return backend_for(scores, "select_topk").select_topk(scores, pos, cu, keep)
+    mod = backend_for(scores, "select_topk")
+    if (
+        mod is not torch_ops
+        and scores.is_cuda
+        and envs.KVEVICT_KERNELS == "auto"
+        and cu.numel() > 1
+        and int((cu[1:] - cu[:-1]).max()) > SELECT_TRITON_MAX_ROW
+    ):
+        mod = torch_ops
+    return mod.select_topk(scores, pos, cu, keep)
 
 
 def scatter_paged(dst, src, idx, cu, cu_keep, block_table, rows, dst_start):
@@ -108,7 +129,7 @@ def scatter_paged(dst, src, idx, cu, cu_keep, block_table, rows, dst_start):
 
 
 def column_sums(Q, K, q_pos, k_pos, cu_q, cu_k, G, scale, softcap=None):
-    return backend_for(K).column_sums(Q, K, q_pos, k_pos, cu_q, cu_k, G, scale, softcap)
+    return backend_for(K, "column_sums").column_sums(Q, K, q_pos, k_pos, cu_q, cu_k, G, scale, softcap)
 
 
 def lshe_victims(dist, pos, victim, q_pos, budget, sinks, recent):

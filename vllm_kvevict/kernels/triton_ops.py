@@ -106,33 +106,73 @@ def gather_paged(k_cache, v_cache, block_table, rows, starts, ends):
     return K, V, cu
 
 
+#: keydiff: tokens per row chunk, on average over the set, and at most this many chunks per row (as
+#: csrc/): a long row is scored by many programs, not one per (row, head)
+KEYDIFF_CHUNK, KEYDIFF_MAX_SPLITS = 2048, 32
+
+
 @triton.jit
-def _keydiff_kernel(
+def _keydiff_partial_kernel(
     k_ptr,
     cu_ptr,
-    out_ptr,
+    part_ptr,
+    S,
     H: tl.constexpr,
     D: tl.constexpr,
     TILE_T: tl.constexpr,
     BLOCK_D: tl.constexpr,
     EPS_: tl.constexpr,
 ):
+    """Pass 1, grid (row, head, chunk): the chunk's sum of normalised keys into ``part[r, h, s]``."""
     r = tl.program_id(0)
     h = tl.program_id(1)
+    s = tl.program_id(2)
     lo, n = _row_range(cu_ptr, r)
+    chunk = (n + S - 1) // S
+    t0 = s * chunk
+    t1 = tl.minimum(n, t0 + chunk)
     d = tl.arange(0, BLOCK_D)
     acc = tl.zeros([BLOCK_D], dtype=tl.float32)
-    for start in tl.range(0, n, TILE_T):  # pass 1: the anchor, mean of the normalised keys
+    for start in tl.range(t0, t1, TILE_T):
         t = start + tl.arange(0, TILE_T)
-        m = (t < n)[:, None] & (d[None, :] < D)
+        m = (t < t1)[:, None] & (d[None, :] < D)
         k = tl.load(k_ptr + ((lo + t)[:, None] * H + h) * D + d[None, :], mask=m, other=0.0).to(tl.float32)
         norm = tl.sqrt(tl.sum(k * k, axis=1))
         acc += tl.sum(k / tl.maximum(norm, EPS_)[:, None], axis=0)
-    mu = acc / tl.where(n > 0, n, 1).to(tl.float32)
+    tl.store(part_ptr + ((r * H + h) * S + s) * BLOCK_D + d, acc)
+
+
+@triton.jit
+def _keydiff_cos_kernel(
+    k_ptr,
+    cu_ptr,
+    part_ptr,
+    out_ptr,
+    S,
+    H: tl.constexpr,
+    D: tl.constexpr,
+    TILE_T: tl.constexpr,
+    BLOCK_D: tl.constexpr,
+    BLOCK_S: tl.constexpr,
+    EPS_: tl.constexpr,
+):
+    """Pass 2, grid (row, head, chunk): the anchor ``mu`` (the row's partial sums over ``n``), then
+    ``-cos(k, mu)`` for the chunk's tokens."""
+    r = tl.program_id(0)
+    h = tl.program_id(1)
+    s = tl.program_id(2)
+    lo, n = _row_range(cu_ptr, r)
+    d = tl.arange(0, BLOCK_D)
+    j = tl.arange(0, BLOCK_S)
+    part = tl.load(part_ptr + ((r * H + h) * S + j)[:, None] * BLOCK_D + d[None, :], mask=(j < S)[:, None], other=0.0)
+    mu = tl.sum(part, axis=0) / tl.where(n > 0, n, 1).to(tl.float32)
     mu_norm = tl.sqrt(tl.sum(mu * mu, axis=0))
-    for start in tl.range(0, n, TILE_T):  # pass 2: -cos(k, mu)
+    chunk = (n + S - 1) // S
+    t0 = s * chunk
+    t1 = tl.minimum(n, t0 + chunk)
+    for start in tl.range(t0, t1, TILE_T):
         t = start + tl.arange(0, TILE_T)
-        mt = t < n
+        mt = t < t1
         m = mt[:, None] & (d[None, :] < D)
         k = tl.load(k_ptr + ((lo + t)[:, None] * H + h) * D + d[None, :], mask=m, other=0.0).to(tl.float32)
         norm = tl.sqrt(tl.sum(k * k, axis=1))
@@ -145,9 +185,15 @@ def keydiff_scores(K, cu):
     K = K.contiguous()
     out = torch.empty(N, H, dtype=torch.float32, device=K.device)
     if N:
-        _keydiff_kernel[(cu.numel() - 1, H)](
-            K, cu, out, H=H, D=D, TILE_T=TILE, BLOCK_D=triton.next_power_of_2(D), EPS_=EPS
+        R, S, BD = (
+            cu.numel() - 1,
+            max(1, min(KEYDIFF_MAX_SPLITS, triton.cdiv(N, KEYDIFF_CHUNK))),
+            triton.next_power_of_2(D),
         )
+        part = torch.empty(R, H, S, BD, dtype=torch.float32, device=K.device)
+        meta = dict(H=H, D=D, TILE_T=TILE, BLOCK_D=BD, EPS_=EPS)
+        _keydiff_partial_kernel[(R, H, S)](K, cu, part, S, **meta)
+        _keydiff_cos_kernel[(R, H, S)](K, cu, part, out, S, BLOCK_S=triton.next_power_of_2(S), **meta)
     return out
 
 

@@ -26,12 +26,11 @@ def keydiff_scores(K: torch.Tensor, cu: torch.Tensor) -> torch.Tensor:
     K = K.float()
     norm = K.norm(dim=-1)  # [N, H]
     k_hat = K / norm.clamp_min(EPS)[..., None]
-    if cu.numel() == 2:  # one row: its mean, broadcast
-        mu = k_hat.mean(dim=0, keepdim=True).expand_as(k_hat)
-    else:  # each token reads its row's mean
-        rid = row_ids(cu)
-        total = torch.zeros(cu.numel() - 1, *K.shape[1:], device=K.device).index_add_(0, rid, k_hat)
-        mu = (total / (cu[1:] - cu[:-1]).clamp_min(1)[:, None, None].float())[rid]
+    # each token reads its row's mean; a segmented sum, not index_add_ (atomics on CUDA): the same
+    # bits on every run and whichever rows share the call
+    lens = cu[1:] - cu[:-1]
+    mu = torch.segment_reduce(k_hat, "sum", lengths=lens, axis=0) / lens.clamp_min(1)[:, None, None].float()
+    mu = mu.expand_as(k_hat) if cu.numel() == 2 else mu[row_ids(cu)]
     return -((K * mu).sum(-1) / (mu.norm(dim=-1) * norm).clamp_min(EPS))
 
 

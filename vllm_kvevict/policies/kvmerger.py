@@ -102,12 +102,15 @@ class KVMerger(Policy[KVMergerParams]):
         best = best.scatter_reduce(0, sid, torch.where(a == top[sid], idx, -1), "amax")
         pivot = best[sid]  # [n] each token's pivot
         g = torch.exp(-((K[pivot] - K) ** 2).sum(-1) / (2 * p.sigma**2))
-        denom = torch.zeros(n_sets, device=K.device).index_add_(0, sid, g)
+        # Sums over each set (contiguous runs): segmented, not index_add_ (atomics on CUDA), so the
+        # merged values are the same bits on every run.
+        size = torch.bincount(sid, minlength=n_sets)
+        denom = torch.segment_reduce(g, "sum", lengths=size)
         w = g / denom[sid]
-        Km = torch.zeros(n_sets, K.shape[1], device=K.device).index_add_(0, sid, w[:, None] * K)
-        Vm = torch.zeros(n_sets, V.shape[1], device=K.device).index_add_(0, sid, w[:, None] * V)
+        Km = torch.segment_reduce(w[:, None] * K, "sum", lengths=size)
+        Vm = torch.segment_reduce(w[:, None] * V, "sum", lengths=size)
         if p.value_scale == "set_size":
-            Vm *= torch.bincount(sid, minlength=n_sets)[:, None].float()
+            Vm *= size[:, None].float()
         # Too many entries: evict the unprotected sets with the lowest pivot attention.
         set_score = a[best].masked_fill(prot[best], float("inf"))
         chosen = topk_newer(set_score[None], keep, pos[best][None])[0]
