@@ -1,4 +1,5 @@
 #!/usr/bin/env bash
+# SPDX-License-Identifier: Apache-2.0
 # The GPU checks (issue 27) on a machine with a CUDA GPU, torch, Triton and nvcc, and no vLLM:
 # every kernel test natively (Triton compiled, the CUDA extension built for the visible GPU,
 # recall's tier with pinned memory and CUDA events), then the kernel benchmark at Llama-3.1-8B

@@ -34,7 +34,7 @@ def test_policy_params_and_summary():
     [
         (
             {"budgett": 3},
-            "unknown key 'kvevict.budgett'; allowed keys: budget, cache_windows, caote, criticalkv, enabled, fastcaote, h2o, knorm, kvmerger, lshe, policy, random, recall, snapkv, streamingllm, stride, trigger",
+            "unknown key 'kvevict.budgett'; allowed keys: budget, cache_windows, caote, copy_rewritten, criticalkv, enabled, fastcaote, h2o, knorm, kvmerger, lshe, policy, random, recall, snapkv, streamingllm, stride, trigger",
         ),
         ({"streamingllm": {"sinks": 1}}, "unknown key 'kvevict.streamingllm.sinks'; allowed keys: sink_tokens"),
         ({"budget": "abc"}, "kvevict.budget: Input should be a valid integer"),

@@ -408,6 +408,7 @@ class Mix:
     seed: int = 0
     reserve_full_isl: bool = True  # vLLM's admission gate: the whole prompt must fit (off: more preemption)
     stride: int = 0  # the server's compaction stride (0: each request's W): above W, windows have tails
+    copy_rewritten: str = "shared"  # the server's: copies aside only for waiting requests, or always
 
 
 @st.composite
@@ -435,6 +436,7 @@ def mixes(draw):
         seed=draw(st.integers(0, 2**16)),
         reserve_full_isl=draw(st.booleans()),
         stride=draw(st.sampled_from([0, 0, 96, 144])),
+        copy_rewritten=draw(st.sampled_from(["shared", "always"])),
     )
 
 
@@ -445,7 +447,9 @@ def run_mix(make_config, mix: Mix) -> StandInWorker:
     config = make_config(mix.max_batched, mix.max_seqs, mix.reserve_full_isl)
     config.cache_config.num_gpu_blocks = mix.pool_blocks
     in_flight = mix.max_batched * (2 if mix.async_scheduling else 1)
-    server = parse_config({**SERVER, **({"stride": mix.stride} if mix.stride else {})})
+    server = parse_config(
+        {**SERVER, "copy_rewritten": mix.copy_rewritten, **({"stride": mix.stride} if mix.stride else {})}
+    )
     spec = mgr.KVEvictSpec.from_spec(
         FullAttentionSpec(block_size=BS, num_kv_heads=2, head_size=8, dtype=torch.float32),
         server,
@@ -754,13 +758,24 @@ TAIL_MIXES = {
 #: hit_end(p) = p - 16 are copied aside first (the step reaching p starts there) and cached, and a
 #: later request that starts on them gets its own copies (its next compaction rewrites them).
 COPY_MIXES = {
-    # r0 (440 tokens) compacts at 432: [384, 416) is copied aside as the tail of the window at 384;
-    # r1 starts on that window and the tail block [384, 400) that its document shares
+    # r0 (440 tokens) compacts at 432: [384, 416) is copied aside as the tail of the window at 384
+    # (copy_rewritten: always; r1 comes after r0 has computed its prompt, so it never waits); r1
+    # starts on that window and the tail block [384, 400) that its document shares
     "shared document": Mix(
-        False, 256, 4, 60, (_r("doc0", 400, 40, 5, 0.0, 0), _r("doc0", 400, 30, 5, 0.0, 0, arrive=30))
+        False,
+        256,
+        4,
+        60,
+        (_r("doc0", 400, 40, 5, 0.0, 0), _r("doc0", 400, 30, 5, 0.0, 0, arrive=30)),
+        copy_rewritten="always",
     ),
     "shared document (async)": Mix(
-        True, 256, 4, 60, (_r("doc0", 400, 40, 5, 0.0, 0), _r("doc0", 400, 30, 5, 0.0, 0, arrive=30))
+        True,
+        256,
+        4,
+        60,
+        (_r("doc0", 400, 40, 5, 0.0, 0), _r("doc0", 400, 30, 5, 0.0, 0, arrive=30)),
+        copy_rewritten="always",
     ),
     # r0 and r1 arrive together: r1 waits (KVEvictManager.waits_for_window) until r0 has cached
     # the window at 384 and the copies of [384, 416), then starts on them
@@ -771,7 +786,12 @@ COPY_MIXES = {
     # r0 compacts first at 96 (E1 = 48): [48, 80) is copied aside as pure blocks; r1 (a 90-token
     # document) starts on the pure hit [0, 80), past E1, with its own copies of [48, 80)
     "pure hit past the first compaction": Mix(
-        False, 256, 4, 60, (_r("doc0", 90, 30, 5, 0.0, 0), _r("doc0", 90, 20, 5, 0.0, 0, arrive=6))
+        False,
+        256,
+        4,
+        60,
+        (_r("doc0", 90, 30, 5, 0.0, 0), _r("doc0", 90, 20, 5, 0.0, 0, arrive=6)),
+        copy_rewritten="always",
     ),
     # r1 looks up while r0 caches [0, 96) as it is computed (eviction off): no copy reads a block
     # that the step being scheduled computes
@@ -799,6 +819,7 @@ COPY_MIXES = {
             _r("doc0", 400, 20, 40, 0.0, 0, arrive=20),
             _r("turn", 0, 20, 40, 0.0, 0, arrive=40),
         ),
+        copy_rewritten="always",
     ),
 }
 
@@ -814,6 +835,15 @@ def test_requests_start_on_copied_blocks(vllm_config, name):
         assert worker.copied_starts > 0, "no request started on copies"
     if name == "with preemption":
         assert worker.preemptions > 0, "no request was preempted"
+
+
+def test_nothing_is_copied_aside_for_a_request_nobody_waits_for(vllm_config):
+    """``copy_rewritten: shared`` (the default): r1 comes after r0 has computed its prompt (it
+    never waits), so r0's compactions copy nothing aside and r1 starts on the window alone (a
+    conversation's turns: copies held at the window's fullest would only add to its peak)."""
+    worker = run_mix(vllm_config, dataclasses.replace(COPY_MIXES["shared document"], copy_rewritten="shared"))
+    assert not worker.violations, "\n".join(worker.violations[:10])
+    assert worker.copied_starts == 0 and worker.window_reads > 0
 
 
 @pytest.mark.parametrize("name", sorted(TAIL_MIXES))

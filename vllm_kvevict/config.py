@@ -110,6 +110,13 @@ class _Base(BaseModel):
         description="with prefix caching on, cache each compacted window for later requests with the same prefix "
         "and configuration (docs/architecture.md, 'Compressed windows'); false: pure blocks only",
     )
+    copy_rewritten: Literal["shared", "always"] = Field(
+        "shared",
+        description="when a compaction copies aside the cached blocks it rewrites (so a later request whose "
+        "prefix ends between two compaction points starts past the window): shared: only while a request "
+        "waits for this one's windows (a document arriving together); always: at every compaction point "
+        "(a document sent again later), the copies held beside the window at its fullest",
+    )
 
     @field_validator("policy")
     @classmethod

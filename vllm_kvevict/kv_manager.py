@@ -142,6 +142,9 @@ class _Attempt:
     #: copies of blocks the compaction at ``p`` rewrites, waiting for that step to run:
     #: ``(p, first token of the block, the copy)`` (the manager holds one reference to each copy)
     saves: list[tuple[int, int, object]] = field(default_factory=list)
+    #: a waiting request has waited for this one's windows (:meth:`KVEvictManager.waits_for_window`):
+    #: its compactions copy aside the blocks they rewrite (nobody else is known to want them)
+    awaited: bool = False
 
 
 class KVEvictManager(FullAttentionManager):
@@ -321,7 +324,12 @@ class KVEvictManager(FullAttentionManager):
         (:meth:`_cache_windows`) as a tail of the window before ``p`` (a pure block before the first
         compaction), so a later request with this prefix starts past them. Blocks whose key is cached
         already (what the request itself started on) are not copied; nothing is when the pool has
-        no room to spare."""
+        no room to spare, or, unless the configuration says ``copy_rewritten: always``, when no
+        request has waited for this one's windows (``awaited``): a copy is held beside the window at
+        its fullest, and a conversation's next turn never reads one (it starts on the last window
+        and tail), so by default only a prefix others are known to share pays for it."""
+        if not (att.awaited or settings.config.copy_rewritten == "always"):
+            return
         bs, pool = self.block_size, self.block_pool
         e = evicted_tokens(p, request.num_prompt_tokens, settings.window)
         blocks = self.req_to_blocks.get(request.request_id, [])
@@ -669,6 +677,7 @@ class KVEvictManager(FullAttentionManager):
             p = next_point(shared, window)
             done = p if other.request.num_prompt_tokens >= p else other.request.num_prompt_tokens
             if vllm_kv_cache.processed_tokens(other.request) < done:
+                self._attempts[rid].awaited = True
                 return True
         return False
 

@@ -48,7 +48,8 @@ BUDGET, BS, CHUNK, POOL = 96, 32, 512, 40
 E1 = BS * ((CHUNK - BUDGET) // BS)  # 416: what a long prompt's first compaction frees and caches
 PURE = CHUNK - BS  # 480 = hit_end(512): the pure prefix cached, [E1, PURE) as copies
 BOUND = window_bound_blocks(WindowConfig(BUDGET, BS, stride=CHUNK), CHUNK, CHUNK)
-SERVER_CFG = {"kvevict": {"policy": "keydiff", "budget": BUDGET, "stride": CHUNK}}
+# copies aside at every compaction point: these requests come one after another (none waits)
+SERVER_CFG = {"kvevict": {"policy": "keydiff", "budget": BUDGET, "stride": CHUNK, "copy_rewritten": "always"}}
 OFF = {"kvevict_enabled": False}
 
 

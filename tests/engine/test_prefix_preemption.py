@@ -59,7 +59,8 @@ def server(gqa_model, tmp_path_factory):
         "--enable-prompt-tokens-details",
         "--enable-log-requests",
         "--additional-config",
-        json.dumps({"kvevict": {"policy": "keydiff", "budget": BUDGET, "stride": 160}}),
+        # copies aside at every compaction point: requests that come later start on them
+        json.dumps({"kvevict": {"policy": "keydiff", "budget": BUDGET, "stride": 160, "copy_rewritten": "always"}}),
     ]
     env = {"KVEVICT_DUMP_DIR": str(base / "dump"), "VLLM_SERVER_DEV_MODE": "1"}
     with VLLMServer(gqa_model, args, log_path=base / "server.log", env=env) as srv:

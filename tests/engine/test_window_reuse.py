@@ -58,7 +58,8 @@ def server(gqa_model, tmp_path_factory):
         "--enable-prompt-tokens-details",
         "--enable-log-requests",
         "--additional-config",
-        json.dumps({"kvevict": {"policy": "keydiff", "budget": BUDGET}}),
+        # copies aside at every compaction point: these documents are sent one after another
+        json.dumps({"kvevict": {"policy": "keydiff", "budget": BUDGET, "copy_rewritten": "always"}}),
     ]
     env = {"KVEVICT_DUMP_DIR": str(base / "dump"), "VLLM_SERVER_DEV_MODE": "1"}
     with VLLMServer(gqa_model, args, log_path=base / "server.log", env=env) as srv:
