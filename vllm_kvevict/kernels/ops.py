@@ -9,7 +9,7 @@ program per row and head).
 ``KVEVICT_KERNELS=torch`` forces the torch path everywhere (debugging, A/B timing);
 ``KVEVICT_KERNELS=triton`` forces Triton (CPU tensors then need ``TRITON_INTERPRET=1``);
 ``KVEVICT_KERNELS=cuda`` takes the CUDA C++ extension (``csrc/``, :mod:`.cuda_ops`, built on first
-use) for CUDA tensors in the operations it implements (:data:`CUDA_OPS`), Triton for the rest. Auto
+use) for CUDA tensors in the operations it implements (:data:`CUDA_OPS`), auto's choice for the rest. Auto
 does not pick it: faster than Triton for ``scatter_paged`` only, about equal for ``gather_paged`` on
 the H100, and it compiles with nvcc at first use.
 """
@@ -42,7 +42,7 @@ OPS = (
 CUDA_OPS = ("gather_paged", "scatter_paged", "keydiff_scores", "key_norms")
 #: operations whose torch implementation ``auto`` runs on a GPU as well (faster there than Triton's)
 TORCH_ON_CUDA = ("column_sums",)
-#: ``select_topk`` on a GPU under ``auto``: Triton's for sets whose rows are all at most this long,
+#: ``select_topk`` on a GPU under ``auto`` (and ``cuda``, which has none): Triton's for sets whose rows are all at most this long,
 #: torch's (a sort) beyond
 SELECT_TRITON_MAX_ROW = 4096
 
@@ -71,7 +71,7 @@ def backend_for(t: torch.Tensor, op: str | None = None) -> ModuleType:
         return torch_ops
     if choice == "cuda" and t.is_cuda and op in CUDA_OPS:
         return _cuda()
-    if choice == "auto" and t.is_cuda and op in TORCH_ON_CUDA:
+    if choice in ("auto", "cuda") and t.is_cuda and op in TORCH_ON_CUDA:
         return torch_ops
     if choice == "triton" or t.is_cuda:
         mod = _triton()
@@ -116,7 +116,7 @@ def select_topk(scores, pos, cu, keep):
     if (
         mod is not torch_ops
         and scores.is_cuda
-        and envs.KVEVICT_KERNELS == "auto"
+        and envs.KVEVICT_KERNELS in ("auto", "cuda")
         and cu.numel() > 1
         and int((cu[1:] - cu[:-1]).max()) > SELECT_TRITON_MAX_ROW
     ):
