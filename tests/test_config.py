@@ -8,7 +8,15 @@ import json
 import pytest
 from pydantic import ValidationError
 
-from vllm_kvevict.config import ENV_VAR, KVEvictConfigError, config_from_vllm, parse_config
+from vllm_kvevict.config import (
+    ENV_VAR,
+    KVEvictConfigError,
+    RequestConfigError,
+    config_from_vllm,
+    parse_config,
+    request_config,
+    request_overrides,
+)
 from vllm_kvevict.policies import POLICIES
 
 
@@ -34,7 +42,7 @@ def test_policy_params_and_summary():
     [
         (
             {"budgett": 3},
-            "unknown key 'kvevict.budgett'; allowed keys: budget, cache_windows, caote, copy_rewritten, criticalkv, enabled, fastcaote, h2o, knorm, kvmerger, lshe, policy, random, recall, snapkv, streamingllm, stride, trigger",
+            "unknown key 'kvevict.budgett'; allowed keys: budget, cache_windows, caote, copy_rewritten, criticalkv, enabled, fastcaote, h2o, knorm, kvmerger, limits, lshe, policy, random, recall, snapkv, streamingllm, stride, trigger",
         ),
         ({"streamingllm": {"sinks": 1}}, "unknown key 'kvevict.streamingllm.sinks'; allowed keys: sink_tokens"),
         ({"budget": "abc"}, "kvevict.budget: Input should be a valid integer"),
@@ -125,7 +133,6 @@ def test_trigger_defaults_to_the_policy():
 
 
 def test_request_params_merge_over_the_servers():
-    from vllm_kvevict.config import RequestConfigError, request_config, request_overrides
 
     server = parse_config({"policy": "caote", "budget": 64, "caote": {"base": "snapkv"}})
     over = request_overrides({"kvevict_params": json.dumps({"snapkv": {"window": 8}})})
@@ -145,3 +152,106 @@ def test_request_params_merge_over_the_servers():
         with pytest.raises(RequestConfigError) as ei:
             request_config(server, request_overrides(xargs))
         assert ei.value.key == key, (xargs, ei.value.key, str(ei.value))
+
+
+@pytest.mark.parametrize(
+    "limits, expected",
+    [
+        ({"keys": ["kvevict_budgte"]}, "kvevict.limits.keys: unknown request key 'kvevict_budgte'"),
+        ({"policies": ["h3o"]}, "kvevict.limits.policies: unknown policy 'h3o'"),
+        ({"min_budget": 300, "max_budget": 200}, "kvevict.limits: min_budget 300 is above max_budget 200"),
+        ({"disable": "no"}, "kvevict.limits.disable: Input should be a valid boolean"),
+        ({"max": 5}, "unknown key 'kvevict.limits.max'"),
+    ],
+)
+def test_bad_limits_are_refused_at_startup(limits, expected):
+    with pytest.raises(KVEvictConfigError) as ei:
+        parse_config({"limits": limits})
+    assert expected in str(ei.value)
+
+
+def test_limits_refuse_overrides_naming_key_and_limit():
+    """Each limit refuses what it names and nothing else; the defaults allow every key."""
+    on = parse_config({"recall": {"enabled": True}})
+    assert request_config(on, request_overrides({"kvevict_recall": True})).recall.enabled
+    strict = {
+        "keys": ["kvevict_policy", "kvevict_budget", "kvevict_enabled", "kvevict_recall"],
+        "policies": ["keydiff"],
+        "min_budget": 64,
+        "max_budget": 128,
+        "disable": False,
+        "recall": False,
+    }
+    server = parse_config({"budget": 100, "limits": strict})
+    for ok in (
+        {"kvevict_budget": 64},
+        {"kvevict_budget": 128},
+        {"kvevict_policy": "keydiff"},
+        {"kvevict_enabled": True},
+    ):
+        request_config(server, request_overrides(ok))
+    refused = {
+        "kvevict_budget": [63, 129],
+        "kvevict_policy": ["snapkv"],
+        "kvevict_enabled": [False],
+        "kvevict_recall": [True],
+        "kvevict_trigger": ["once"],
+        "kvevict_params": ['{"window": 8}'],
+    }
+    for key, values in refused.items():
+        for v in values:
+            with pytest.raises(RequestConfigError) as ei:
+                request_config(server, request_overrides({key: v}))
+            assert ei.value.key == key and str(ei.value).startswith(f"{key}: ")
+            assert "kvevict.limits" in str(ei.value)
+    # one limit at a time: it refuses its own key only
+    singles = {
+        "disable": (False, "kvevict_enabled", False),
+        "recall": (False, "kvevict_recall", True),
+        "policies": (["keydiff"], "kvevict_policy", "snapkv"),
+        "max_budget": (128, "kvevict_budget", 129),
+    }
+    for name, (value, _, _) in singles.items():
+        one = parse_config({"limits": {name: value}})
+        for other, (_, key, v) in singles.items():
+            if other == name:
+                with pytest.raises(RequestConfigError):
+                    request_config(one, request_overrides({key: v}))
+            else:
+                request_config(one, request_overrides({key: v}))
+    with pytest.raises(RequestConfigError, match="allowed keys: none"):
+        request_config(parse_config({"limits": {"keys": []}}), request_overrides({"kvevict_budget": 64}))
+
+
+def test_limits_and_copies_are_not_part_of_the_window_key():
+    """What clients may ask and when blocks are copied aside do not change a window: one key."""
+    from vllm_kvevict.request import resolve
+
+    salts = {
+        resolve(parse_config(c), None, 32).window_salt
+        for c in ({}, {"limits": {"max_budget": 4096}}, {"copy_rewritten": "always"})
+    }
+    assert len(salts) == 1
+    assert resolve(parse_config({"budget": 100}), None, 32).window_salt not in salts
+
+
+def test_the_limits_examples_in_the_docs_are_what_the_server_says():
+    """docs/operations.md, "Limits on clients": its configuration parses, and each quoted refusal
+    is the message the plugin gives (a row "with keys allowing it" adds the request's key)."""
+    import re
+    from pathlib import Path
+
+    text = Path(__file__).resolve().parents[1].joinpath("docs", "operations.md").read_text()
+    section = text.split("## Limits on clients", 1)[1].split("\n## ", 1)[0]
+    config = json.loads(re.search(r"--additional-config '(\{.*?\})'", section, re.S).group(1))["kvevict"]
+    rows = re.findall(r"^\| `(\{.*?\})`( with .*?)? \| `(.*)` \|$", section, re.M)
+    assert len(rows) == 5
+    for request, extra, message in rows:
+        xargs = json.loads(request)
+        limits = dict(config["limits"])
+        if extra:
+            limits["keys"] = [*limits["keys"], *xargs]
+        server = parse_config({**config, "limits": limits})
+        with pytest.raises(RequestConfigError) as ei:
+            request_config(server, request_overrides(xargs))
+        assert str(ei.value) == message

@@ -57,6 +57,58 @@ QUOTE_CHARS = 40
 MAX_RECALL_WINDOW = 128
 
 
+#: the per-request keys (``vllm_xargs`` / ``extra_args``), in the order the docs list them
+REQUEST_KEY_NAMES = (
+    "kvevict_policy",
+    "kvevict_budget",
+    "kvevict_enabled",
+    "kvevict_params",
+    "kvevict_trigger",
+    "kvevict_recall",
+)
+
+
+class LimitsConfig(BaseModel):
+    """What clients may ask for with the per-request keys (docs/operations.md, "Limits on
+    clients"): a request beyond them is refused with a 400 naming its key and the limit. The
+    defaults allow everything the keys can say."""
+
+    model_config = ConfigDict(extra="forbid", frozen=True, strict=True, allow_inf_nan=False)
+
+    keys: tuple[str, ...] | None = Field(
+        None, strict=False, description="the per-request keys clients may set; unset: all of them"
+    )
+    policies: tuple[str, ...] | None = Field(
+        None, strict=False, description="the policies a request may choose (kvevict_policy); unset: all"
+    )
+    min_budget: int = Field(1, ge=1, le=MAX_BUDGET, description="the smallest kvevict_budget a request may ask")
+    max_budget: int = Field(MAX_BUDGET, ge=1, le=MAX_BUDGET, description="the largest kvevict_budget a request may ask")
+    disable: bool = Field(True, description="whether a request may turn eviction off (kvevict_enabled: false)")
+    recall: bool = Field(True, description="whether a request may turn recall on where the server has it off")
+
+    @field_validator("keys")
+    @classmethod
+    def _known_keys(cls, v: tuple[str, ...] | None) -> tuple[str, ...] | None:
+        for k in v or ():
+            if k not in REQUEST_KEY_NAMES:
+                raise ValueError(f"unknown request key {short_repr(k)} (allowed: {', '.join(REQUEST_KEY_NAMES)})")
+        return v
+
+    @field_validator("policies")
+    @classmethod
+    def _known_policies(cls, v: tuple[str, ...] | None) -> tuple[str, ...] | None:
+        for p in v or ():
+            if p not in POLICIES:
+                raise ValueError(f"unknown policy {short_repr(p)}")
+        return v
+
+    @model_validator(mode="after")
+    def _budget_range(self) -> LimitsConfig:
+        if self.min_budget > self.max_budget:
+            raise ValueError(f"min_budget {self.min_budget} is above max_budget {self.max_budget}")
+        return self
+
+
 class RecallConfig(BaseModel):
     """The recall tier: tokens a compaction evicts are kept outside vLLM's pool, and when the prompt
     completes the window is re-selected from kept and evicted tokens together, with the prompt's
@@ -105,6 +157,9 @@ class _Base(BaseModel):
         "unset: the budget rounded up to a block. No prefill chunk crosses a compaction point",
     )
     recall: RecallConfig = Field(default_factory=RecallConfig, description="the recall tier (off by default)")
+    limits: LimitsConfig = Field(
+        default_factory=LimitsConfig, description="what clients may ask with the per-request keys (server only)"
+    )
     cache_windows: bool = Field(
         True,
         description="with prefix caching on, cache each compacted window for later requests with the same prefix "
@@ -372,6 +427,7 @@ REQUEST_KEYS = {
     "kvevict_trigger": "trigger",
     "kvevict_recall": "recall",  # recall: on or off (its parameters: the server's)
 }
+assert tuple(REQUEST_KEYS) == REQUEST_KEY_NAMES
 _FIELD_TO_KEY = {v: k for k, v in REQUEST_KEYS.items()}
 
 
@@ -487,9 +543,31 @@ def request_config(server: KVEvictConfig, overrides: tuple[tuple[str, Any], ...]
     return _request_config(server, overrides) if overrides else server
 
 
+def _check_limits(limits: LimitsConfig, server: KVEvictConfig, over: dict[str, Any]) -> None:
+    """Refuse overrides beyond the operator's limits (a :class:`RequestConfigError` naming the key)."""
+
+    def refuse(field: str, what: str) -> RequestConfigError:
+        key = _FIELD_TO_KEY[field]
+        return RequestConfigError(f"{key}: {what} (this server's kvevict.limits)", key)
+
+    for field in over:
+        if limits.keys is not None and _FIELD_TO_KEY[field] not in limits.keys:
+            allowed = ", ".join(limits.keys) or "none"
+            raise refuse(field, f"clients may not set this key (allowed keys: {allowed})")
+    if "policy" in over and limits.policies is not None and over["policy"] not in limits.policies:
+        raise refuse("policy", f"{short_repr(over['policy'])} is not allowed (allowed: {', '.join(limits.policies)})")
+    if "budget" in over and not limits.min_budget <= over["budget"] <= limits.max_budget:
+        raise refuse("budget", f"{over['budget']} is outside the allowed [{limits.min_budget}, {limits.max_budget}]")
+    if over.get("enabled") is False and not limits.disable:
+        raise refuse("enabled", "clients may not turn eviction off (allowed: true)")
+    if over.get("recall") is True and not server.recall.enabled and not limits.recall:
+        raise refuse("recall", "clients may not turn recall on (allowed: false)")
+
+
 @lru_cache(maxsize=1024)
 def _request_config(server: KVEvictConfig, overrides: tuple[tuple[str, Any], ...]) -> KVEvictConfig:
     over = dict(overrides)
+    _check_limits(server.limits, server, over)
     params = over.pop("params", None)
     recall = over.pop("recall", None)
     data = {**server.model_dump(), **over}

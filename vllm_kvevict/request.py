@@ -108,8 +108,9 @@ class RequestSettings:
     def window_salt(self) -> str:
         """What the cache key of a compacted window adds to the token prefix: everything in the
         configuration that changes the window (policy, parameters, budget, trigger, stride,
-        recall), and the block size; not when blocks are copied aside (``copy_rewritten``)."""
-        data = f"{self.config.model_dump_json(exclude={'copy_rewritten'})}|{self.window.block_size}"
+        recall), and the block size; not when blocks are copied aside (``copy_rewritten``) nor what
+        clients may ask (``limits``)."""
+        data = f"{self.config.model_dump_json(exclude={'copy_rewritten', 'limits'})}|{self.window.block_size}"
         return hashlib.sha256(data.encode()).hexdigest()
 
     def admission_blocks(self, max_in_flight: int, max_chunk: int | None = None) -> int | None:

@@ -17,7 +17,7 @@ CASES = {  # name: (--additional-config, KVEVICT_CONFIG, extra vllm args, the on
         None,
         [],
         "invalid kvevict configuration (--additional-config): unknown key 'kvevict.budgett'; "
-        "allowed keys: budget, cache_windows, caote, copy_rewritten, criticalkv, enabled, fastcaote, h2o, knorm, kvmerger, lshe, policy, random, "
+        "allowed keys: budget, cache_windows, caote, copy_rewritten, criticalkv, enabled, fastcaote, h2o, knorm, kvmerger, limits, lshe, policy, random, "
         "recall, snapkv, streamingllm, stride, trigger",
     ),
     "wrong_type": (
