@@ -255,3 +255,60 @@ def test_the_limits_examples_in_the_docs_are_what_the_server_says():
         with pytest.raises(RequestConfigError) as ei:
             request_config(server, request_overrides(xargs))
         assert str(ei.value) == message
+
+
+def test_the_docs_list_the_request_keys_and_quote_their_errors():
+    """configuration.md's per-request table has exactly the six keys; operations.md's "Bad input"
+    table quotes the plugin's own messages for an unknown key, an unknown policy and a budget below
+    the policy's minimum (the others are quoted in the engine tests)."""
+    import re
+    from pathlib import Path
+
+    from vllm_kvevict.config import REQUEST_KEYS
+
+    docs = Path(__file__).resolve().parents[1] / "docs"
+    per_request = docs.joinpath("configuration.md").read_text().split("## Per request", 1)[1].split("\n## ", 1)[0]
+    assert re.findall(r"^\| `(kvevict_\w+)` \|", per_request, re.M) == list(REQUEST_KEYS)
+    bad = docs.joinpath("operations.md").read_text().split("## Bad input", 1)[1].split("\n## ", 1)[0]
+    assert all(k in bad.split("\n\n", 2)[1] for k in REQUEST_KEYS)  # the keys the section names
+    quoted = dict(re.findall(r"^\| ([^|]+?) \| `(.*)` \|$", bad, re.M))
+    server = parse_config({"policy": "streamingllm", "budget": 64})
+    cases = {
+        "unknown key": {"kvevict_budgte": 64},
+        "below the policy's minimum": {"kvevict_budget": 3},
+    }
+    for row, xargs in cases.items():
+        with pytest.raises(RequestConfigError) as ei:
+            request_config(server, request_overrides(xargs))
+        assert str(ei.value) == quoted[row], row
+    with pytest.raises(RequestConfigError) as ei:
+        request_config(server, request_overrides({"kvevict_policy": "h3o"}))
+    assert str(ei.value).startswith(quoted["unknown policy"].removesuffix("..."))
+
+
+def test_recall_shorthand_on_the_server_as_per_request():
+    """``"recall": true`` on the server means what ``kvevict_recall: true`` means on a request."""
+    assert parse_config({"recall": True}).recall == parse_config({"recall": {"enabled": True}}).recall
+    assert not parse_config({"recall": False}).recall.enabled
+    assert request_config(parse_config({}), request_overrides({"kvevict_recall": True})).recall == (
+        parse_config({"recall": True}).recall
+    )
+    with pytest.raises(KVEvictConfigError, match="kvevict.recall: Input should be a valid dictionary"):
+        parse_config({"recall": 1})
+
+
+def test_the_docs_name_the_policies_that_evict_while_decoding():
+    """configuration.md and eviction.md name the same policies as not evicting while decoding,
+    and they are the ones whose ``Needs.decode`` is false (``none`` never evicts)."""
+    import re
+    from pathlib import Path
+
+    docs = Path(__file__).resolve().parents[1] / "docs"
+    code = sorted(n for n, c in POLICIES.items() if n != "none" and not c(None).needs.decode)
+    for name, pattern in (
+        ("configuration.md", r"policies that evict while decoding \(all but ((?:`\w+`(?:, | and )?)+)\)"),
+        ("eviction.md", r"Policies that evict while decoding \(every policy but ((?:`\w+`(?:, | and )?)+),"),
+    ):
+        found = re.search(pattern, docs.joinpath(name).read_text())
+        assert found, name
+        assert sorted(re.findall(r"`(\w+)`", found.group(1))) == code, name

@@ -59,3 +59,47 @@ def test_every_quoted_log_line_is_written_by_the_code():
             if frag not in text and frag not in flat.replace("\x00", ""):
                 missing.append((line[:60], frag))
     assert not missing, missing
+
+
+def _labels(name: str) -> set[str]:
+    """The labels the plugin exports ``name`` with (a sample name: ``_total``, ``_bucket``...)."""
+    base = name.removeprefix(metrics.PREFIX)
+    for suffix in ("_total", "_bucket", "_sum", "_count"):
+        base = base.removesuffix(suffix)
+    if base in metrics.COUNTERS:
+        return {"policy", "rank"} if base == "fallbacks" else {"policy"}
+    if base == metrics.HISTOGRAM[0]:
+        return {"rank", "le"} if name.endswith("_bucket") else {"rank"}
+    return set()
+
+
+def _vllm_metrics() -> set[str]:
+    import vllm.v1.metrics.loggers as loggers
+
+    names = set(re.findall(r'name="(vllm:[a-z_]+)"', open(loggers.__file__).read()))
+    return names | {n + "_total" for n in names}
+
+
+AGGREGATIONS = ("sum", "max", "min", "avg", "histogram_quantile")
+
+
+def test_the_metrics_table_matches_the_code_and_its_promql_returns_series():
+    """Each row's labels are the ones exported; each PromQL example names only exported series
+    (ours and vLLM's), groups only by labels they carry, and aggregates both sides of a division
+    that mixes our series with vLLM's (theirs carry ``model_name`` and ``engine``, ours do not:
+    without aggregation the division matches nothing)."""
+    rows = re.findall(r"^\| `(kvevict:[a-z_]+)` \| (\w+) \|([^|]*)\| [^|]* \| `([^`]*)`", DOC, flags=re.M)
+    assert len(rows) == len(metrics.COUNTERS) + len(metrics.GAUGES) + 1
+    vllm_names = _vllm_metrics()
+    for name, _kind, labels, promql in rows:
+        assert {x.strip(" `") for x in labels.split(",") if x.strip()} == _labels(name) - {"le"}, name
+        ours = re.findall(r"kvevict:[a-z_]+", promql)
+        theirs = re.findall(r"vllm:[a-z_]+", promql)
+        assert ours and set(ours) <= _exported(), promql
+        assert set(theirs) <= vllm_names, promql
+        for group in re.findall(r"by \(([^)]*)\)", promql):
+            for label in (g.strip() for g in group.split(",")):
+                assert all(label in _labels(n) for n in ours), (promql, label)
+        if theirs and "/" in promql:
+            for side in promql.split(" / "):
+                assert side.strip().startswith(AGGREGATIONS), promql

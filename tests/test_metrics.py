@@ -98,3 +98,22 @@ def test_cpu_eviction_timer_adds_layers_up(tmp_path):
     rec.end_step()  # a step without eviction records nothing
     h = _scrape(str(tmp_path))
     assert h[("kvevict:eviction_seconds_count", (("rank", "0"),))] == 1
+
+
+def test_counters_are_exported_at_zero_before_any_event(tmp_path):
+    """Every counter has a series per policy (fallbacks: per policy and rank) from the first
+    scrape, at 0: ``increase(kvevict:fallbacks_total[1h]) > 0`` then sees the first fallback (a
+    series that appears at 1 has not increased)."""
+    recorders = [
+        metrics.Recorder(str(tmp_path), role, rank) for role, rank in (("core", 0), ("worker", 0), ("worker", 1))
+    ]
+    first = _scrape(str(tmp_path))
+    for name in metrics.COUNTERS:
+        for policy in metrics.POLICY_LABELS:
+            if name == "fallbacks":
+                for rank in ("0", "1"):
+                    assert first[(f"kvevict:{name}_total", (("policy", policy), ("rank", rank)))] == 0
+            else:
+                assert first[(f"kvevict:{name}_total", (("policy", policy),))] == 0
+    recorders[2].inc("fallbacks", "keydiff")
+    assert _scrape(str(tmp_path))[("kvevict:fallbacks_total", (("policy", "keydiff"), ("rank", "1")))] == 1

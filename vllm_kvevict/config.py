@@ -173,6 +173,12 @@ class _Base(BaseModel):
         "(a document sent again later), the copies held beside the window at its fullest",
     )
 
+    @field_validator("recall", mode="before")
+    @classmethod
+    def _recall_shorthand(cls, v: Any) -> Any:
+        """``"recall": true`` (or ``false``), as the per-request ``kvevict_recall`` says it."""
+        return {"enabled": v} if isinstance(v, bool) else v
+
     @field_validator("policy")
     @classmethod
     def _known_policy(cls, v: str) -> str:

@@ -244,9 +244,10 @@ class Collector:
                 for i, policy in enumerate(POLICY_LABELS):
                     key = (policy, str(rank)) if per_rank else (policy,)
                     sums[key] = sums.get(key, 0.0) + float(values[LAYOUT.counters[name] + i])
+            # every policy's series from the start, zeros included: increase() sees the first
+            # event (a series that appears at 1 has not increased), so "any fallback" alerts fire
             for key, value in sorted(sums.items()):
-                if value:
-                    fam.add_metric(list(key), value)
+                fam.add_metric(list(key), value)
             yield fam
         for name, help_text in GAUGES.items():
             total = sum(float(v[LAYOUT.gauges[name]]) for _r, _k, alive, v in files if alive)
