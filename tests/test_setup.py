@@ -1,5 +1,6 @@
 # SPDX-License-Identifier: Apache-2.0
-"""The setup script is idempotent: once set up, it installs nothing and says so."""
+"""The setup script is idempotent: once set up, it installs nothing and says so; a fresh clone has
+what compose mounts."""
 
 from __future__ import annotations
 
@@ -14,3 +15,24 @@ def test_second_setup_skips_installs():
     out = subprocess.run(["bash", str(ROOT / "scripts" / "setup.sh")], check=True, capture_output=True, text=True)
     assert out.stdout.startswith("setup: up to date"), out.stdout + out.stderr
     assert time.monotonic() - t0 < 30
+
+
+def test_compose_mounts_a_directory_a_fresh_clone_has():
+    """docker/compose.yaml's default model mount (``${MODELS_DIR:-./models}``, beside the file) is a
+    tracked directory, so ``docker compose up`` from a fresh clone finds its bind source (its README
+    says the one command that fills it)."""
+    import re
+    import subprocess
+
+    import yaml
+
+    root = ROOT
+    compose = yaml.safe_load((root / "docker" / "compose.yaml").read_text())
+    source = compose["x-kvevict-common"]["volumes"][0]["source"]
+    default = re.fullmatch(r"\$\{MODELS_DIR:-(.+)\}", source).group(1)
+    models = (root / "docker" / default).resolve()
+    tracked = subprocess.run(
+        ["git", "ls-files", str(models.relative_to(root))], cwd=root, capture_output=True, text=True, check=True
+    ).stdout.split()
+    assert tracked == ["docker/models/README.md"]
+    assert "vllm_kvevict.testing.models smollm2" in (models / "README.md").read_text()
