@@ -103,3 +103,50 @@ def test_the_metrics_table_matches_the_code_and_its_promql_returns_series():
         if theirs and "/" in promql:
             for side in promql.split(" / "):
                 assert side.strip().startswith(AGGREGATIONS), promql
+
+
+def _check_promql(expr: str, where: str) -> None:
+    """``expr`` names only exported series (ours and vLLM's), groups only by labels they carry, and
+    aggregates both sides of a division that mixes our series with vLLM's."""
+    ours = re.findall(r"kvevict:[a-z_]+", expr)
+    theirs = re.findall(r"vllm:[a-z_]+", expr)
+    assert ours or theirs, where
+    assert set(ours) <= _exported(), (where, expr)
+    assert set(theirs) <= _vllm_metrics(), (where, expr)
+    for group in re.findall(r"by \(([^)]*)\)", expr):
+        for label in (g.strip() for g in group.split(",")):
+            assert all(label in _labels(n) for n in ours), (where, expr, label)
+    if theirs and ours and "/" in expr:
+        for side in expr.split(" / "):
+            assert side.strip().startswith(AGGREGATIONS), (where, expr)
+
+
+def test_the_dashboard_and_alert_rules_use_what_the_plugin_exports():
+    """docker/grafana/kvevict-dashboard.json is a Grafana dashboard and docker/prometheus/
+    kvevict-alerts.yaml Prometheus rules: valid JSON and YAML, every expression checked as the
+    docs' PromQL, every legend's label carried by its series, and every panel and rule described
+    in docs/operations.md."""
+    import json
+
+    import yaml
+
+    dash = json.loads((ROOT / "docker" / "grafana" / "kvevict-dashboard.json").read_text())
+    assert dash["uid"] and dash["panels"]
+    section = DOC.split("## Dashboard and alerts", 1)[1].split("\n## ", 1)[0]
+    for panel in dash["panels"]:
+        assert f"**{panel['title']}**" in section, panel["title"]
+        for t in panel["targets"]:
+            _check_promql(t["expr"], panel["title"])
+            for label in re.findall(r"\{\{(\w+)\}\}", t["legendFormat"]):
+                assert all(label in _labels(n) for n in re.findall(r"kvevict:[a-z_]+", t["expr"])), t
+    rules = yaml.safe_load((ROOT / "docker" / "prometheus" / "kvevict-alerts.yaml").read_text())
+    names = []
+    for group in rules["groups"]:
+        for rule in group["rules"]:
+            names.append(rule["alert"])
+            _check_promql(rule["expr"], rule["alert"])
+            assert rule["labels"]["severity"] in ("info", "warning", "critical")
+            for label in re.findall(r"\$labels\.(\w+)", json.dumps(rule["annotations"])):
+                assert f"by ({label}" in rule["expr"] or f", {label})" in rule["expr"], (rule["alert"], label)
+            assert f"`{rule['alert']}`" in section, rule["alert"]
+    assert len(names) == len(set(names)) >= 3
