@@ -101,15 +101,19 @@ def test_recall_equals_the_replay_and_brings_tokens_back(server, hf_model):
     assert any(len(attempts_for(attempts, o["id"])) > 1 for o in outs)
 
 
-@pytest.mark.parametrize("policy", ["h2o", "criticalkv", "lshe", "tova", "caote"])
+@pytest.mark.parametrize("policy", ["h2o", "criticalkv", "lshe", "tova", "caote", "snapkv"])
 def test_recall_with_every_kind_of_policy(server, hf_model, policy):
     """Policies that observe every step and keep per-slot state (H2O, LSH-E, CAOTE on H2O), read
     the output projection (CriticalKV, chunked: by default it evicts once, at the prompt's end,
-    with nothing to recall) or the newest query (TOVA): recall hands their drops to the tier like
-    KeyDiff's, and nothing falls back to the safe policy."""
+    with nothing to recall), the newest query (TOVA) or an observation window longer than the
+    recall's (SnapKV: 32 queries against 16; recall keeps all of them, or SnapKV's next compaction
+    finds its window incomplete and the request falls back): recall hands their drops to the tier
+    like KeyDiff's, and nothing falls back to the safe policy."""
     vocab = hf_model.config.vocab_size
     fallbacks = server.metrics().get("kvevict:fallbacks_total", 0.0)
     n = 480
+    if policy == "snapkv":  # the next compaction point (576) 6 tokens after the prompt's end: its
+        n = 570  # window [544, 576) reaches 10 positions past the recall's 16 protected ones
     out = complete(server, make_prompt(n, 11, vocab), 16, {"kvevict_policy": policy, "kvevict_trigger": "chunked"})
     atts = check_against_reference(hf_model, out, load_attempts(server.dump_dir))
     assert max(_recalled(att, n) for att in atts) > 0

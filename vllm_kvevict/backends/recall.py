@@ -251,7 +251,10 @@ class RecallMixin:
                 getattr(self, "logits_soft_cap", None) or None,
                 cfg.recall.kernel,
             )
-            idx = select_recalled(scores, pos, L - e, L - Qw.shape[1])  # [keep, H]
+            # the recall's own queries and the policy's observation window (SnapKV's may be longer,
+            # and its next compaction reads every position of it) are kept whatever their scores
+            protect = max(Qw.shape[1], plan.states[r].settings.policy.needs.window)
+            idx = select_recalled(scores, pos, L - e, L - protect)  # [keep, H]
             state = {}
             for k, t in self._kvevict_slot_state.items():
                 old = tier.state.get(k, torch.zeros(tier.tokens, t.shape[1], dtype=t.dtype, device=t.device))
