@@ -37,6 +37,16 @@ def _step(cache, slot_pos, state, plan):
     return step
 
 
+def _in_place(plan, slot_pos):
+    """The backend's last resort: a row's slots ``[E_new, L)`` as they are."""
+
+    def kept(r: int) -> torch.Tensor:
+        i = torch.arange(plan.e_new[r], plan.seq_lens[r], device=plan.block_table.device)
+        return slot_pos[plan.block_table[r][i // BS] * BS + i % BS].long()
+
+    return kept
+
+
 @pytest.fixture(autouse=True)
 def _clean():
     fault.FALLBACKS.clear()
@@ -58,7 +68,7 @@ def test_faulty_row_falls_back_and_others_are_untouched(monkeypatch, caplog):
     step = _step(cache, slot_pos, state, plan)
     with pytest.raises(RuntimeError, match="fault injected into snapkv"):
         step(work)  # the batched step raises, having written nothing
-    done, kept = fault.isolate(plan, work, step, RuntimeError("batched"))
+    done, kept = fault.isolate(plan, work, step, RuntimeError("batched"), _in_place(plan, slot_pos))
 
     assert [x.policy is fault.SAFE_POLICY for x in done] == [r == FAULTY_ROW for r in range(len(work))]
     assert torch.equal(cache, cache_r) and torch.equal(slot_pos, pos_r)
@@ -89,7 +99,7 @@ def test_fallback_runs_without_what_broke_the_policy():
     step = _step(cache, slot_pos, state, plan)
     with pytest.raises(RuntimeError):
         step(work)
-    done, kept = fault.isolate(plan, work, step, RuntimeError("batched"))
+    done, kept = fault.isolate(plan, work, step, RuntimeError("batched"), _in_place(plan, slot_pos))
     assert [x.policy is fault.SAFE_POLICY for x in done] == [i in bad for i in range(len(work))]
     assert torch.equal(cache, cache_r) and torch.equal(slot_pos, pos_r)
     assert all(torch.equal(a, b) for a, b in zip(kept, kept_r))
@@ -164,3 +174,33 @@ def test_hold_waits_on_a_moved_window_until_the_file_goes(monkeypatch, tmp_path)
         assert not step.done()
         (tmp_path / "hold-compacting").unlink()
         step.result(timeout=30)
+
+
+def test_when_the_safe_policy_fails_too_the_window_is_left_in_place(monkeypatch, caplog):
+    """The last resort writes nothing: a row whose policy and then the safe policy raise keeps its
+    slots ``[E_new, L)`` as they are (the newest tokens of each head: what the safe policy would
+    have kept), and every other row is what the step computes without that row."""
+    cache_r, _, pos_r, state_r, plan_r, work_r = _setup("flash", torch.float32)
+    kept_r = _step(cache_r, pos_r, state_r, plan_r)([w for w in work_r if w.row != FAULTY_ROW])
+
+    cache, _, slot_pos, state, plan, work = _setup("flash", torch.float32)
+    before = _in_place(plan, slot_pos)(FAULTY_ROW)
+    w = work[FAULTY_ROW]
+    work[FAULTY_ROW] = RowWork(
+        w.row, hooks.faulty_class(type(w.policy), frozenset({"snapkv"}))(w.policy.params), True, w.inputs
+    )
+    safe = fault.SAFE_POLICY
+    monkeypatch.setattr(fault, "SAFE_POLICY", hooks.faulty_class(type(safe), frozenset({"streamingllm"}))(safe.params))
+    step = _step(cache, slot_pos, state, plan)
+    with pytest.raises(RuntimeError):
+        step(work)
+    done, kept = fault.isolate(plan, work, step, RuntimeError("batched"), _in_place(plan, slot_pos))
+    assert torch.equal(cache, cache_r) and torch.equal(slot_pos, pos_r)
+    for k in state:
+        assert torch.equal(state[k], state_r[k]), k
+    compacting = [x.row for x in done if x.compact]
+    mine = dict(zip(compacting, kept))
+    assert torch.equal(mine.pop(FAULTY_ROW), before)
+    assert all(torch.equal(a, b) for a, b in zip(mine.values(), kept_r))
+    assert sum("policy snapkv failed" in r.message for r in caplog.records) == 1  # one WARNING
+    assert sum(r.levelname == "WARNING" for r in caplog.records) == 1

@@ -170,6 +170,8 @@ class RequestState:
     request: Any = None
     #: worker: the policy a fault made it leave for the safe policy (backends/fault.py), if any
     fell_back_from: str | None = None
+    #: worker: recall or its tier raised for this request (warned once; backends/recall.py)
+    recall_failed: bool = False
     #: worker: per attention layer (the layer's key: its name)
     layers: dict[Hashable, LayerState] = field(default_factory=dict)
 

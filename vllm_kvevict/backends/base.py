@@ -31,7 +31,7 @@ from vllm_kvevict.backends.dump import dump_kept, dump_starts
 from vllm_kvevict.backends.evict import RowInputs, RowWork, evict_step
 from vllm_kvevict.backends.plan import StepPlan, cascade_prefix_len, notify_planned, plan_step, shifted_metadata
 from vllm_kvevict.backends.projection import output_projection
-from vllm_kvevict.backends.recall import RecallMixin, Tier, TierEntry
+from vllm_kvevict.backends.recall import RecallMixin, Tier, TierEntry, logical_slots
 from vllm_kvevict.config import KVEvictConfig, config_from_vllm
 from vllm_kvevict.kernels import torch_ops
 from vllm_kvevict.policies.base import step_queries
@@ -385,10 +385,18 @@ class KVEvictImplMixin(RecallMixin):
         if not plan.states:  # a dummy batch: no request behind its rows
             return
         policies = [fault.policy_of(st) if st.settings.evicts else None for st in plan.states]
-        # Per-slot state: this step's slots start from the policy's initial value.
+        # Per-slot state: this step's slots start from the policy's initial value. The state is
+        # allocated the first time a policy needs it; a request whose policy's state cannot be
+        # had (out of memory) falls back to the safe policy, which keeps none.
         for p in {id(p): p for p in policies if p is not None}.values():
-            for name, (dtype, init) in p.needs.state.items():
-                self._state(kv_cache, name, dtype, init)[written[0]] = init
+            try:
+                for name, (dtype, init) in p.needs.state.items():
+                    self._state(kv_cache, name, dtype, init)[written[0]] = init
+            except Exception as err:  # noqa: BLE001 - those requests fall back, the engine goes on
+                for r, q in enumerate(policies):
+                    if q is p:
+                        fault.fall_back(plan.states[r], plan.req_ids[r] if plan.req_ids else None, p, err)
+                        policies[r] = fault.SAFE_POLICY
         recall_rows = self._recall_rows(plan, policies, query, layer)
         work = []
         for r, policy in enumerate(policies):
@@ -398,7 +406,10 @@ class KVEvictImplMixin(RecallMixin):
                 item = self._row_work(plan, r, policy, r in compact, query, layer)
             except Exception as err:  # noqa: BLE001 - e.g. no W_O on this model: that request falls back
                 fault.fall_back(plan.states[r], plan.req_ids[r] if plan.req_ids else None, policy, err)
-                item = self._row_work(plan, r, fault.SAFE_POLICY, r in compact, query, layer)
+                try:
+                    item = self._row_work(plan, r, fault.SAFE_POLICY, r in compact, query, layer)
+                except Exception:  # noqa: BLE001 - the safe policy reads nothing it prepares
+                    item = RowWork(r, fault.SAFE_POLICY, True) if r in compact else None
             if item is not None:
                 if r in recall_rows:
                     item.keep_evicted = True
@@ -428,21 +439,30 @@ class KVEvictImplMixin(RecallMixin):
                 overlays=overlays,
             )
 
+        def in_place(r: int) -> torch.Tensor:
+            """Row ``r``'s window left as it is (the last resort): its slots ``[E_new, L)``."""
+            e = plan.e_new[r]
+            return slot_pos[logical_slots(plan.block_table, r, e, plan.seq_lens[r] - e, bs)].long()
+
         kept: list[torch.Tensor] = []
         if work:
             try:
                 kept = step(work)
             except Exception as err:  # noqa: BLE001 - one request's policy must never kill the engine
-                work, kept = fault.isolate(plan, work, step, err)
+                work, kept = fault.isolate(plan, work, step, err, in_place)
             if self._kvevict_slot_state:
                 self._snapshot_windows(plan, work, kv_cache, layer)
         rows = [w.row for w in work if w.compact]
         kept_by_row = dict(zip(rows, kept))
         for r, (K, V, pos, score, state) in evicted.items():
             ls = self._layer_state(plan, r, layer)
-            if ls.tier is None:
-                ls.tier = Tier()
-            ls.tier.add(TierEntry(K, V, pos, score, state), plan.states[r].settings.recall.cap)
+            try:
+                if ls.tier is None:
+                    ls.tier = Tier()
+                ls.tier.add(TierEntry(K, V, pos, score, state), plan.states[r].settings.recall.cap)
+            except Exception as err:  # noqa: BLE001 - e.g. no host memory: this layer recalls nothing
+                ls.tier = None
+                self._recall_failed(plan, r, err)
         if profiling.enabled():  # the tiers at their fullest: before this step's recalls take them
             key = self._layer_key(layer)
             profiling.add(

@@ -12,6 +12,10 @@ registry says so: :func:`policy_of`); one WARNING names it, its policy and the e
 
 The step writes nothing before every row is scored and selected
 (:func:`~vllm_kvevict.backends.evict.evict_step`), so a retry starts from the untouched cache.
+Should the safe policy raise too, the last resort writes nothing: the safe policy's kept set is the
+newest ``L - E_new`` tokens of each head, which are exactly the slots ``[E_new, L)`` as they are
+(each head holds its window in position order), so leaving them is its compaction, and nothing
+there can fail (:func:`isolate`'s ``in_place``).
 
 The backend's preparation of a row (its queries, query window, output projection ``W_O``) is
 guarded the same way: a request whose preparation raises (for example a policy that needs ``W_O``
@@ -66,10 +70,18 @@ def fall_back(state: RequestState | None, req_id: str | None, policy: Policy, er
     )
 
 
-def isolate(plan, work: list, step: Callable[[list], list[torch.Tensor]], err: BaseException):
+def isolate(
+    plan,
+    work: list,
+    step: Callable[[list], list[torch.Tensor]],
+    err: BaseException,
+    in_place: Callable[[int], torch.Tensor],
+):
     """The batched ``step(work)`` raised ``err``: run each row alone, replacing the policy of every
-    row that fails again by :data:`SAFE_POLICY`. Returns the work as finally run and the kept
-    positions of its compacting rows, in order (what ``step`` returns)."""
+    row that fails again by :data:`SAFE_POLICY`; a row that fails with it too is left in place
+    (``in_place(row)``: the kept positions of its slots ``[E_new, L)``, nothing written). Returns
+    the work as finally run and the kept positions of its compacting rows, in order (what ``step``
+    returns)."""
     from vllm_kvevict.backends.evict import RowWork
 
     logger.debug("kvevict: eviction step failed for %d rows (%r); retrying row by row", len(work), err)
@@ -89,7 +101,24 @@ def isolate(plan, work: list, step: Callable[[list], list[torch.Tensor]], err: B
             # W_O, ...) go with it, whatever broke the policy cannot break it; what it drops is
             # still handed to the recall tier.
             w = RowWork(w.row, SAFE_POLICY, w.compact, keep_evicted=w.keep_evicted)
-            out = step([w])
+            try:
+                out = step([w])
+            except Exception as safe_err:  # noqa: BLE001 - the last resort: the window as it is
+                logger.debug(
+                    "kvevict: request %s: the safe policy failed too (%r); its window is left in place",
+                    plan.req_ids[w.row] if plan.req_ids else "?",
+                    safe_err,
+                )
+                out = [_in_place(in_place, w.row)] if w.compact else []
         done.append(w)
         kept += out
     return done, kept
+
+
+def _in_place(in_place: Callable[[int], torch.Tensor], row: int) -> torch.Tensor:
+    """The kept positions of a row left in place (only logged and dumped: empty if even they
+    cannot be read)."""
+    try:
+        return in_place(row)
+    except Exception:  # noqa: BLE001
+        return torch.empty(0, 0, dtype=torch.long)

@@ -200,6 +200,22 @@ class RecallMixin:
     which rows keep a tier in a step (their prompt's latest queries kept per layer), and the
     re-selection of a row's window from what it kept and its tier when its prompt completes."""
 
+    def _recall_failed(self, plan, r: int, err: BaseException) -> None:
+        """Recall or its tier raised for row ``r`` (this layer keeps what its policy kept): one
+        WARNING per request, the rest at DEBUG."""
+        st = plan.states[r]
+        rid = plan.req_ids[r] if plan.req_ids else "?"
+        if st.recall_failed:
+            logger.debug("kvevict: request %s: recall failed again (%r)", rid, err)
+            return
+        st.recall_failed = True
+        logger.warning(
+            "kvevict: request %s: recall failed (%s: %s); it keeps what its policy kept",
+            rid,
+            type(err).__name__,
+            str(err)[:200],
+        )
+
     def _recall_rows(self, plan, policies, query, layer) -> set[int]:
         """Rows whose request keeps a recall tier in this step (recall on, its prompt not complete
         before this step, a policy that drops rather than merges), with their query buffers
@@ -224,13 +240,16 @@ class RecallMixin:
         by the attention of the prompt's last queries; write the winners into ``[E, L)``. Returns
         the kept positions ``[keep, H]`` (None when there is nothing to recall). A failure leaves
         the window as the policy chose it (logged once, like a policy's)."""
-        rid, cfg = plan.req_ids[r], plan.states[r].settings.config
+        cfg = plan.states[r].settings.config
         ls = self._layer_state(plan, r, layer)
-        tier = ls.tier.take(kv_cache.device) if ls.tier is not None else None
+        tier_of, ls.tier = ls.tier, None
         Qw, ls.recall_queries = ls.recall_queries, None
-        if tier is None or Qw is None:
+        if tier_of is None or Qw is None:
             return None
         try:
+            tier = tier_of.take(kv_cache.device)
+            if tier is None:
+                return None
             L, e = plan.seq_lens[r], plan.e_new[r]
             bs = kv_cache.shape[2]
             slots = logical_slots(plan.block_table, r, e, L - e, bs)
@@ -261,12 +280,7 @@ class RecallMixin:
                 state[k] = torch.cat([t[slots], old.to(t.dtype)])[idx, h]
             K_sel, V_sel, pos_sel = K[idx, h], V[idx, h], pos[idx, h]
         except Exception as err:  # noqa: BLE001 - recall must never kill the engine either
-            logger.warning(
-                "kvevict: request %s: recall failed (%s: %s); it keeps what its policy kept",
-                rid,
-                type(err).__name__,
-                str(err)[:200],
-            )
+            self._recall_failed(plan, r, err)
             return None
         self._kvevict_write(layer, kv_cache, slots, K_sel, V_sel)
         rec = metrics.worker_recorder()

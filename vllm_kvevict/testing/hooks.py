@@ -6,7 +6,10 @@ the workers). Nothing here is called from the forward path otherwise.
 * ``KVEVICT_TEST_FAULT=<policy>[,<policy>@prepare...]``: those policies' classes are replaced, in
   this process's ``POLICIES``, by subclasses whose scoring (``<policy>``) or whose row preparation
   by the backend (``<policy>@prepare``: where it reads the queries and ``W_O``, before the step)
-  raises, so a test can fault one request among many (backends/fault.py isolates it).
+  raises, so a test can fault one request among many (backends/fault.py isolates it). Three more
+  names fault what the fault path itself runs on, in this process: ``@safe`` (the safe policy a
+  failing request falls back to), ``@recall`` (recall's scoring at the prompt's end) and ``@tier``
+  (adding evicted tokens to a recall tier).
 * ``KVEVICT_TEST_HOLD=<dir>``: a plan listener (:func:`hold_if_asked`) stops a step before its
   forward at a point of the test's choosing.
 """
@@ -34,6 +37,22 @@ def install() -> None:
         faulty = faulty_class(cls, faults)
         if faulty is not cls:
             POLICIES[name] = faulty
+    if faults & {"@safe", "@recall", "@tier"}:
+        from vllm_kvevict.backends import fault, recall
+
+        def fail(what: str):
+            def raise_(*_args, **_kwargs):
+                raise InjectedFault(f"fault injected into {what} by {TEST_FAULT_ENV}")
+
+            return raise_
+
+        if "@safe" in faults and not getattr(fault.SAFE_POLICY, "kvevict_faulty", False):
+            safe = fault.SAFE_POLICY
+            fault.SAFE_POLICY = faulty_class(type(safe), frozenset({safe.name}))(safe.params)
+        if "@recall" in faults:
+            recall.recall_scores = fail("recall")
+        if "@tier" in faults:
+            recall.Tier.add = fail("the recall tier")
     if envs.KVEVICT_TEST_HOLD is not None:
         from vllm_kvevict.backends.plan import add_plan_listener
 
