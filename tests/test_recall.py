@@ -188,3 +188,36 @@ def test_tier_on_a_gpu_copies_without_waiting_and_reads_only_landed_copies():
     for f in ("K", "V", "pos", "score"):
         assert torch.equal(getattr(got, f).cpu()[order, h], getattr(cat, f)[best, h]), f
     assert torch.equal(got.state["acc"].cpu()[order, h], 2 * cat.score[best, h])
+
+
+def test_tiers_over_the_budget_drop_the_lowest_scored_across_requests():
+    """``trim_tiers``: all of a worker's tiers within ``max_bytes``, each keeping its best tokens of
+    each head; what goes is the lowest-scored across tiers (a tier of high scores keeps more)."""
+    from vllm_kvevict.backends.recall import trim_tiers
+
+    g = torch.Generator().manual_seed(0)
+
+    def tier(n: int, lo: float, hi: float) -> Tier:
+        t = Tier()
+        pos = torch.arange(n)[:, None].expand(n, 2).contiguous()
+        score = lo + (hi - lo) * torch.rand(n, 2, generator=g)
+        t.add(TierEntry(torch.randn(n, 2, 4, generator=g), torch.randn(n, 2, 4, generator=g), pos, score), cap=1000)
+        return t
+
+    high, low, mixed = tier(50, 0.5, 1.0), tier(50, 0.0, 0.5), tier(50, 0.0, 1.0)
+    tiers = [high, low, mixed]
+    scores = [t.chunks[0].score.clone() for t in tiers]
+    row = high.nbytes / 50
+    assert trim_tiers(tiers, 10**9) == 0  # within the budget: nothing changes
+    budget = int(60 * row)
+    dropped = trim_tiers(tiers, budget)
+    assert sum(t.nbytes for t in tiers) <= budget and dropped > 0
+    assert high.tokens > mixed.tokens > low.tokens
+    for t, s in zip(tiers, scores):  # each head keeps its best scores
+        if t.tokens:
+            kept = t.chunks[0].score
+            for h in range(2):
+                assert torch.equal(
+                    kept[:, h].sort(descending=True).values, s[:, h].sort(descending=True).values[: t.tokens]
+                )
+    assert trim_tiers(tiers, 0) > 0 and all(t.tokens == 0 for t in tiers)

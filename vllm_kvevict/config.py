@@ -127,6 +127,13 @@ class RecallConfig(BaseModel):
     # Wider than SnapKV's 7: a recalled token helps only with its neighbours (a 7-digit number is 8
     # tokens in SmolLM2's tokenizer, after the key the question matches); measured in docs/policies.md.
     kernel: int = Field(31, ge=1, le=63, description="odd width of the max-pooling over neighbouring positions")
+    max_bytes: int | None = Field(
+        None,
+        ge=0,
+        le=2**50,
+        description="host memory all recall tiers of one worker process may hold, in bytes (the lowest-scored "
+        "tokens across requests go first); unset: a sixteenth of the machine's physical memory",
+    )
 
     @field_validator("kernel")
     @classmethod

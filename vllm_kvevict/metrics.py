@@ -25,6 +25,7 @@ gauges are dropped.
 | ``kvevict:window_blocks_bound`` | gauge | | engine core: the sum of those requests' window bounds |
 | ``kvevict:recalled_tokens_total`` | counter | policy | workers: evicted token slots recall brought back |
 | ``kvevict:recall_tier_tokens`` | gauge | | workers: token slots held in recall tiers |
+| ``kvevict:recall_tier_bytes`` | gauge | | workers: host memory those tiers hold (bytes) |
 
 ``tokens_evicted`` counts token slots per sequence (every layer and KV head evicts the same
 number); ``policy`` is the request's own policy (its override, else the server's). A window is
@@ -70,6 +71,7 @@ GAUGES = {
     "window_blocks_held": "KV blocks held by the requests whose window is bounded (chunked eviction, also while decoding)",
     "window_blocks_bound": "Sum of the window bounds (most blocks each may hold) of those requests",
     "recall_tier_tokens": "Evicted token slots held in recall tiers (all layers and KV heads; outside vLLM's pool)",
+    "recall_tier_bytes": "Host memory held by recall tiers, bytes (bounded by recall.max_bytes per worker)",
 }
 HISTOGRAM = ("eviction_seconds", "Time spent evicting (scoring, selecting, compacting) per model step, all layers")
 

@@ -149,3 +149,58 @@ def test_tier_is_emptied_on_finish_and_abort(server, hf_model):
     for m in RELEASED.finditer(server.log()):
         if m.group(1).startswith(out["id"] + "-"):
             assert int(m.group(3)) <= BOUND  # the pool holds the window only: the tier is outside it
+
+
+TIER_BYTES = 256 * 1024  # all tiers of the worker: far below what four long prompts evict
+
+
+@pytest.fixture(scope="module")
+def bounded(gqa_model, tmp_path_factory):
+    base = tmp_path_factory.mktemp("recall-bounded")
+    recall = {"enabled": True, "cap": 100000, "window": 16, "max_bytes": TIER_BYTES}
+    cfg = {"kvevict": {"policy": "keydiff", "budget": BUDGET, "recall": recall}}
+    args = [
+        "--attention-backend",
+        "kvevict",
+        *CPU_SERVER_ARGS,
+        "--max-model-len",
+        "8192",
+        "--max-num-batched-tokens",
+        str(CHUNK),
+        "--max-num-seqs",
+        "4",
+        "--additional-config",
+        json.dumps(cfg),
+        "--enable-log-requests",
+    ]
+    env = {"KVEVICT_DUMP_DIR": str(base / "dump"), "VLLM_SERVER_DEV_MODE": "1"}
+    with VLLMServer(gqa_model, args, log_path=base / "server.log", env=env) as srv:
+        srv.dump_dir = base / "dump"
+        yield srv
+
+
+def test_concurrent_recall_requests_stay_within_the_tier_budget(bounded, hf_model):
+    """Four long recall requests at once on a worker whose tiers may hold 256 KiB together (each
+    request's own cap far above): the tier-bytes gauge never exceeds the budget at any scrape while
+    they run, the tiers do hold tokens, and every request equals the replay of what it kept."""
+    vocab = hf_model.config.vocab_size
+    seen: list[float] = []
+    done = False
+
+    def poll():
+        while not done:
+            seen.append(bounded.metrics().get("kvevict:recall_tier_bytes", 0.0))
+
+    with ThreadPoolExecutor(5) as pool:
+        poller = pool.submit(poll)
+        futures = bounded.admit_together(
+            pool, [partial(complete, bounded, make_prompt(1500 + 100 * i, 80 + i, vocab), 8) for i in range(4)]
+        )
+        outs = [f.result() for f in futures]
+        done = True
+        poller.result()
+    assert max(seen) <= TIER_BYTES, max(seen)
+    assert max(seen) > 0 and bounded.metrics().get("kvevict:recalled_tokens_total", 0.0) > 0
+    attempts = load_attempts(bounded.dump_dir)
+    for o in outs:
+        check_against_reference(hf_model, o, attempts)

@@ -55,10 +55,9 @@ def _current_config() -> KVEvictConfig:
 
 def _end_step(rec: metrics.Recorder) -> None:
     """After every model step: the recall tiers' size (every request and layer of this worker)."""
-    rec.set(
-        "recall_tier_tokens",
-        sum(ls.tier.tokens for st in WORKER.states() for ls in st.layers.values() if ls.tier is not None),
-    )
+    tiers = [ls.tier for st in WORKER.states() for ls in st.layers.values() if ls.tier is not None]
+    rec.set("recall_tier_tokens", sum(t.tokens for t in tiers))
+    rec.set("recall_tier_bytes", sum(t.nbytes for t in tiers))
     rec.end_step()
 
 
@@ -463,6 +462,8 @@ class KVEvictImplMixin(RecallMixin):
             except Exception as err:  # noqa: BLE001 - e.g. no host memory: this layer recalls nothing
                 ls.tier = None
                 self._recall_failed(plan, r, err)
+        if evicted:
+            self._bound_tiers(plan, sorted(evicted))
         if profiling.enabled():  # the tiers at their fullest: before this step's recalls take them
             key = self._layer_key(layer)
             profiling.add(

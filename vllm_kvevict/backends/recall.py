@@ -23,6 +23,7 @@ restarts after preemption.
 
 from __future__ import annotations
 
+import os
 from dataclasses import dataclass, field
 from typing import Any
 
@@ -32,6 +33,7 @@ from vllm_kvevict import metrics
 from vllm_kvevict._logging import logger
 from vllm_kvevict.kernels import ops, torch_ops
 from vllm_kvevict.policies.attention import pool1d
+from vllm_kvevict.request import WORKER
 
 
 @dataclass
@@ -132,6 +134,43 @@ def _merge(chunks: list[TierEntry], cap: int) -> TierEntry | None:
     return _best(e, cap) if e.tokens > cap else e
 
 
+def default_max_bytes() -> int:
+    """The recall tiers' host-memory budget per worker process when ``recall.max_bytes`` is unset:
+    a sixteenth of the machine's physical memory."""
+    return os.sysconf("SC_PAGE_SIZE") * os.sysconf("SC_PHYS_PAGES") // 16
+
+
+def trim_tiers(tiers: list[Tier], max_bytes: int) -> int:
+    """Drop the lowest-scored tokens across ``tiers`` (every request and layer of a worker) until
+    they hold at most ``max_bytes``; returns the bytes dropped. A tier keeps its ``k`` best tokens of
+    each KV head: its ``j``-th row is worth the mean over heads of each head's ``j``-th best score,
+    and rows are kept, best first across all tiers, while they fit."""
+    if sum(t.nbytes for t in tiers) <= max_bytes:
+        return 0
+    before = sum(t.nbytes for t in tiers)
+    rows = []  # (worth, tier index, bytes of one row)
+    entries: list[TierEntry | None] = []
+    for i, t in enumerate(tiers):
+        e = _merge(t.chunks, t.cap)  # a copy still in flight is waited for
+        entries.append(e)
+        if e is None or not e.tokens:
+            continue
+        worth = torch.sort(e.score.float(), dim=0, descending=True).values.nan_to_num(neginf=-1e30).mean(dim=1)
+        row_bytes = sum(x.nbytes for x in e.tensors()) / e.tokens
+        rows += [(float(v), i, row_bytes) for v in worth.tolist()]
+    rows.sort(key=lambda x: -x[0])
+    keep = [0] * len(tiers)
+    used = 0.0
+    for _worth, i, b in rows:
+        if used + b > max_bytes:
+            break
+        used += b
+        keep[i] += 1
+    for t, e, k in zip(tiers, entries, keep):
+        t.chunks = [_best(e, k)] if e is not None and k else []
+    return before - sum(t.nbytes for t in tiers)
+
+
 def _best(e: TierEntry, cap: int) -> TierEntry:
     """The ``cap`` highest-scored tokens of each KV head (ties: the newer), in position order."""
     cu = torch.tensor([0, e.tokens], device=e.pos.device)
@@ -199,6 +238,22 @@ class RecallMixin:
     """The recall step of a kvevict attention impl (:class:`~vllm_kvevict.backends.base.KVEvictImplMixin`):
     which rows keep a tier in a step (their prompt's latest queries kept per layer), and the
     re-selection of a row's window from what it kept and its tier when its prompt completes."""
+
+    def _bound_tiers(self, plan, rows: list[int]) -> None:
+        """Keep every tier of this worker within ``recall.max_bytes`` (the server's; the default
+        :func:`default_max_bytes`) after ``rows`` added to theirs: the lowest-scored tokens across
+        requests and layers go first (:func:`trim_tiers`)."""
+        limit = plan.states[rows[0]].settings.config.recall.max_bytes
+        try:
+            tiers = [ls.tier for st in WORKER.states() for ls in st.layers.values() if ls.tier is not None]
+            dropped = trim_tiers(tiers, default_max_bytes() if limit is None else limit)
+            if dropped:
+                logger.debug("kvevict: recall tiers over their budget: %d bytes dropped", dropped)
+        except Exception as err:  # noqa: BLE001 - memory first: these rows' tiers go
+            for r in rows:
+                for ls in plan.states[r].layers.values():
+                    ls.tier = None
+                self._recall_failed(plan, r, err)
 
     def _recall_failed(self, plan, r: int, err: BaseException) -> None:
         """Recall or its tier raised for row ``r`` (this layer keeps what its policy kept): one
