@@ -15,6 +15,7 @@ import pytest
 
 from tests.engine.evict_common import check_against_reference, complete, make_prompt
 from tests.engine.test_hardening import CHUNK, POOL, _args
+from vllm_kvevict.policies import POLICIES
 from vllm_kvevict.testing.hf_reference import load_attempts
 from vllm_kvevict.testing.server import VLLMServer
 
@@ -83,3 +84,30 @@ def test_recall_tier_failing(tier, hf_model):
     for o in outs:
         check_against_reference(hf_model, o, attempts)
     assert srv.metrics().get("kvevict:recall_tier_tokens", 0.0) == 0
+
+
+EVERY = sorted(p for p in POLICIES if p != "none")
+
+
+@pytest.fixture(scope="module")
+def every_policy(gqa_model, tmp_path_factory):
+    with _server(gqa_model, tmp_path_factory.mktemp("every-fault"), ",".join(EVERY)) as srv:
+        yield srv
+
+
+def test_every_policy_failing_falls_back(every_policy, hf_model):
+    """Every policy's scoring (or observing, or merging) raising, four requests at a time beside a
+    request without eviction: each completes on the safe policy (which a faulty StreamingLLM class
+    does not replace), equals the replay of what it kept, and is one WARNING naming its policy."""
+    srv, vocab = every_policy, hf_model.config.vocab_size
+    for i in range(0, len(EVERY), 3):
+        names = EVERY[i : i + 3]
+        specs = [(300 + 40 * j, 90 + i + j, {"kvevict_policy": p}) for j, p in enumerate(names)]
+        outs = _run(srv, vocab, [*specs, (200, 99, {"kvevict_enabled": False})])
+        assert all(len(o["tokens"]) == 24 for o in outs)
+        for name, o in zip(names, outs):
+            _one_warning(srv, rf"policy {name} failed \(InjectedFault", o)
+        attempts = load_attempts(srv.dump_dir)
+        for o in outs[:-1]:  # the last evicts nothing: nothing to replay
+            check_against_reference(hf_model, o, attempts)
+    assert len(complete(srv, make_prompt(100, 98, vocab), 8)["tokens"]) == 8
