@@ -3,6 +3,7 @@
 
 from __future__ import annotations
 
+import json
 import random
 
 from openai import OpenAI
@@ -11,6 +12,21 @@ from vllm_kvevict.testing.hf_reference import PolicyCheck, attempts_for, replay_
 from vllm_kvevict.testing.server import VLLMServer
 
 TOL = 1e-4
+
+
+def server_args(config: dict, *extra: str) -> list[str]:
+    """``vllm serve`` arguments for a kvevict test server on this CPU machine: the backend, the
+    machine's flags, ``extra``, and ``{"kvevict": config}`` as the additional configuration."""
+    from tests.conftest import CPU_SERVER_ARGS
+
+    return [
+        "--attention-backend",
+        "kvevict",
+        *CPU_SERVER_ARGS,
+        *extra,
+        "--additional-config",
+        json.dumps({"kvevict": config}),
+    ]
 
 
 def make_prompt(n: int, seed: int, vocab: int) -> list[int]:

@@ -5,13 +5,10 @@ key and the limit, and the server keeps serving."""
 
 from __future__ import annotations
 
-import json
-
 import openai
 import pytest
 
-from tests.conftest import CPU_SERVER_ARGS
-from tests.engine.evict_common import complete, make_prompt
+from tests.engine.evict_common import complete, make_prompt, server_args
 from tests.engine.test_memory import released_line
 from vllm_kvevict.testing.server import VLLMServer
 from vllm_kvevict.window import WindowConfig, evicted_tokens
@@ -32,18 +29,8 @@ LIMITS = {
 @pytest.fixture(scope="module")
 def server(gqa_model, tmp_path_factory):
     base = tmp_path_factory.mktemp("limits")
-    cfg = {"kvevict": {"policy": "streamingllm", "budget": 80, "limits": LIMITS}}
-    args = [
-        "--attention-backend",
-        "kvevict",
-        *CPU_SERVER_ARGS,
-        "--max-model-len",
-        "2048",
-        "--max-num-batched-tokens",
-        "64",
-        "--additional-config",
-        json.dumps(cfg),
-    ]
+    cfg = {"policy": "streamingllm", "budget": 80, "limits": LIMITS}
+    args = server_args(cfg, "--max-model-len", "2048", "--max-num-batched-tokens", "64")
     with VLLMServer(gqa_model, args, log_path=base / "server.log") as srv:
         yield srv
 

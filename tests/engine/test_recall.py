@@ -19,7 +19,7 @@ from functools import partial
 import pytest
 
 from tests.conftest import CPU_SERVER_ARGS
-from tests.engine.evict_common import check_against_reference, complete, make_prompt
+from tests.engine.evict_common import check_against_reference, complete, make_prompt, server_args
 from tests.engine.test_memory import RELEASED, released_line
 from vllm_kvevict.testing.hf_reference import attempts_for, load_attempts
 from vllm_kvevict.testing.server import VLLMServer, wait_until
@@ -158,21 +158,8 @@ TIER_BYTES = 256 * 1024  # all tiers of the worker: far below what four long pro
 def bounded(gqa_model, tmp_path_factory):
     base = tmp_path_factory.mktemp("recall-bounded")
     recall = {"enabled": True, "cap": 100000, "window": 16, "max_bytes": TIER_BYTES}
-    cfg = {"kvevict": {"policy": "keydiff", "budget": BUDGET, "recall": recall}}
-    args = [
-        "--attention-backend",
-        "kvevict",
-        *CPU_SERVER_ARGS,
-        "--max-model-len",
-        "8192",
-        "--max-num-batched-tokens",
-        str(CHUNK),
-        "--max-num-seqs",
-        "4",
-        "--additional-config",
-        json.dumps(cfg),
-        "--enable-log-requests",
-    ]
+    extra = ["--max-model-len", "8192", "--max-num-batched-tokens", str(CHUNK), "--max-num-seqs", "4"]
+    args = [*server_args({"policy": "keydiff", "budget": BUDGET, "recall": recall}, *extra), "--enable-log-requests"]
     env = {"KVEVICT_DUMP_DIR": str(base / "dump"), "VLLM_SERVER_DEV_MODE": "1"}
     with VLLMServer(gqa_model, args, log_path=base / "server.log", env=env) as srv:
         srv.dump_dir = base / "dump"
