@@ -16,7 +16,16 @@ import json
 from functools import lru_cache
 from typing import Annotated, Any, Literal
 
-from pydantic import BaseModel, BeforeValidator, ConfigDict, Field, ValidationError, field_validator, model_validator
+from pydantic import (
+    BaseModel,
+    BeforeValidator,
+    ConfigDict,
+    Field,
+    ValidationError,
+    ValidationInfo,
+    field_validator,
+    model_validator,
+)
 
 from vllm_kvevict import envs
 from vllm_kvevict.policies import POLICIES, Needs, PolicyParams
@@ -57,15 +66,16 @@ QUOTE_CHARS = 40
 MAX_RECALL_WINDOW = 128
 
 
-#: the per-request keys (``vllm_xargs`` / ``extra_args``), in the order the docs list them
-REQUEST_KEY_NAMES = (
-    "kvevict_policy",
-    "kvevict_budget",
-    "kvevict_enabled",
-    "kvevict_params",
-    "kvevict_trigger",
-    "kvevict_recall",
-)
+#: the per-request keys (OpenAI ``vllm_xargs`` / SamplingParams ``extra_args``, in the order the
+#: docs list them) -> the configuration field each overrides
+REQUEST_KEYS = {
+    "kvevict_policy": "policy",
+    "kvevict_budget": "budget",
+    "kvevict_enabled": "enabled",
+    "kvevict_params": "params",  # an object: parameters of the request's policy (its config sub-object)
+    "kvevict_trigger": "trigger",
+    "kvevict_recall": "recall",  # recall: on or off (its parameters: the server's)
+}
 
 
 class LimitsConfig(BaseModel):
@@ -86,20 +96,16 @@ class LimitsConfig(BaseModel):
     disable: bool = Field(True, description="whether a request may turn eviction off (kvevict_enabled: false)")
     recall: bool = Field(True, description="whether a request may turn recall on where the server has it off")
 
-    @field_validator("keys")
+    @field_validator("keys", "policies")
     @classmethod
-    def _known_keys(cls, v: tuple[str, ...] | None) -> tuple[str, ...] | None:
-        for k in v or ():
-            if k not in REQUEST_KEY_NAMES:
-                raise ValueError(f"unknown request key {short_repr(k)} (allowed: {', '.join(REQUEST_KEY_NAMES)})")
-        return v
-
-    @field_validator("policies")
-    @classmethod
-    def _known_policies(cls, v: tuple[str, ...] | None) -> tuple[str, ...] | None:
-        for p in v or ():
-            if p not in POLICIES:
-                raise ValueError(f"unknown policy {short_repr(p)}")
+    def _known(cls, v: tuple[str, ...] | None, info: ValidationInfo) -> tuple[str, ...] | None:
+        if info.field_name == "keys":
+            known, what, allowed = set(REQUEST_KEYS), "request key", f" (allowed: {', '.join(REQUEST_KEYS)})"
+        else:
+            known, what, allowed = set(POLICIES), "policy", ""
+        for name in v or ():
+            if name not in known:
+                raise ValueError(f"unknown {what} {short_repr(name)}{allowed}")
         return v
 
     @model_validator(mode="after")
@@ -429,18 +435,8 @@ def config_from_json(data_json: str) -> KVEvictConfig:
 
 
 # ---------------------------------------------------------------------------------------------
-# Per-request overrides: OpenAI ``vllm_xargs`` / SamplingParams ``extra_args``.
+# Per-request overrides: OpenAI ``vllm_xargs`` / SamplingParams ``extra_args`` (:data:`REQUEST_KEYS`).
 
-#: request key -> configuration field
-REQUEST_KEYS = {
-    "kvevict_policy": "policy",
-    "kvevict_budget": "budget",
-    "kvevict_enabled": "enabled",
-    "kvevict_params": "params",  # an object: parameters of the request's policy (its config sub-object)
-    "kvevict_trigger": "trigger",
-    "kvevict_recall": "recall",  # recall: on or off (its parameters: the server's)
-}
-assert tuple(REQUEST_KEYS) == REQUEST_KEY_NAMES
 _FIELD_TO_KEY = {v: k for k, v in REQUEST_KEYS.items()}
 
 
@@ -556,8 +552,9 @@ def request_config(server: KVEvictConfig, overrides: tuple[tuple[str, Any], ...]
     return _request_config(server, overrides) if overrides else server
 
 
-def _check_limits(limits: LimitsConfig, server: KVEvictConfig, over: dict[str, Any]) -> None:
+def _check_limits(server: KVEvictConfig, over: dict[str, Any]) -> None:
     """Refuse overrides beyond the operator's limits (a :class:`RequestConfigError` naming the key)."""
+    limits = server.limits
 
     def refuse(field: str, what: str) -> RequestConfigError:
         key = _FIELD_TO_KEY[field]
@@ -580,7 +577,7 @@ def _check_limits(limits: LimitsConfig, server: KVEvictConfig, over: dict[str, A
 @lru_cache(maxsize=1024)
 def _request_config(server: KVEvictConfig, overrides: tuple[tuple[str, Any], ...]) -> KVEvictConfig:
     over = dict(overrides)
-    _check_limits(server.limits, server, over)
+    _check_limits(server, over)
     params = over.pop("params", None)
     recall = over.pop("recall", None)
     data = {**server.model_dump(), **over}

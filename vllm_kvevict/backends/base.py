@@ -31,7 +31,7 @@ from vllm_kvevict.backends.dump import dump_kept, dump_starts
 from vllm_kvevict.backends.evict import RowInputs, RowWork, evict_step
 from vllm_kvevict.backends.plan import StepPlan, cascade_prefix_len, notify_planned, plan_step, shifted_metadata
 from vllm_kvevict.backends.projection import output_projection
-from vllm_kvevict.backends.recall import RecallMixin, Tier, TierEntry, logical_slots
+from vllm_kvevict.backends.recall import RecallMixin, Tier, TierEntry, logical_slots, worker_tiers
 from vllm_kvevict.config import KVEvictConfig, config_from_vllm
 from vllm_kvevict.kernels import torch_ops
 from vllm_kvevict.policies.base import step_queries
@@ -55,7 +55,7 @@ def _current_config() -> KVEvictConfig:
 
 def _end_step(rec: metrics.Recorder) -> None:
     """After every model step: the recall tiers' size (every request and layer of this worker)."""
-    tiers = [ls.tier for st in WORKER.states() for ls in st.layers.values() if ls.tier is not None]
+    tiers = worker_tiers()
     rec.set("recall_tier_tokens", sum(t.tokens for t in tiers))
     rec.set("recall_tier_bytes", sum(t.nbytes for t in tiers))
     rec.end_step()

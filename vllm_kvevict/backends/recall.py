@@ -25,6 +25,7 @@ from __future__ import annotations
 
 import os
 from dataclasses import dataclass, field
+from functools import cache
 from typing import Any
 
 import torch
@@ -134,6 +135,12 @@ def _merge(chunks: list[TierEntry], cap: int) -> TierEntry | None:
     return _best(e, cap) if e.tokens > cap else e
 
 
+def worker_tiers() -> list[Tier]:
+    """Every recall tier of this worker process (all requests and layers)."""
+    return [ls.tier for st in WORKER.states() for ls in st.layers.values() if ls.tier is not None]
+
+
+@cache
 def default_max_bytes() -> int:
     """The recall tiers' host-memory budget per worker process when ``recall.max_bytes`` is unset:
     a sixteenth of the machine's physical memory."""
@@ -145,9 +152,9 @@ def trim_tiers(tiers: list[Tier], max_bytes: int) -> int:
     they hold at most ``max_bytes``; returns the bytes dropped. A tier keeps its ``k`` best tokens of
     each KV head: its ``j``-th row is worth the mean over heads of each head's ``j``-th best score,
     and rows are kept, best first across all tiers, while they fit."""
-    if sum(t.nbytes for t in tiers) <= max_bytes:
-        return 0
     before = sum(t.nbytes for t in tiers)
+    if before <= max_bytes:
+        return 0
     rows = []  # (worth, tier index, bytes of one row)
     entries: list[TierEntry | None] = []
     for i, t in enumerate(tiers):
@@ -245,8 +252,7 @@ class RecallMixin:
         requests and layers go first (:func:`trim_tiers`)."""
         limit = plan.states[rows[0]].settings.config.recall.max_bytes
         try:
-            tiers = [ls.tier for st in WORKER.states() for ls in st.layers.values() if ls.tier is not None]
-            dropped = trim_tiers(tiers, default_max_bytes() if limit is None else limit)
+            dropped = trim_tiers(worker_tiers(), default_max_bytes() if limit is None else limit)
             if dropped:
                 logger.debug("kvevict: recall tiers over their budget: %d bytes dropped", dropped)
         except Exception as err:  # noqa: BLE001 - memory first: these rows' tiers go

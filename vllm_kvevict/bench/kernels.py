@@ -86,15 +86,28 @@ def paged_layer(R: int, n: int, H: int, D: int, bs: int, dtype, device):
     return cache, k, v, table
 
 
+def row_positions(K, cu) -> torch.Tensor:
+    """``[N, H]``: each packed token's position within its request (the same on every head)."""
+    pos = torch.arange(K.shape[0], device=K.device)[:, None] - cu[:-1].repeat_interleave(cu[1:] - cu[:-1])[:, None]
+    return pos.expand(-1, K.shape[1]).contiguous()
+
+
+def window_queries(Qw, pos, cu) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
+    """The requests' window queries ``Qw [R, H_q, w, D]`` packed for ``column_sums``: ``Q [R w,
+    H_q, D]``, their positions (each request's last ``w``) and ``cu_q``."""
+    R, Hq, w, D = Qw.shape
+    last = pos[cu[1:] - 1, 0]  # each request's newest position
+    q_pos = (last[:, None] - w + 1 + torch.arange(w, device=pos.device)).reshape(-1)
+    cu_q = torch.arange(R + 1, device=pos.device) * w
+    return Qw.transpose(1, 2).reshape(R * w, Hq, D), q_pos, cu_q
+
+
 def snapkv_scores(K, pos, cu, Qw, G: int) -> torch.Tensor:
     """``[N, H]``: the attention each key receives from its request's window queries
     ``Qw [R, H_q, w, D]``, summed and group-averaged (the SnapKV/TOVA/H2O/CAOTE/CriticalKV building
     block): one ragged ``column_sums`` for every request, as the engine runs it."""
-    R, Hq, w, D = Qw.shape
-    last = pos[cu[1:] - 1, 0]  # each request's newest position
-    q_pos = (last[:, None] - w + 1 + torch.arange(w, device=K.device)).reshape(-1)
-    cu_q = torch.arange(R + 1, device=K.device) * w
-    cs = ops.column_sums(Qw.transpose(1, 2).reshape(R * w, Hq, D), K, q_pos, pos, cu_q, cu, G, D**-0.5)
+    Q, q_pos, cu_q = window_queries(Qw, pos, cu)
+    cs = ops.column_sums(Q, K, q_pos, pos, cu_q, cu, G, Qw.shape[-1] ** -0.5)
     return cs.reshape(K.shape[0], -1, G).mean(dim=-1)
 
 
@@ -114,11 +127,7 @@ def recall_step_scores(K, pos, cu, Qw, G: int) -> torch.Tensor:
 
 def eviction_step(k, v, table, rows, starts, ends, budget: int, score: str = "keydiff", Qw=None, G: int = 1):
     K, V, cu = ops.gather_paged(k, v, table, rows, starts, ends)
-    pos = (
-        (torch.arange(K.shape[0], device=K.device)[:, None] - cu[:-1].repeat_interleave(cu[1:] - cu[:-1])[:, None])
-        .expand(-1, K.shape[1])
-        .contiguous()
-    )
+    pos = row_positions(K, cu)
     if score == "keydiff":
         scores = keydiff_scores(K, cu)
     elif score == "snapkv":
@@ -162,17 +171,13 @@ def op_times(k, v, table, rows, starts, ends, budget: int, Qw, G: int, reps: int
     dev = k.device
     mods = implementations(dev)
     K, V, cu = ops.gather_paged(k, v, table, rows, starts, ends)
-    pos = torch.arange(K.shape[0], device=dev)[:, None] - cu[:-1].repeat_interleave(cu[1:] - cu[:-1])[:, None]
-    pos = pos.expand(-1, K.shape[1]).contiguous()
+    pos = row_positions(K, cu)
     scores = keydiff_scores(K, cu)
     keep = torch.full((rows.numel(),), budget, device=dev)
     idx, cu_keep = ops.select_topk(scores, pos, cu, keep)
     dst = ends - (cu_keep[1:] - cu_keep[:-1])
-    R, Hq, w, D = Qw.shape
-    last = pos[cu[1:] - 1, 0]
-    q_pos = (last[:, None] - w + 1 + torch.arange(w, device=dev)).reshape(-1)
-    Q = Qw.transpose(1, 2).reshape(R * w, Hq, D)
-    cu_q = torch.arange(R + 1, device=dev) * w
+    Q, q_pos, cu_q = window_queries(Qw, pos, cu)
+    D = Qw.shape[-1]
     calls = {
         "gather_paged": lambda m: m.gather_paged(k, v, table, rows, starts, ends),
         "keydiff_scores": lambda m: (m.keydiff_scores if m is not mods["torch"] else FUSED["keydiff_scores"])(K, cu),
