@@ -76,6 +76,7 @@ def test_quality_report_budget_keys_table_and_plot(tmp_path):
                     "budget": None,
                     "prompt_tokens": ln,
                     "score": score,
+                    "depth": 1.0 if task == "niah_single" else 0.0,
                 }
             )
             for key, b in (("0.25", ln // 4), ("300tok", 300)):
@@ -88,6 +89,7 @@ def test_quality_report_budget_keys_table_and_plot(tmp_path):
                         "budget": b,
                         "prompt_tokens": ln,
                         "score": score / 2,
+                        "depth": 1.0 if task == "niah_single" else 0.0,
                     }
                 )
     assert quality.budget_keys([0.25], [300]) == ["0.25", "300tok"]
@@ -102,6 +104,9 @@ def test_quality_report_budget_keys_table_and_plot(tmp_path):
     table = quality.format_table(r)
     assert "300 tokens" in table and "kept 0.25" in table and "0.38 (0.50/0.25)" in table
     assert "by prompt length" in table
+    # the needle beside the question (depth 1) apart from the others: recency alone can keep it
+    assert r["per_depth"]["end"]["keydiff"]["0.25"] == 0.5 and r["per_depth"]["rest"]["keydiff"]["0.25"] == 0.25
+    assert "needle at depth 1" in table and "keydiff kept 0.25" in table
     quality.plot(r, str(tmp_path / "q.png"))
     assert (tmp_path / "q.png").stat().st_size > 10_000
 
@@ -115,3 +120,20 @@ def test_config_specs_become_request_keys():
     x = spec_xargs("caote:base=tova,recall=true,trigger=once", 64)
     assert x["kvevict_recall"] is True and x["kvevict_trigger"] == "once"
     assert json.loads(x["kvevict_params"]) == {"base": "tova"}
+
+
+def test_quality_rows_are_found_again_by_their_job(tmp_path, tokenizer):
+    """A grid run in parts (``--rows``): each finished request is found again by the job that sent
+    it, and no other job."""
+    import json
+
+    task = TASKS["niah_single_varied"](tokenizer, 500, 1.0, 3)
+    jobs = [(task, 500, "keydiff:recall=true", "0.1", {}, 520), (task, 500, "keydiff", "0.1", {}, 520)]
+    row = {"task": task.name, "length": 500, "depth": 1.0, "seed": 3, "config": "keydiff:recall=true"}
+    path = tmp_path / "rows.jsonl"
+    path.write_text(json.dumps(row | {"budget_key": "0.1", "score": 0.0}) + "\n")
+    path.write_text(path.read_text() + json.dumps(row | {"budget_key": "0.1", "score": 1.0}) + "\n")
+    done = quality.load_rows(str(path))
+    assert quality.job_key(jobs[0]) in done and quality.job_key(jobs[1]) not in done
+    assert done[quality.job_key(jobs[0])]["score"] == 1.0  # the last of a repeated request
+    assert quality.load_rows(str(tmp_path / "none.jsonl")) == {}

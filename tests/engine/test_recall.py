@@ -59,7 +59,9 @@ def server(gqa_model, tmp_path_factory):
 
 
 def _recalled(att, prompt_len: int) -> int:
-    """Kept positions at the prompt's end that an earlier compaction of the attempt had dropped."""
+    """Kept positions at the prompt's end that an earlier compaction of the attempt had dropped
+    (recall re-selects twice in the step that completes the prompt: the window before attention,
+    recorded at that step's start, and the whole window after it)."""
     events = sorted(att.events)
     final = max((L for L in events if L <= prompt_len + 0), default=None)
     if final is None:
@@ -67,11 +69,11 @@ def _recalled(att, prompt_len: int) -> int:
     n = 0
     for layer, heads in att.events[final].items():
         for h, kept in enumerate(heads):
-            earlier = [L for L in events if L < final]
-            if not earlier:
-                continue
-            before = set(att.events[earlier[-1]][layer][h])
-            n += sum(p < earlier[-1] and p not in before for p in kept)
+            dropped: set[int] = set()
+            for L in events:
+                if L < final:
+                    dropped |= set(range(L)) - set(att.events[L][layer][h])
+            n += sum(p in dropped for p in kept)
     return n
 
 
@@ -108,7 +110,8 @@ def test_recall_with_every_kind_of_policy(server, hf_model, policy):
     with nothing to recall), the newest query (TOVA) or an observation window longer than the
     recall's (SnapKV: 32 queries against 16; recall keeps all of them, or SnapKV's next compaction
     finds its window incomplete and the request falls back): recall hands their drops to the tier
-    like KeyDiff's, and nothing falls back to the safe policy."""
+    like KeyDiff's, re-selects the window before the prompt's last chunk attends to it and again
+    after, each equal to its replay, and nothing falls back to the safe policy."""
     vocab = hf_model.config.vocab_size
     fallbacks = server.metrics().get("kvevict:fallbacks_total", 0.0)
     n = 480
@@ -117,6 +120,9 @@ def test_recall_with_every_kind_of_policy(server, hf_model, policy):
     out = complete(server, make_prompt(n, 11, vocab), 16, {"kvevict_policy": policy, "kvevict_trigger": "chunked"})
     atts = check_against_reference(hf_model, out, load_attempts(server.dump_dir))
     assert max(_recalled(att, n) for att in atts) > 0
+    # and before the last chunk's attention: the question attends to the recalled window (a
+    # compaction only keeps what its window holds, so no event before it takes tokens back)
+    assert max(_recalled(att, n - 1) for att in atts) > 0
     assert server.metrics().get("kvevict:fallbacks_total", 0.0) == fallbacks
     assert f"policy {policy} failed" not in server.log()
 

@@ -233,9 +233,12 @@ class KVEvictImplMixin(RecallMixin):
             self._kvevict_forward_seen = True
             name = getattr(layer, "layer_name", type(layer).__name__)
             info_once(f"kvevict: first forward through {type(self).__name__} ({name})", key="forward")
+        plan = attn_metadata.kvevict_plan if isinstance(attn_metadata, KVEvictMetadata) else None
+        if plan is not None and plan.states and plan.prompt_lens is not None:
+            with profiling.timed("recall_s", query.device):
+                self._recall_before_attention(layer, query, kv_cache, plan)
         with profiling.timed("attn_s", query.device):
             out = super().forward(layer, query, key, value, kv_cache, attn_metadata, *args, **kwargs)
-        plan = attn_metadata.kvevict_plan if isinstance(attn_metadata, KVEvictMetadata) else None
         if plan is not None:
             rec = metrics.worker_recorder()
             with (

@@ -26,10 +26,20 @@ def _blocks(plan, r: int, start: int, end: int, block_size: int) -> list[int]:
     return plan.block_table[r, start // block_size : end // block_size].tolist()
 
 
-def dump_kept(plan, rows: list[int], layer: int, kept: list[torch.Tensor], heads: list[int], block_size: int) -> None:
+def dump_kept(
+    plan,
+    rows: list[int],
+    layer: int,
+    kept: list[torch.Tensor],
+    heads: list[int],
+    block_size: int,
+    before_attention: bool = False,
+) -> None:
     """``kept[i]``: the positions ``[keep, H]`` row ``rows[i]`` kept in ``layer``; ``heads``: the
     model's indices of this rank's KV heads; ``blocks``: the physical blocks of the window (a
-    later request may start on them: a cached compacted window)."""
+    later request may start on them: a cached compacted window). ``before_attention``: the window
+    ``[E_prev, L_prev)`` as recall re-selected it before this step's attention (recorded at
+    ``L_prev``: this step's tokens attend to it; no blocks, such a window is never cached)."""
     rank = vllm_distributed.tensor_parallel()[0]
     _write(
         [
@@ -37,12 +47,12 @@ def dump_kept(plan, rows: list[int], layer: int, kept: list[torch.Tensor], heads
                 "req_id": plan.req_ids[r] if plan.req_ids else None,
                 "layer": layer,
                 "e_prev": plan.e_prev[r],
-                "e_new": plan.e_new[r],
-                "L": plan.seq_lens[r],
+                "e_new": plan.e_prev[r] if before_attention else plan.e_new[r],
+                "L": plan.L_prev[r] if before_attention else plan.seq_lens[r],
                 "rank": rank,
                 "heads": heads,
                 "kept": pos.transpose(0, 1).tolist(),
-                "blocks": _blocks(plan, r, plan.e_new[r], plan.seq_lens[r], block_size),
+                "blocks": [] if before_attention else _blocks(plan, r, plan.e_new[r], plan.seq_lens[r], block_size),
             }
             for r, pos in zip(rows, kept)
         ]

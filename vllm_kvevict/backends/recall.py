@@ -30,8 +30,9 @@ from typing import Any
 
 import torch
 
-from vllm_kvevict import metrics
+from vllm_kvevict import envs, metrics
 from vllm_kvevict._logging import logger
+from vllm_kvevict.backends.dump import dump_kept
 from vllm_kvevict.kernels import ops, torch_ops
 from vllm_kvevict.policies.attention import pool1d
 from vllm_kvevict.request import WORKER
@@ -297,30 +298,107 @@ class RecallMixin:
         return rows
 
     def _recall(self, layer, kv_cache, plan, r: int, G: int) -> torch.Tensor | None:
-        """At the end of row ``r``'s prompt: re-select its window from what it kept and its tier,
-        by the attention of the prompt's last queries; write the winners into ``[E, L)``. Returns
-        the kept positions ``[keep, H]`` (None when there is nothing to recall). A failure leaves
-        the window as the policy chose it (logged once, like a policy's)."""
-        cfg = plan.states[r].settings.config
+        """At the end of row ``r``'s prompt: re-select its window ``[E, L)`` from what it kept and its
+        tier, by the attention of the prompt's last queries; the tier goes. Returns the kept
+        positions ``[keep, H]`` (None when there is nothing to recall). A failure leaves the window
+        as it is (logged once, like a policy's)."""
         ls = self._layer_state(plan, r, layer)
         tier_of, ls.tier = ls.tier, None
         Qw, ls.recall_queries = ls.recall_queries, None
         if tier_of is None or Qw is None:
             return None
+        got = self._reselect(layer, kv_cache, plan, r, G, tier_of, Qw, plan.e_new[r], plan.seq_lens[r])
+        if got is None:
+            return None
+        pos_sel, recalled, _ = got
+        rec = metrics.worker_recorder()
+        if rec is not None:
+            rec.inc("recalled_tokens", plan.states[r].settings.config.policy, float(recalled))
+        return pos_sel
+
+    def _recall_before_attention(self, layer, query, kv_cache, plan) -> None:
+        """In the step that completes a prompt, before this layer's attention: re-select the cached
+        window ``[E_prev, L_prev)`` from itself and the tier by the prompt's last queries (this
+        step's included), so that the prompt's last tokens (the question) attend to what recall
+        chose, in this layer and, through their outputs, in every layer above. What loses goes
+        back to the tier; after attention, :meth:`_recall` re-selects ``[E_new, L)`` from all of it
+        (this step's tokens and its compaction included)."""
+        rows = plan.memo.get("recall_ends")
+        if rows is None:  # the same in every layer of the step
+            rows = plan.memo["recall_ends"] = [
+                r
+                for r, st in enumerate(plan.states)
+                if st.settings.evicts and st.settings.recall.enabled and plan.completes_prompt(r)
+            ]
+        qsl, G = plan.query_start_loc, self.num_heads // self.num_kv_heads
+        kept = {}
+        for r in rows:
+            st = plan.states[r]
+            ls = st.layers.get(self._layer_key(layer))
+            start, end = plan.e_prev[r], plan.L_prev[r]
+            if ls is None or ls.tier is None or ls.recall_queries is None or end <= start:
+                continue
+            Q = query[qsl[r] : qsl[r + 1]].transpose(0, 1)  # [H_q, m, d]
+            Qw = torch.cat([ls.recall_queries, Q], dim=1)[:, -st.settings.recall.window :]
+            tier_of, ls.tier = ls.tier, None
+            got = self._reselect(layer, kv_cache, plan, r, G, tier_of, Qw, start, end, plan.seq_lens[r], losers=True)
+            if got is None:
+                continue
+            kept[r], _, lost = got
+            if lost is not None:
+                try:
+                    ls.tier = Tier()
+                    ls.tier.add(lost, st.settings.recall.cap)
+                except Exception as err:  # noqa: BLE001 - e.g. no host memory: the window stays as chosen
+                    ls.tier = None
+                    self._recall_failed(plan, r, err)
+        if envs.KVEVICT_DUMP_DIR and kept:
+            rs = sorted(kept)
+            dump_kept(
+                plan,
+                rs,
+                self._layer_index(layer),
+                [kept[r] for r in rs],
+                self._model_kv_heads(),
+                kv_cache.shape[2],
+                before_attention=True,
+            )
+
+    def _reselect(
+        self,
+        layer,
+        kv_cache,
+        plan,
+        r: int,
+        G: int,
+        tier_of: Tier,
+        Qw: torch.Tensor,
+        start: int,
+        end: int,
+        q_end: int | None = None,
+        losers: bool = False,
+    ) -> tuple[torch.Tensor, int, TierEntry | None] | None:
+        """Re-select row ``r``'s window slots ``[start, end)`` from what they hold and ``tier_of``, by
+        the attention of the queries ``Qw`` (the last before ``q_end``, default ``end``), and write
+        the winners there in position order. Returns the kept positions ``[end - start, H]``, how
+        many came from the tier and, with ``losers``, the candidates not kept (scored by this
+        recall) as a tier entry; None when the tier is empty or on a failure (logged once, the
+        window as it was)."""
+        cfg = plan.states[r].settings.config
+        q_end = end if q_end is None else q_end
         try:
             tier = tier_of.take(kv_cache.device)
             if tier is None:
                 return None
-            L, e = plan.seq_lens[r], plan.e_new[r]
             bs = kv_cache.shape[2]
-            slots = logical_slots(plan.block_table, r, e, L - e, bs)
+            slots = logical_slots(plan.block_table, r, start, end - start, bs)
             K_w, V_w = self._kvevict_gather(layer, kv_cache, slots // bs, slots % bs)
             h = torch.arange(K_w.shape[1], device=K_w.device)[None, :]
             pos_w = self._kvevict_slot_pos[slots].long()
             K = torch.cat([K_w, tier.K.to(K_w.dtype)])
             V = torch.cat([V_w, tier.V.to(V_w.dtype)])
             pos = torch.cat([pos_w, tier.pos])
-            q_pos = torch.arange(L - Qw.shape[1], L, device=K.device)
+            q_pos = torch.arange(q_end - Qw.shape[1], q_end, device=K.device)
             scores = recall_scores(
                 Qw.float(),
                 q_pos,
@@ -334,20 +412,24 @@ class RecallMixin:
             # the recall's own queries and the policy's observation window (SnapKV's may be longer,
             # and its next compaction reads every position of it) are kept whatever their scores
             protect = max(Qw.shape[1], plan.states[r].settings.policy.needs.window)
-            idx = select_recalled(scores, pos, L - e, L - protect)  # [keep, H]
-            state = {}
+            idx = select_recalled(scores, pos, end - start, q_end - protect)  # [keep, H]
+            state_all = {}
             for k, t in self._kvevict_slot_state.items():
                 old = tier.state.get(k, torch.zeros(tier.tokens, t.shape[1], dtype=t.dtype, device=t.device))
-                state[k] = torch.cat([t[slots], old.to(t.dtype)])[idx, h]
+                state_all[k] = torch.cat([t[slots], old.to(t.dtype)])
+            state = {k: v[idx, h] for k, v in state_all.items()}
             K_sel, V_sel, pos_sel = K[idx, h], V[idx, h], pos[idx, h]
+            lost = None
+            if losers and K.shape[0] > idx.shape[0]:
+                lo = complement(K.shape[0], idx)
+                lost = TierEntry(
+                    K[lo, h], V[lo, h], pos[lo, h], scores[lo, h], {k: v[lo, h] for k, v in state_all.items()}
+                )
         except Exception as err:  # noqa: BLE001 - recall must never kill the engine either
             self._recall_failed(plan, r, err)
             return None
         self._kvevict_write(layer, kv_cache, slots, K_sel, V_sel)
-        rec = metrics.worker_recorder()
-        if rec is not None:
-            rec.inc("recalled_tokens", cfg.policy, float((idx >= K_w.shape[0]).sum()))
         self._kvevict_slot_pos[slots] = pos_sel.to(torch.int32)
         for k, v in state.items():
             self._kvevict_slot_state[k][slots] = v
-        return pos_sel
+        return pos_sel, int((idx >= K_w.shape[0]).sum()), lost

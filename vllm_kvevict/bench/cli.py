@@ -76,6 +76,17 @@ PRESETS = {
             "depths": 3,
             "seeds": "1",
         },
+        # issue 26's grid: every policy that drops tokens, with and without recall, at 5, 10 and 25 % of
+        # ~3,000- and ~7,500-token prompts, 20 prompts per task and length (run it in parts: --rows)
+        "recall-grid": {
+            "configs": RECALL_CONFIGS.replace(",kvmerger", ""),
+            "budget_ratios": "0.05,0.1,0.25",
+            "budgets": "",
+            "tasks": "niah_single_varied,niah_multikey",
+            "length": "3000,7500",
+            "depths": 5,
+            "seeds": "1,2,3,4",
+        },
         # every policy on the two needle tasks: the table of docs/policies.md
         "policies": {
             "configs": ALL_POLICIES,
@@ -259,6 +270,7 @@ def cmd_quality(args) -> int:
             concurrency=args.concurrency,
             progress=True,
             budgets=[int(b) for b in str(args.budgets).split(",") if b],
+            rows_path=args.rows,
         )
     return _finish(args, "quality", quality, report)
 
@@ -373,6 +385,12 @@ def build_parser() -> argparse.ArgumentParser:
     q.add_argument("--depths", type=int, default=None)
     q.add_argument("--seeds", default=None)
     q.add_argument("--concurrency", type=int, default=2)
+    q.add_argument(
+        "--rows",
+        default=None,
+        help="JSON-lines file: every finished request is appended, and requests already in it are not "
+        "sent again (run a long grid in parts)",
+    )
     q.set_defaults(func=cmd_quality)
 
     t = sub.add_parser("throughput", help="stock vLLM vs kvevict at equal KV memory")

@@ -20,7 +20,9 @@ from __future__ import annotations
 import argparse
 import contextlib
 import json
+import os
 import sys
+import threading
 import time
 from concurrent.futures import ThreadPoolExecutor
 from dataclasses import asdict
@@ -91,9 +93,12 @@ def run_quality(
     concurrency: int = 2,
     progress: bool = False,
     budgets: list[int] = (),
+    rows_path: str | None = None,
 ) -> dict:
     """Every task x length x depth x seed, with eviction off and under every config x budget (ratios of
-    the prompt, ``budget_ratios``, and absolute token counts, ``budgets``)."""
+    the prompt, ``budget_ratios``, and absolute token counts, ``budgets``). ``rows_path``: a JSON-lines
+    file every finished request is appended to, and whose requests are not sent again (a grid too
+    long for one sitting runs in parts)."""
     from openai import OpenAI
 
     lengths = [length] if isinstance(length, int) else list(length)
@@ -138,20 +143,50 @@ def run_quality(
             "latency_s": round(time.perf_counter() - t0, 3),
         }
 
+    done = load_rows(rows_path) if rows_path else {}
+    rows = [done[job_key(j)] for j in jobs if job_key(j) in done]
+    todo = [j for j in jobs if job_key(j) not in done]
+    lock = threading.Lock()
+
+    def run_and_keep(job):
+        row = run(job)
+        if rows_path:
+            with lock, open(rows_path, "a") as f:
+                f.write(json.dumps(row) + "\n")
+        return row
+
     before = _server_counters(base_url)
     with ThreadPoolExecutor(concurrency) as pool:
-        it = pool.map(run, jobs)
+        it = pool.map(run_and_keep, todo)
         if progress:
             from tqdm import tqdm
 
-            it = tqdm(it, total=len(jobs), desc="quality", unit="req")
-        rows = list(it)
+            it = tqdm(it, total=len(todo), desc="quality", unit="req")
+        rows += list(it)
     after = _server_counters(base_url)
     return summarize(rows, configs, keys, tasks, lengths, n_depths, seeds, [t for _, t in items]) | {
         "budget_ratios": list(budget_ratios),
         "budgets": list(budgets),
         "server": {k: after[k] - before[k] for k in after},
     }
+
+
+def job_key(job) -> tuple:
+    """What identifies a request of the grid: task, length, depth, seed, config and budget column."""
+    task, ln, name, key, _xargs, _n = job
+    return (task.name, ln, task.depth, task.seed, name, key)
+
+
+def load_rows(path: str) -> dict[tuple, dict]:
+    """The rows of an earlier (partial) run, by :func:`job_key` (the last of each wins)."""
+    out: dict[tuple, dict] = {}
+    if os.path.exists(path):
+        with open(path) as f:
+            for line in f:
+                if line.strip():
+                    r = json.loads(line)
+                    out[(r["task"], r["length"], r["depth"], r["seed"], r["config"], r["budget_key"])] = r
+    return out
 
 
 def _server_counters(base_url: str) -> dict[str, float]:
@@ -175,6 +210,8 @@ def summarize(rows, configs, keys, tasks, lengths, n_depths, seeds, items) -> di
     kept_fraction: dict[str, dict[str, float]] = {}  # config -> {budget key: mean budget / prompt tokens}
     per_task: dict[str, dict[str, dict[str, float | None]]] = {}
     per_length: dict[str, dict[str, dict[str, float | None]]] = {}
+    #: "end": the needle at depth 1 (next to the question, where recency alone can keep it); "rest": the others
+    per_depth: dict[str, dict[str, dict[str, float | None]]] = {}
     for name in [REFERENCE, *configs]:
         for key in ["-"] if name == REFERENCE else keys:
             sel = [r for r in rows if r["config"] == name and r["budget_key"] == key]
@@ -189,6 +226,10 @@ def summarize(rows, configs, keys, tasks, lengths, n_depths, seeds, items) -> di
                 per_length.setdefault(str(ln), {}).setdefault(name, {})[key] = mean(
                     [r["score"] for r in sel if r["length"] == ln]
                 )
+            for part, at_end in (("end", True), ("rest", False)):
+                per_depth.setdefault(part, {}).setdefault(name, {})[key] = mean(
+                    [r["score"] for r in sel if (r.get("depth") == 1.0) == at_end]
+                )
     return {
         "tasks": list(tasks),
         "lengths": list(lengths),
@@ -199,6 +240,7 @@ def summarize(rows, configs, keys, tasks, lengths, n_depths, seeds, items) -> di
         "kept_fraction": kept_fraction,
         "per_task": per_task,
         "per_length": per_length,
+        "per_depth": per_depth,
         "rows": rows,
         "items": [asdict(t) | {"prompt": None} for t in items],
     }
@@ -236,6 +278,13 @@ def format_table(result: dict) -> str:
             f"WARNING: the server hit its prefix cache for {hits:.0f} prompt tokens: requests that "
             f"start on a hit evict nothing before it; serve with --no-enable-prefix-caching"
         )
+    if 1.0 in result["depths"] and len(result["depths"]) > 1:
+        lines.append("needle at depth 1 (beside the question) / elsewhere:")
+        for name in result["summary"]:
+            for key in result["summary"][name]:
+                end, rest = (result["per_depth"][p][name][key] for p in ("end", "rest"))
+                label = "none (no eviction)" if name == REFERENCE else f"{name} {_label(key)}"
+                lines.append(f"  {label:<40}" + "".join("       -" if v is None else f"{v:>8.2f}" for v in (end, rest)))
     if len(lengths) > 1:
         lines.append("by prompt length (mean over tasks): " + ", ".join(map(str, lengths)))
         for name in result["summary"]:

@@ -307,7 +307,10 @@ def replay(model, token_ids: list[int], events: Events, check: PolicyCheck | Non
                 kept_t = torch.tensor(kept)  # [H, R] positions
                 layer = cache.layers[i]
                 merged = None
-                recalls = dropped[i] is not None and not bool(torch.isin(kept_t, cache_pos[i]).all())
+                # per head: a position one head takes back may be in another head's cache
+                recalls = dropped[i] is not None and not all(
+                    bool(torch.isin(k, c).all()) for k, c in zip(kept_t, cache_pos[i])
+                )
                 if recalls:  # the window takes back entries an earlier event dropped
                     keys = torch.cat([layer.keys, dropped[i][0]], dim=2)
                     values = torch.cat([layer.values, dropped[i][1]], dim=2)
