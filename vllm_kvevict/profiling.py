@@ -5,7 +5,7 @@ With ``KVEVICT_PROFILE_DIR`` set, every worker process appends one JSON line per
 ``<dir>/steps-<pid>.jsonl``: the step's wall time (the runner's ``execute_model``, timed through
 :func:`vllm_kvevict.vllm_compat.runner.add_step_listener`), the time spent inside the attention
 kernels, the time spent in eviction (observe, score, select, compact: everything the plugin adds
-after attention; recall's part of it also as ``recall_s``), the number of tokens and rows, how many
+after attention, and recall's re-selection before it; recall's part of it also as ``recall_s``), the number of tokens and rows, how many
 rows compacted, and the bytes the recall tiers hold at their fullest in the step, before recall
 takes them (``tier_bytes``, all layers). On CUDA the device is synchronised around each timed region
 (profiling changes the timing it measures only by those synchronisations).

@@ -31,7 +31,14 @@ from vllm_kvevict.backends.dump import dump_kept, dump_starts
 from vllm_kvevict.backends.evict import RowInputs, RowWork, evict_step
 from vllm_kvevict.backends.plan import StepPlan, cascade_prefix_len, notify_planned, plan_step, shifted_metadata
 from vllm_kvevict.backends.projection import output_projection
-from vllm_kvevict.backends.recall import RecallMixin, Tier, TierEntry, logical_slots, worker_tiers
+from vllm_kvevict.backends.recall import (
+    RecallMixin,
+    Tier,
+    TierEntry,
+    logical_slots,
+    recall_ends,
+    worker_tiers,
+)
 from vllm_kvevict.config import KVEvictConfig, config_from_vllm
 from vllm_kvevict.kernels import torch_ops
 from vllm_kvevict.policies.base import step_queries
@@ -45,6 +52,18 @@ from vllm_kvevict.window import last_boundary
 # The worker's VllmConfig, seen while the model is built (inside vLLM's config context).
 # ``customize_spec`` runs later, outside that context, and reads it from here.
 _worker_vllm_config = None
+
+
+@contextlib.contextmanager
+def _eviction_time(device):
+    """What the plugin adds to a layer's forward, timed as eviction (``evict_s`` when profiling, the
+    ``kvevict:eviction_seconds`` histogram): the work after attention and recall's before it."""
+    rec = metrics.worker_recorder()
+    with (
+        profiling.timed("evict_s", device),
+        rec.eviction_timer(device) if rec is not None else contextlib.nullcontext(),
+    ):
+        yield
 
 
 def _current_config() -> KVEvictConfig:
@@ -234,17 +253,13 @@ class KVEvictImplMixin(RecallMixin):
             name = getattr(layer, "layer_name", type(layer).__name__)
             info_once(f"kvevict: first forward through {type(self).__name__} ({name})", key="forward")
         plan = attn_metadata.kvevict_plan if isinstance(attn_metadata, KVEvictMetadata) else None
-        if plan is not None and plan.states and plan.prompt_lens is not None:
-            with profiling.timed("recall_s", query.device):
+        if plan is not None and recall_ends(plan):
+            with _eviction_time(query.device), profiling.timed("recall_s", query.device):
                 self._recall_before_attention(layer, query, kv_cache, plan)
         with profiling.timed("attn_s", query.device):
             out = super().forward(layer, query, key, value, kv_cache, attn_metadata, *args, **kwargs)
         if plan is not None:
-            rec = metrics.worker_recorder()
-            with (
-                profiling.timed("evict_s", query.device),
-                rec.eviction_timer(query.device) if rec is not None else contextlib.nullcontext(),
-            ):
+            with _eviction_time(query.device):
                 self._kvevict_after_attention(layer, query, kv_cache, plan)
         return out
 

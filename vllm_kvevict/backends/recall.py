@@ -242,6 +242,21 @@ def logical_slots(block_table: torch.Tensor, row: int, start: int, count: int, b
     return blocks * block_size + offs
 
 
+def recall_ends(plan) -> list[int]:
+    """Rows whose prompt completes in this step with recall on (the same in every layer of the step)."""
+    rows = plan.memo.get("recall_ends")
+    if rows is None:
+        rows = plan.memo["recall_ends"] = [
+            r
+            for r, st in enumerate(plan.states or ())
+            if plan.prompt_lens is not None
+            and st.settings.evicts
+            and st.settings.recall.enabled
+            and plan.completes_prompt(r)
+        ]
+    return rows
+
+
 class RecallMixin:
     """The recall step of a kvevict attention impl (:class:`~vllm_kvevict.backends.base.KVEvictImplMixin`):
     which rows keep a tier in a step (their prompt's latest queries kept per layer), and the
@@ -323,16 +338,9 @@ class RecallMixin:
         chose, in this layer and, through their outputs, in every layer above. What loses goes
         back to the tier; after attention, :meth:`_recall` re-selects ``[E_new, L)`` from all of it
         (this step's tokens and its compaction included)."""
-        rows = plan.memo.get("recall_ends")
-        if rows is None:  # the same in every layer of the step
-            rows = plan.memo["recall_ends"] = [
-                r
-                for r, st in enumerate(plan.states)
-                if st.settings.evicts and st.settings.recall.enabled and plan.completes_prompt(r)
-            ]
         qsl, G = plan.query_start_loc, self.num_heads // self.num_kv_heads
         kept = {}
-        for r in rows:
+        for r in recall_ends(plan):
             st = plan.states[r]
             ls = st.layers.get(self._layer_key(layer))
             start, end = plan.e_prev[r], plan.L_prev[r]
