@@ -104,6 +104,9 @@ def test_quality_report_budget_keys_table_and_plot(tmp_path):
     table = quality.format_table(r)
     assert "300 tokens" in table and "kept 0.25" in table and "0.38 (0.50/0.25)" in table
     assert "by prompt length" in table
+    # the targets are shares of no eviction's score, per length
+    assert r["share"]["keydiff"]["0.25"] == {"1000": 0.5, "2000": 0.5}
+    assert "share of no eviction" in table and "keydiff kept 0.25" in table and "50%" in table
     # the needle beside the question (depth 1) apart from the others: recency alone can keep it
     assert r["per_depth"]["end"]["keydiff"]["0.25"] == 0.5 and r["per_depth"]["rest"]["keydiff"]["0.25"] == 0.25
     assert "needle at depth 1" in table and "keydiff kept 0.25" in table

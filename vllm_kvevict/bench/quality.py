@@ -230,9 +230,17 @@ def summarize(rows, configs, keys, tasks, lengths, n_depths, seeds, items) -> di
                 per_depth.setdefault(part, {}).setdefault(name, {})[key] = mean(
                     [r["score"] for r in sel if (r.get("depth") == 1.0) == at_end]
                 )
+    # each config's score as a share of no eviction's, per prompt length (what issue 26's targets are in)
+    share: dict[str, dict[str, dict[str, float | None]]] = {}
+    for name in summary:
+        for key in summary[name] if name != REFERENCE else []:
+            for ln in map(str, lengths):
+                v, ref = per_length[ln][name][key], per_length[ln][REFERENCE]["-"]
+                share.setdefault(name, {}).setdefault(key, {})[ln] = v / ref if v is not None and ref else None
     return {
         "tasks": list(tasks),
         "lengths": list(lengths),
+        "share": share,
         "budget_keys": list(keys),
         "depths": depths(n_depths),
         "seeds": list(seeds),
@@ -285,6 +293,14 @@ def format_table(result: dict) -> str:
                 end, rest = (result["per_depth"][p][name][key] for p in ("end", "rest"))
                 label = "none (no eviction)" if name == REFERENCE else f"{name} {_label(key)}"
                 lines.append(f"  {label:<40}" + "".join("       -" if v is None else f"{v:>8.2f}" for v in (end, rest)))
+    if result.get("share"):
+        lines.append("share of no eviction's score, by prompt length: " + ", ".join(map(str, lengths)))
+        for name, by_key in result["share"].items():
+            for key, by_len in by_key.items():
+                lines.append(
+                    f"  {name + ' ' + _label(key):<40}"
+                    + "".join("       -" if v is None else f"{v:>8.0%}" for v in by_len.values())
+                )
     if len(lengths) > 1:
         lines.append("by prompt length (mean over tasks): " + ", ".join(map(str, lengths)))
         for name in result["summary"]:
