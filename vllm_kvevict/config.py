@@ -123,11 +123,15 @@ class RecallConfig(BaseModel):
     model_config = ConfigDict(extra="forbid", frozen=True, strict=True, allow_inf_nan=False)
 
     enabled: bool = Field(False, description="keep evicted tokens and recall the best of them at the prompt's end")
+    # No per-request cap by default: a policy's score need not foresee the question (SnapKV's does not), so
+    # a cap that drops its lowest-scored tokens loses needles recall would bring back (docs/policies.md,
+    # "Recall on issue 26's grid"); host memory is bounded per worker by max_bytes.
     cap: int = Field(
-        4096,
+        MAX_BUDGET,
         ge=0,
         le=MAX_BUDGET,
-        description="evicted tokens kept per request, layer and KV head (the lowest-scored go first)",
+        description="evicted tokens kept per request, layer and KV head (the lowest-scored go first); "
+        "default: every one (max_bytes bounds the worker's tiers)",
     )
     window: int = Field(32, ge=1, le=MAX_RECALL_WINDOW, description="the prompt's last queries that score the recall")
     # Wider than SnapKV's 7: a recalled token helps only with its neighbours (a 7-digit number is 8

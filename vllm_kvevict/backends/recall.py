@@ -14,9 +14,10 @@ window holds does, so the engine core never knows.
 The tier lives in host memory, never in vLLM's pool: on the CPU engine beside the KV cache; on a
 GPU server in pinned host memory, copied from the device asynchronously (the copy is ordered on the
 step's stream and waited for only when the tier next merges, a step later, or at recall, when it is
-copied back the same way). It is bounded by ``recall.cap`` tokens per request, layer and KV head
-(plus, on a GPU, the newest compaction's tokens while their copy is in flight): when full, the
-lowest-scored tokens go first. It is part of the request's state in the worker
+copied back the same way). It is bounded by ``recall.max_bytes`` per worker (every request and
+layer) and, where set, by ``recall.cap`` tokens per request, layer and KV head (plus, on a GPU, the
+newest compaction's tokens while their copy is in flight): when full, the lowest-scored tokens go
+first. It is part of the request's state in the worker
 (:class:`~vllm_kvevict.request.LayerState`), so it goes when the request finishes, is aborted or
 restarts after preemption.
 """
