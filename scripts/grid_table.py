@@ -2,7 +2,7 @@
 """The markdown table of a quality grid's rows file (``kvevict-bench quality --rows FILE``), as in
 docs/policies.md ("Recall on issue 26's grid"): for each prompt length, configuration and budget,
 the score (mean over tasks; per task; needle at depth 1 / elsewhere), its share of no eviction's
-score at that length, and the number of prompts per task behind it.
+score on the same prompts, and the number of prompts per task behind it.
 
     python scripts/grid_table.py docs/img/recall_grid_rows.jsonl [--lengths 3000] [--ratios 0.1,0.25]
 """
@@ -47,9 +47,8 @@ def main() -> None:
         rest = mean([r["score"] for r in sel if r["depth"] != 1.0])
         n = "/".join(str(sum(r["task"] == t for r in sel)) for t in tasks)
         # the share is of no eviction's score on the same prompts (a part of the grid may lack some)
-        same = [
-            r for r in ref if (r["task"], r["depth"], r["seed"]) in {(x["task"], x["depth"], x["seed"]) for x in sel}
-        ]
+        prompts = {(x["task"], x["depth"], x["seed"]) for x in sel}
+        same = [r for r in ref if (r["task"], r["depth"], r["seed"]) in prompts]
         ref_tasks = [mean([r["score"] for r in same if r["task"] == t]) for t in tasks]
         ref_score = mean(ref_tasks) if ref and None not in ref_tasks else None
         share = f", **{score / ref_score:.0%}**" if ref_score and score is not None else ""

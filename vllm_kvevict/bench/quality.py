@@ -232,8 +232,8 @@ def summarize(rows, configs, keys, tasks, lengths, n_depths, seeds, items) -> di
                 )
     # each config's score as a share of no eviction's, per prompt length (what issue 26's targets are in)
     share: dict[str, dict[str, dict[str, float | None]]] = {}
-    for name in summary:
-        for key in summary[name] if name != REFERENCE else []:
+    for name in [c for c in configs if c != REFERENCE]:
+        for key in keys:
             for ln in map(str, lengths):
                 v, ref = per_length[ln][name][key], per_length[ln][REFERENCE]["-"]
                 share.setdefault(name, {}).setdefault(key, {})[ln] = v / ref if v is not None and ref else None
