@@ -3,7 +3,8 @@
 kvevict server started with ``KVEVICT_DUMP_DIR`` (and ``--no-enable-prefix-caching``), and print,
 per request, its answer and, at every compaction after the last ~1,000 prompt tokens, at the
 prompt's end (``end``: after recall) and while decoding (``dec``), in how many (layer, KV head)
-pairs the needle's value is kept whole / in part / of all pairs.
+pairs the needle's value is kept whole / in part / of all pairs; with several needles (a
+distractor key's, as in ``niah_multikey``), the asked one's first, then each other's whole count.
 
     KVEVICT_DUMP_DIR=/tmp/dump vllm serve MODEL --served-model-name model --port 8011 \\
         --attention-backend kvevict --dtype float32 --block-size 32 --enforce-eager \\
@@ -20,6 +21,7 @@ import argparse
 import glob
 import json
 import os
+import re
 
 from openai import OpenAI
 from transformers import AutoTokenizer
@@ -30,15 +32,19 @@ from vllm_kvevict.testing.models import smollm2_path
 
 
 def value_tokens(tok, task):
-    """The chat-templated prompt's token count and the token indices of the needle's value."""
+    """The chat-templated prompt's tokens and, per needle value in it (the asked one first), the
+    indices of its tokens."""
     text = tok.apply_chat_template(
         [{"role": "user", "content": task.prompt}], add_generation_prompt=True, tokenize=False
     )
     enc = tok(text, add_special_tokens=False, return_offsets_mapping=True)
-    val = task.answers[0]
-    c0 = text.index(f"is: {val}") + 4
-    c1 = c0 + len(val)
-    return enc, [i for i, (a, b) in enumerate(enc["offset_mapping"]) if a < c1 and b > c0]
+    vals = [task.answers[0]] + [v for v in re.findall(r"is: (\d+)\.", text) if v != task.answers[0]]
+    out = []
+    for val in vals:
+        c0 = text.index(f"is: {val}") + 4
+        c1 = c0 + len(val)
+        out.append([i for i, (a, b) in enumerate(enc["offset_mapping"]) if a < c1 and b > c0])
+    return enc, out
 
 
 def main() -> None:
@@ -56,7 +62,8 @@ def main() -> None:
     tok = AutoTokenizer.from_pretrained(args.tokenizer or str(smollm2_path()))
     cli = OpenAI(base_url=args.base_url.rstrip("/") + "/v1", api_key="unused", timeout=3600)
     task = TASKS[args.task](tok, args.length, args.depth, args.seed)
-    enc, vpos = value_tokens(tok, task)
+    enc, values = value_tokens(tok, task)
+    vpos = values[0]
     n = len(enc["input_ids"])
     budget = max(1, round(args.ratio * n))
     print(f"{args.task} depth {args.depth} seed {args.seed}: {n} tokens, value at tokens {vpos}, budget {budget}")
@@ -85,9 +92,10 @@ def main() -> None:
             heads = [set(h) for x in by_L[L] for h in x["kept"]]
             whole = sum(all(p in h for p in vpos) for h in heads)
             part = sum(any(p in h for p in vpos) for h in heads)
+            others = "".join(f",{sum(all(p in h for p in v) for h in heads)}" for v in values[1:])
             tag = "end" if L == n else ("dec" if L > n else "pre")
             if tag != "pre" or L >= n - 1000:
-                cells.append(f"{tag}L{L}:{whole}/{part}/{len(heads)}")
+                cells.append(f"{tag}L{L}:{whole}/{part}/{len(heads)}{others}")
         print(f"  {spec:<28} score {task.score(out):.0f}  {out[-60:]!r}\n      " + " ".join(cells))
 
 
