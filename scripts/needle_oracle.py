@@ -36,18 +36,18 @@ from vllm_kvevict.testing.models import smollm2_path
 W = 32  # recall.window
 FORCED = "needle forced"
 # per layer: [H, keep] kept positions, and the prompt's length; None: attention as usual
-RESTRICT: dict = {"kept": None, "n": 0}
+RESTRICT: dict = {"kept": None, "n": 0, "tail": W}
 
 
 def restricted_attention(module, query, key, value, attention_mask, **kw):
     """SDPA where, with ``RESTRICT["kept"]`` set, each KV head attends only to its kept positions of
-    the prompt and to the prompt's last ``W`` tokens and everything after (causal)."""
+    the prompt and to the prompt's last ``RESTRICT["tail"]`` tokens and everything after (causal)."""
     kept = RESTRICT["kept"]
     if kept is None:
         return sdpa_attention_forward(module, query, key, value, attention_mask, **kw)
     H, kv, q = key.shape[1], key.shape[2], query.shape[2]
     allowed = torch.zeros(H, kv, dtype=torch.bool)
-    allowed[:, RESTRICT["n"] - W :] = True
+    allowed[:, RESTRICT["n"] - RESTRICT["tail"] :] = True
     allowed[torch.arange(H)[:, None], kept[module.layer_idx]] = True
     causal = torch.arange(kv)[None, :] <= torch.arange(kv - q, kv)[:, None]  # [q, kv]
     ok = allowed.repeat_interleave(query.shape[1] // H, 0)[:, None, :] & causal[None]
@@ -76,12 +76,12 @@ def needles(tok, task):
     return enc, vpos, sentence
 
 
-def answer(m, tok, cache, ids, n, kept, max_tokens: int) -> str:
-    """Greedy answer with the prompt's last ``W`` tokens and the answer restricted to ``kept``."""
+def answer(m, tok, cache, ids, n, kept, max_tokens: int, tail: int) -> str:
+    """Greedy answer with the prompt's last ``tail`` tokens and the answer restricted to ``kept``."""
     cache = copy.deepcopy(cache)
-    RESTRICT.update(kept=kept, n=n)
+    RESTRICT.update(kept=kept, n=n, tail=tail)
     try:
-        out = m(torch.tensor([ids[n - W :]]), past_key_values=cache, use_cache=True)
+        out = m(torch.tensor([ids[n - tail :]]), past_key_values=cache, use_cache=True)
         toks = []
         for _ in range(max_tokens):
             nxt = int(out.logits[0, -1].argmax())
@@ -104,6 +104,13 @@ def main() -> None:
     ap.add_argument("--depths", default="0,0.25,0.5")
     ap.add_argument("--seeds", default="1,2")
     ap.add_argument("--generate", action="store_true", help="answer under each selection (and the controls)")
+    ap.add_argument(
+        "--tail",
+        type=int,
+        default=W,
+        help="with --generate: the prompt's last tokens that attend to the kept set only (the server's last "
+        "chunk attends to the window recall chose before its attention; default: recall's 32 queries)",
+    )
     args = ap.parse_args()
     path = args.model or str(smollm2_path())
     tok = AutoTokenizer.from_pretrained(path)
@@ -161,11 +168,11 @@ def main() -> None:
             if args.generate:
                 with torch.no_grad():
                     cache = DynamicCache()
-                    m(torch.tensor([ids[: n - W]]), past_key_values=cache, use_cache=True)
+                    m(torch.tensor([ids[: n - args.tail]]), past_key_values=cache, use_cache=True)
                     everything = torch.arange(n)[None].expand(m.config.num_key_value_heads, n)
                     full = dict.fromkeys(range(len(m.model.layers)), everything)
                     for name, top in [("nothing evicted", full), *sets.items()]:
-                        text = answer(m, tok, cache, ids, n, top, task.max_tokens)
+                        text = answer(m, tok, cache, ids, n, top, task.max_tokens, args.tail)
                         print(f"  answers {name:<34} score {task.score(text):.0f}  {text[-60:]!r}", flush=True)
 
 
