@@ -153,19 +153,25 @@ def plot(report: dict, path: str) -> None:
 
     res = report["results"]
     stock = res["stock"]
-    ks = [r for n, r in res.items() if n != "stock"]
-    xs = [r["budget_ratio"] for r in ks]
+    # one series per kind of server: kvevict, and kvevict with the recall tier (names "...+recall")
+    series = {
+        label: [r for n, r in res.items() if n != "stock" and n.endswith("+recall") == rec]
+        for label, rec in ((f"kvevict ({report['policy']})", False), (f"kvevict ({report['policy']}), recall", True))
+    }
     fig, (a1, a2) = plt.subplots(1, 2, figsize=(10, 4))
-    a1.plot(xs, [r["output_tok_per_s"] for r in ks], marker="o", label=f"kvevict ({report['policy']})")
+    for label, ks in series.items():
+        if ks:
+            xs = [r["budget_ratio"] for r in ks]
+            a1.plot(xs, [r["output_tok_per_s"] for r in ks], marker="o", label=label)
+            a2.plot(xs, [r["peak_running"] for r in ks], marker="o", label=label)
     a1.axhline(stock["output_tok_per_s"], color="black", linestyle="--", label="stock vLLM")
     a1.set_xlabel("budget / prompt length")
     a1.set_ylabel("output tokens/s")
-    a1.legend()
-    a2.plot(xs, [r["peak_running"] for r in ks], marker="o", label="kvevict")
+    a1.legend(loc="center")
     a2.axhline(stock["peak_running"], color="black", linestyle="--", label="stock vLLM")
     a2.set_xlabel("budget / prompt length")
     a2.set_ylabel("peak running requests")
-    a2.legend()
+    a2.legend(loc="center")
     fig.suptitle(
         f"equal KV memory ({report['kv_blocks']} blocks), {report['num_requests']} x "
         f"{report['prompt_len']}+{report['output_len']} tokens"
