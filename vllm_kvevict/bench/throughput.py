@@ -145,6 +145,18 @@ def format_table(report: dict) -> str:
     return "\n".join(lines)
 
 
+def plot_series(report: dict) -> dict[str, list[dict]]:
+    """The kvevict results to draw, one series per kind of server: without and with the recall tier
+    (servers named ``kvevict-R`` and ``kvevict-R+recall``); a kind that did not run is left out."""
+    res = report["results"]
+    out = {}
+    for label, rec in ((f"kvevict ({report['policy']})", False), (f"kvevict ({report['policy']}), recall", True)):
+        ks = [r for n, r in res.items() if n != "stock" and n.endswith("+recall") == rec]
+        if ks:
+            out[label] = ks
+    return out
+
+
 def plot(report: dict, path: str) -> None:
     import matplotlib
 
@@ -153,17 +165,11 @@ def plot(report: dict, path: str) -> None:
 
     res = report["results"]
     stock = res["stock"]
-    # one series per kind of server: kvevict, and kvevict with the recall tier (names "...+recall")
-    series = {
-        label: [r for n, r in res.items() if n != "stock" and n.endswith("+recall") == rec]
-        for label, rec in ((f"kvevict ({report['policy']})", False), (f"kvevict ({report['policy']}), recall", True))
-    }
     fig, (a1, a2) = plt.subplots(1, 2, figsize=(10, 4))
-    for label, ks in series.items():
-        if ks:
-            xs = [r["budget_ratio"] for r in ks]
-            a1.plot(xs, [r["output_tok_per_s"] for r in ks], marker="o", label=label)
-            a2.plot(xs, [r["peak_running"] for r in ks], marker="o", label=label)
+    for label, ks in plot_series(report).items():
+        xs = [r["budget_ratio"] for r in ks]
+        a1.plot(xs, [r["output_tok_per_s"] for r in ks], marker="o", label=label)
+        a2.plot(xs, [r["peak_running"] for r in ks], marker="o", label=label)
     a1.axhline(stock["output_tok_per_s"], color="black", linestyle="--", label="stock vLLM")
     a1.set_xlabel("budget / prompt length")
     a1.set_ylabel("output tokens/s")
