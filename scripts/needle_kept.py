@@ -1,7 +1,7 @@
 # SPDX-License-Identifier: Apache-2.0
 """Where a needle is lost: send one needle prompt under several configurations, one at a time, to a
 kvevict server started with ``KVEVICT_DUMP_DIR`` (and ``--no-enable-prefix-caching``), and print,
-per request, its answer and, at every compaction after the last ~1,000 prompt tokens, at the
+per request, its answer and, at every compaction in the last ``--since`` prompt tokens (1,000), at the
 prompt's end (``end``: after recall) and while decoding (``dec``), in how many (layer, KV head)
 pairs the needle's value is kept whole / in part / of all pairs; with several needles (a
 distractor key's, as in ``niah_multikey``), the asked one's first, then each other's whole count.
@@ -57,6 +57,9 @@ def main() -> None:
     ap.add_argument("--depth", type=float, default=0.0)
     ap.add_argument("--seed", type=int, default=1)
     ap.add_argument("--ratio", type=float, default=0.1, help="budget as a ratio of the prompt's tokens")
+    ap.add_argument(
+        "--since", type=int, default=1000, help="print the prompt's compactions within this many tokens of its end"
+    )
     ap.add_argument("--configs", default="none,keydiff:recall=true", help="none or policy[:k=v;...], comma-separated")
     args = ap.parse_args()
     tok = AutoTokenizer.from_pretrained(args.tokenizer or str(smollm2_path()))
@@ -94,7 +97,7 @@ def main() -> None:
             part = sum(any(p in h for p in vpos) for h in heads)
             others = "".join(f",{sum(all(p in h for p in v) for h in heads)}" for v in values[1:])
             tag = "end" if L == n else ("dec" if L > n else "pre")
-            if tag != "pre" or L >= n - 1000:
+            if tag != "pre" or L >= n - args.since:
                 cells.append(f"{tag}L{L}:{whole}/{part}/{len(heads)}{others}")
         print(f"  {spec:<28} score {task.score(out):.0f}  {out[-60:]!r}\n      " + " ".join(cells))
 
