@@ -312,3 +312,35 @@ def test_the_docs_name_the_policies_that_evict_while_decoding():
         found = re.search(pattern, docs.joinpath(name).read_text())
         assert found, name
         assert sorted(re.findall(r"`(\w+)`", found.group(1))) == code, name
+
+
+def test_recall_decode_scores_the_answer_with_recall_s_equation():
+    """``recall.decode = "recall"``: once a request's prompt is complete its compactions run
+    SnapKV's equation with the recall's window, kernel and max pooling (the window clipped below
+    the budget); otherwise, and for merging or fallen-back requests, the request's own policy."""
+    from vllm_kvevict.backends import fault
+    from vllm_kvevict.policies.snapkv import SnapKV
+    from vllm_kvevict.request import RequestState, resolve
+
+    on = {"policy": "keydiff", "budget": 200, "recall": {"enabled": True, "window": 16}}  # decode: recall
+    st = resolve(parse_config(on), None, 32)
+    dp = st.decode_policy
+    assert isinstance(dp, SnapKV) and (dp.params.window, dp.params.kernel, dp.params.pooling) == (16, 31, "max")
+    assert dp is st.decode_policy  # resolved once
+    state = RequestState(st)
+    assert fault.policy_of(state) is st.policy and fault.policy_of(state, True) is dp
+    state.recall_failed = True  # its window is its policy's: so is the rest of its compactions
+    assert fault.policy_of(state, True) is st.policy
+    state.fell_back_from = "keydiff"
+    assert fault.policy_of(state, True) is fault.SAFE_POLICY
+    small = resolve(parse_config({**on, "budget": 8}), None, 32).decode_policy
+    assert small.params.window == 7 and small.params.min_budget() <= 8
+    for cfg in (
+        {**on, "recall": {"enabled": True, "decode": "policy"}},
+        {**on, "recall": {"enabled": False, "decode": "recall"}},
+        {**on, "policy": "kvmerger"},  # merges: nothing to recall
+    ):
+        st = resolve(parse_config(cfg), None, 32)
+        assert st.decode_policy is st.policy
+    with pytest.raises(KVEvictConfigError, match="decode"):
+        parse_config({"recall": {"decode": "answer"}})

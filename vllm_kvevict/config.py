@@ -137,6 +137,13 @@ class RecallConfig(BaseModel):
     # Wider than SnapKV's 7: a recalled token helps only with its neighbours (a 7-digit number is 8
     # tokens in SmolLM2's tokenizer, after the key the question matches); measured in docs/policies.md.
     kernel: int = Field(31, ge=1, le=63, description="odd width of the max-pooling over neighbouring positions")
+    # After the prompt the window holds what recall chose for the question; the request's policy scores the
+    # answer's compactions by its own view and can drop it (docs/policies.md, the 5 % column).
+    decode: Literal["policy", "recall"] = Field(
+        "recall",
+        description="what scores a request's compactions once its prompt is complete: its policy, or recall's score "
+        "(the attention of its latest `window` queries, max-pooled over `kernel` positions: SnapKV's equation)",
+    )
     max_bytes: int | None = Field(
         None,
         ge=0,

@@ -31,6 +31,7 @@ from typing import TYPE_CHECKING, Any
 
 from vllm_kvevict.config import KVEvictConfig, RecallConfig, request_config, request_overrides
 from vllm_kvevict.policies import Policy, PolicyParams, get_policy
+from vllm_kvevict.policies.snapkv import SnapKV, SnapKVParams
 from vllm_kvevict.window import WindowConfig, admission_blocks, hit_end, tail_end
 
 if TYPE_CHECKING:
@@ -62,6 +63,18 @@ class RequestSettings:
     @property
     def recall(self) -> RecallConfig:
         return self.config.recall
+
+    @cached_property
+    def decode_policy(self) -> Policy:
+        """The policy that compacts the window once the prompt is complete: the request's own, or
+        with ``recall.decode = "recall"`` recall's score, SnapKV's equation with the recall's
+        parameters (its latest ``window`` queries, max-pooled over ``kernel`` positions), so that
+        the answer's compactions keep what its own queries attend to."""
+        r = self.config.recall
+        if not r.enabled or r.decode != "recall" or self.policy.needs.merges:
+            return self.policy
+        window = max(1, min(r.window, self.budget - 1))
+        return SnapKV(SnapKVParams(window=window, kernel=r.kernel, pooling="max"))
 
     @property
     def evicts(self) -> bool:

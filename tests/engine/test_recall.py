@@ -21,6 +21,7 @@ import pytest
 from tests.conftest import CPU_SERVER_ARGS
 from tests.engine.evict_common import check_against_reference, complete, make_prompt, server_args
 from tests.engine.test_memory import RELEASED, released_line
+from vllm_kvevict.config import parse_config, request_config, request_overrides
 from vllm_kvevict.testing.hf_reference import attempts_for, load_attempts
 from vllm_kvevict.testing.server import VLLMServer, wait_until
 from vllm_kvevict.window import WindowConfig, window_bound_blocks
@@ -29,12 +30,13 @@ pytestmark = [pytest.mark.engine, pytest.mark.timeout(900)]
 
 BUDGET, BS, CHUNK, CAP, POOL = 96, 32, 64, 200, 16
 BOUND = window_bound_blocks(WindowConfig(BUDGET, BS), CHUNK)
+SERVER = {"policy": "keydiff", "budget": BUDGET, "recall": {"enabled": True, "cap": CAP, "window": 16}}
 
 
 @pytest.fixture(scope="module")
 def server(gqa_model, tmp_path_factory):
     base = tmp_path_factory.mktemp("recall")
-    cfg = {"kvevict": {"policy": "keydiff", "budget": BUDGET, "recall": {"enabled": True, "cap": CAP, "window": 16}}}
+    cfg = {"kvevict": SERVER}
     args = [
         "--attention-backend",
         "kvevict",
@@ -127,6 +129,23 @@ def test_recall_with_every_kind_of_policy(server, hf_model, policy):
     assert f"policy {policy} failed" not in server.log()
 
 
+@pytest.mark.parametrize("policy", ["keydiff", "snapkv", "h2o"])
+def test_the_answer_is_compacted_by_recall_s_score(server, hf_model, policy):
+    """``recall.decode`` (``recall`` by default): once the prompt is complete, the compactions run
+    recall's score (SnapKV's equation with the recall's window of 16, kernel 31, max pooling) in
+    place of the request's policy (KeyDiff's key diversity; SnapKV's own window of 32, kernel 7;
+    H2O's accumulated attention, whose per-slot state stops): the reference recomputes the kept set
+    of every compaction while decoding from its own tensors with that score and equals the
+    engine's, and the tokens equal the replay."""
+    vocab = hf_model.config.vocab_size
+    n = 550  # the compaction point 576 is 26 tokens into the answer
+    xargs = {"kvevict_policy": policy, "kvevict_trigger": "chunked"}
+    out = complete(server, make_prompt(n, 21, vocab), 40, xargs)
+    config = request_config(parse_config(SERVER), request_overrides(xargs))
+    atts = check_against_reference(hf_model, out, load_attempts(server.dump_dir), config=config)
+    assert any(L > n for att in atts for L in att.events)  # compactions while decoding
+
+
 def test_per_request_trigger(server, hf_model):
     vocab = hf_model.config.vocab_size
     out = complete(server, make_prompt(500, 5, vocab), 16, {"kvevict_trigger": "once", "kvevict_recall": False})
@@ -166,34 +185,61 @@ def bounded(gqa_model, tmp_path_factory):
     recall = {"enabled": True, "cap": 100000, "window": 16, "max_bytes": TIER_BYTES}
     extra = ["--max-model-len", "8192", "--max-num-batched-tokens", str(CHUNK), "--max-num-seqs", "4"]
     args = [*server_args({"policy": "keydiff", "budget": BUDGET, "recall": recall}, *extra), "--enable-log-requests"]
-    env = {"KVEVICT_DUMP_DIR": str(base / "dump"), "VLLM_SERVER_DEV_MODE": "1"}
+    env = {"KVEVICT_DUMP_DIR": str(base / "dump"), "VLLM_SERVER_DEV_MODE": "1", "KVEVICT_TEST_HOLD": str(base / "hold")}
     with VLLMServer(gqa_model, args, log_path=base / "server.log", env=env) as srv:
         srv.dump_dir = base / "dump"
+        srv.hold_dir = base / "hold"
         yield srv
 
 
 def test_concurrent_recall_requests_stay_within_the_tier_budget(bounded, hf_model):
     """Four long recall requests at once on a worker whose tiers may hold 256 KiB together (each
     request's own cap far above): the tier-bytes gauge never exceeds the budget at any scrape while
-    they run, the tiers do hold tokens, and every request equals the replay of what it kept."""
+    they run, nor at five steps held mid-prefill (``KVEVICT_TEST_HOLD``: the windows have moved, so
+    the tiers do hold tokens, whatever the machine's speed), and every request equals the replay of
+    what it kept."""
     vocab = hf_model.config.vocab_size
     seen: list[float] = []
+    held_at: list[float] = []
     done = False
+
+    def gauge() -> float:
+        return bounded.metrics().get("kvevict:recall_tier_bytes", 0.0)
 
     def poll():
         while not done:
-            seen.append(bounded.metrics().get("kvevict:recall_tier_bytes", 0.0))
+            seen.append(gauge())
 
-    with ThreadPoolExecutor(5) as pool:
-        poller = pool.submit(poll)
-        futures = bounded.admit_together(
-            pool, [partial(complete, bounded, make_prompt(1500 + 100 * i, 80 + i, vocab), 8) for i in range(4)]
-        )
-        outs = [f.result() for f in futures]
-        done = True
-        poller.result()
-    assert max(seen) <= TIER_BYTES, max(seen)
-    assert max(seen) > 0 and bounded.metrics().get("kvevict:recalled_tokens_total", 0.0) > 0
+    # KVEVICT_TEST_HOLD: a step waits before its forward while "hold" exists (a step on moved
+    # windows) or "hold-compacting" (a step that compacts), touching "held"; the two alternate, so
+    # the waiting step is let go only once the next hold is in place
+    files = [bounded.hold_dir / "hold", bounded.hold_dir / "hold-compacting"]
+    held = bounded.hold_dir / "held"
+    bounded.hold_dir.mkdir(parents=True, exist_ok=True)
+    held.unlink(missing_ok=True)
+    files[0].touch()
+    try:
+        with ThreadPoolExecutor(5) as pool:
+            poller = pool.submit(poll)
+            futures = bounded.admit_together(
+                pool, [partial(complete, bounded, make_prompt(1500 + 100 * i, 80 + i, vocab), 8) for i in range(4)]
+            )
+            for k in range(5):
+                wait_until(held.exists, 120, f"step {k} held")
+                held_at.append(gauge())  # the tiers as the last step left them
+                held.unlink()
+                if k < 4:
+                    files[(k + 1) % 2].touch()
+                files[k % 2].unlink()
+            outs = [f.result() for f in futures]
+            done = True
+            poller.result()
+    finally:
+        for f in files:
+            f.unlink(missing_ok=True)
+    assert max(seen + held_at) <= TIER_BYTES, (max(seen), held_at)
+    assert held_at[0] > 0, held_at  # the first held step: a window has moved mid-prefill
+    assert bounded.metrics().get("kvevict:recalled_tokens_total", 0.0) > 0
     attempts = load_attempts(bounded.dump_dir)
     for o in outs:
         check_against_reference(hf_model, o, attempts)

@@ -401,7 +401,11 @@ class KVEvictImplMixin(RecallMixin):
         compact = set(plan.compact_rows)
         if not plan.states:  # a dummy batch: no request behind its rows
             return
-        policies = [fault.policy_of(st) if st.settings.evicts else None for st in plan.states]
+        done = plan.prompt_lens  # a row decoding: its prompt was complete before this step
+        policies = [
+            fault.policy_of(st, done is not None and plan.L_prev[r] >= done[r]) if st.settings.evicts else None
+            for r, st in enumerate(plan.states)
+        ]
         # Per-slot state: this step's slots start from the policy's initial value. The state is
         # allocated the first time a policy needs it; a request whose policy's state cannot be
         # had (out of memory) falls back to the safe policy, which keeps none.

@@ -46,9 +46,13 @@ SAFE_POLICY: Policy = StreamingLLM(StreamingLLMParams(sink_tokens=0))
 FALLBACKS: Counter[str] = Counter()
 
 
-def policy_of(state: RequestState) -> Policy:
-    """The policy a request runs with in this worker: its own, or the safe one after a fault."""
-    return SAFE_POLICY if state.fell_back_from is not None else state.settings.policy
+def policy_of(state: RequestState, decoding: bool = False) -> Policy:
+    """The policy a request runs with in this worker: its own (once its prompt is complete,
+    ``decoding``, the settings' :attr:`~vllm_kvevict.request.RequestSettings.decode_policy`, unless
+    its recall failed: the window is then its policy's), or the safe one after a fault."""
+    if state.fell_back_from is not None:
+        return SAFE_POLICY
+    return state.settings.decode_policy if decoding and not state.recall_failed else state.settings.policy
 
 
 def fall_back(state: RequestState | None, req_id: str | None, policy: Policy, err: BaseException) -> None:

@@ -321,6 +321,10 @@ class RecallMixin:
         ls = self._layer_state(plan, r, layer)
         tier_of, ls.tier = ls.tier, None
         Qw, ls.recall_queries = ls.recall_queries, None
+        settings = plan.states[r].settings
+        if settings.decode_policy is not settings.policy and Qw is not None:
+            if ls.queries is None or ls.queries.shape[1] < Qw.shape[1]:
+                ls.queries = Qw  # recall's score compacts from now on: from the prompt's last queries
         if tier_of is None or Qw is None:
             return None
         got = self._reselect(layer, kv_cache, plan, r, G, tier_of, Qw, plan.e_new[r], plan.seq_lens[r])

@@ -158,8 +158,10 @@ class PolicyCheck:
     Merged vectors (KVMerger) come from the reference's own merge.
     """
 
-    def __init__(self, model, policy, budget: int, tol: float = 1e-4):
+    def __init__(self, model, policy, budget: int, tol: float = 1e-4, decode_policy=None, prompt_len: int = 0):
         self.model, self.policy, self.budget, self.tol = model, policy, budget, tol
+        # recall.decode: once the prompt is complete the engine compacts with another policy
+        self.prompt_policy, self.decode_policy, self.prompt_len = policy, decode_policy or policy, prompt_len
         cfg = model.config
         self.G = cfg.num_attention_heads // cfg.num_key_value_heads
         n_layers = cfg.num_hidden_layers
@@ -187,6 +189,11 @@ class PolicyCheck:
         for h in self._hooks:
             h.remove()
 
+    def _policy_at(self, L: int):
+        """The policy the engine ran with in a step ending at ``L`` (decoding: past the prompt)."""
+        self.policy = self.decode_policy if self.prompt_len and L > self.prompt_len else self.prompt_policy
+        return self.policy
+
     def _view(self, i: int, layer, pos: torch.Tensor, L: int, q_pos: torch.Tensor):
         from vllm_kvevict.policies.base import KVView, step_queries
 
@@ -210,26 +217,26 @@ class PolicyCheck:
 
     def after_segment(self, i: int, layer, pos: torch.Tensor, L: int, q_pos: torch.Tensor) -> None:
         """Every segment: the policy's per-entry state and query window, as the engine's steps did."""
-        p = self.policy
+        p = self._policy_at(L)
         H, n = pos.shape
-        for name, (dtype, init) in p.needs.state.items():
+        for name, (dtype, init) in {**self.prompt_policy.needs.state, **p.needs.state}.items():
             old = self.state[i].get(name)
             new = torch.full((H, n - (0 if old is None else old.shape[1])), init, dtype=dtype)
             self.state[i][name] = new if old is None else torch.cat([old, new], dim=1)
-        if p.needs.query_window:
+        w = max(p.needs.query_window, self.decode_policy.needs.query_window)  # the engine's buffer
+        if w:
             q = self.queries[i].float()
-            self.qwin[i] = (q if self.qwin[i] is None else torch.cat([self.qwin[i], q], dim=1))[
-                :, -p.needs.query_window :
-            ]
+            self.qwin[i] = (q if self.qwin[i] is None else torch.cat([self.qwin[i], q], dim=1))[:, -w:]
         if p.needs.observes:
             p.observe(self._view(i, layer, pos, L, q_pos))
 
     def at_event(self, i: int, layer, pos: torch.Tensor, L: int, q_pos: torch.Tensor, kept_engine: torch.Tensor):
         """Check the engine's kept positions ``[H, keep]``; return (cache indices, merged K/V or None)."""
+        self._policy_at(L)
         view = self._view(i, layer, pos, L, q_pos)
-        if self.policy.needs.query_window:
-            view.Q = self.qwin[i]
-            view.q_pos = torch.arange(L - self.qwin[i].shape[1], L)
+        if w := self.policy.needs.query_window:
+            view.Q = self.qwin[i][:, -w:]
+            view.q_pos = torch.arange(L - view.Q.shape[1], L)
         keep = kept_engine.shape[1]
         kept_ref, merged = self.policy.evict(view, keep)
         ref_pos = torch.gather(pos, 1, kept_ref)
