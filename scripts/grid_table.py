@@ -122,7 +122,14 @@ def plot(result: dict, ratios: list[str], path: str) -> None:
         ax.set_xlabel("budget (share of the prompt)")
         ax.set_title(f"~{ln} tokens (no eviction {none.score:.2f})", fontsize=9)
     axes[0][0].set_ylabel("share of no eviction's score, %")
-    axes[0][-1].legend(fontsize=7, ncol=2, loc="center left", bbox_to_anchor=(1.0, 0.5))
+    # one entry per config across the panels (a config may be drawn in only one of them)
+    by_label: dict[str, object] = {}
+    for ax in axes[0]:
+        for handle, label in zip(*ax.get_legend_handles_labels()):
+            by_label.setdefault(label, handle)
+    axes[0][-1].legend(
+        list(by_label.values()), list(by_label), fontsize=7, ncol=2, loc="center left", bbox_to_anchor=(1.0, 0.5)
+    )
     fig.tight_layout()
     fig.savefig(path, dpi=110)
     plt.close(fig)
