@@ -4,7 +4,7 @@ docs/policies.md ("Recall on issue 26's grid"): for each prompt length, configur
 the score (mean over tasks; per task; needle at depth 1 / elsewhere), its share of no eviction's
 score on the same prompts, and the number of prompts per task behind it; ``--plot`` also draws the
 shares (one panel per length, a policy's configs in one colour: with recall solid, without dashed,
-``trigger=once`` starred).
+``trigger=once``, stated or the policy's default, starred).
 
     python scripts/grid_table.py docs/img/recall_grid_rows.jsonl [--lengths 3000] [--ratios 0.1,0.25]
         [--config keydiff --config keydiff:recall=true] [--plot docs/img/recall_grid.png]
@@ -94,9 +94,11 @@ def plot(result: dict, ratios: list[str], path: str) -> None:
     matplotlib.use("Agg")
     import matplotlib.pyplot as plt
 
+    from vllm_kvevict.policies import POLICIES  # a config without trigger= runs its policy's default
+
     fig, axes = plt.subplots(1, len(result), figsize=(6 * len(result) + 3, 5), sharey=True, squeeze=False)
     policies = list(dict.fromkeys(c.split(":")[0] for _, cells in result.values() for c in cells))
-    colors = plt.get_cmap("tab20").colors
+    cmap = plt.get_cmap("tab20")  # a ListedColormap of 20: an int picks one of them
     xs = [float(k) for k in ratios]
     for ax, (ln, (none, cells)) in zip(axes[0], result.items()):
         ax.axhline(100, color="black", linewidth=1.5, label="no eviction")
@@ -107,11 +109,11 @@ def plot(result: dict, ratios: list[str], path: str) -> None:
             if not pts:
                 continue
             recall = "recall=true" in c
-            once = "trigger=once" in c
+            once = "trigger=once" in c or ("trigger=" not in c and POLICIES[c.split(":")[0]].needs.trigger == "once")
             ax.plot(
                 [x for x, _ in pts],
                 [y for _, y in pts],
-                color=colors[policies.index(c.split(":")[0]) % 20],
+                color=cmap(policies.index(c.split(":")[0]) % 20),
                 linestyle=":" if once else ("-" if recall else "--"),
                 marker="*" if once else ("o" if recall else "x"),
                 label=c,
