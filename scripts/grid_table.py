@@ -94,7 +94,8 @@ def plot(result: dict, ratios: list[str], path: str) -> None:
     matplotlib.use("Agg")
     import matplotlib.pyplot as plt
 
-    from vllm_kvevict.policies import POLICIES  # a config without trigger= runs its policy's default
+    from vllm_kvevict.bench.quality import parse_spec
+    from vllm_kvevict.policies import POLICIES
 
     fig, axes = plt.subplots(1, len(result), figsize=(6 * len(result) + 3, 5), sharey=True, squeeze=False)
     policies = list(dict.fromkeys(c.split(":")[0] for _, cells in result.values() for c in cells))
@@ -108,12 +109,13 @@ def plot(result: dict, ratios: list[str], path: str) -> None:
             pts = [(x, by_ratio[k].share * 100) for x, k in zip(xs, ratios) if by_ratio[k] and by_ratio[k].share]
             if not pts:
                 continue
-            recall = "recall=true" in c
-            once = "trigger=once" in c or ("trigger=" not in c and POLICIES[c.split(":")[0]].needs.trigger == "once")
+            policy, params = parse_spec(c)
+            recall = params.get("recall") is True
+            once = params.get("trigger", POLICIES[policy].needs.trigger) == "once"  # unstated: the default
             ax.plot(
                 [x for x, _ in pts],
                 [y for _, y in pts],
-                color=cmap(policies.index(c.split(":")[0]) % 20),
+                color=cmap(policies.index(policy) % 20),
                 linestyle=":" if once else ("-" if recall else "--"),
                 marker="*" if once else ("o" if recall else "x"),
                 label=c,
