@@ -51,3 +51,5 @@ def test_keydiff_quarter_budget_keeps_retrieval(smollm2_model, server_log, tmp_p
     assert s["none"]["-"] >= 0.8, "the reference (no eviction) should retrieve the needle"
     assert s["keydiff"]["0.25"] >= 0.9 * s["none"]["-"]
     assert all(2900 <= r["prompt_tokens"] <= 3100 for r in result["rows"])
+    # An empty answer (end of turn first) is told apart from a cut one.
+    assert all(r["finish_reason"] in ("stop", "length") for r in result["rows"])

@@ -270,7 +270,7 @@ def run(
                 }
             )
             del cache
-            k = v = q = kk = vv = None  # free the device memory before the next size
+            k = v = q = kk = vv = None  # type: ignore[assignment]  # free the device memory before the next size
             print(format_row(rows_out[-1]), file=sys.stderr)
     return {
         "device": torch.cuda.get_device_name(dev) if dev.type == "cuda" else "cpu",

@@ -38,8 +38,12 @@ import sys
 import time
 from concurrent.futures import ThreadPoolExecutor
 from pathlib import Path
+from typing import TYPE_CHECKING
 
 from vllm_kvevict.bench.serving import BLOCK, Sampler, ServerSpec, common_args, metrics, serve
+
+if TYPE_CHECKING:
+    from openai.types.chat import ChatCompletionMessageParam
 
 SERVERS = ("stock", "kvevict", "kvevict-pure", "kvevict-nocache")
 COLORS = ("gray", "tab:blue", "tab:green", "tab:orange")
@@ -173,7 +177,7 @@ def needle_chat(srv, convs: list[dict], answer_len: int, concurrency: int, quest
     client = OpenAI(base_url=srv.base_url + "/v1", api_key="unused", max_retries=0, timeout=3600)
 
     def conversation(conv: dict) -> dict:
-        messages: list[dict] = []
+        messages: list[ChatCompletionMessageParam] = []
         prompt_tokens = 0
         for t, user in enumerate(conv["users"]):
             messages.append({"role": "user", "content": user})
@@ -185,7 +189,8 @@ def needle_chat(srv, convs: list[dict], answer_len: int, concurrency: int, quest
                 temperature=0,
             )
             text = r.choices[0].message.content or ""
-            prompt_tokens = r.usage.prompt_tokens
+            if r.usage is not None:
+                prompt_tokens = r.usage.prompt_tokens
             messages.append({"role": "assistant", "content": text})
         return {
             "answer": conv["answer"],

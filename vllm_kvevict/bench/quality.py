@@ -24,6 +24,7 @@ import os
 import sys
 import threading
 import time
+from collections.abc import Sequence
 from concurrent.futures import ThreadPoolExecutor
 from dataclasses import asdict
 
@@ -71,7 +72,7 @@ def _prompt_tokens(tokenizer, task: Task) -> int:
     return len(tokenizer(text, add_special_tokens=False)["input_ids"])
 
 
-def budget_keys(budget_ratios: list[float], budgets: list[int]) -> list[str]:
+def budget_keys(budget_ratios: Sequence[float], budgets: Sequence[int]) -> list[str]:
     """Column keys: ``"0.25"`` (a ratio of each prompt's tokens) or ``"512tok"`` (absolute tokens)."""
     return [f"{r:g}" for r in budget_ratios] + [f"{b}tok" for b in budgets]
 
@@ -89,10 +90,10 @@ def run_quality(
     length: int | list[int],
     n_depths: int,
     seeds: list[int],
-    tasks: list[str] = ("niah_single",),
+    tasks: Sequence[str] = ("niah_single",),
     concurrency: int = 2,
     progress: bool = False,
-    budgets: list[int] = (),
+    budgets: Sequence[int] = (),
     rows_path: str | None = None,
 ) -> dict:
     """Every task x length x depth x seed, with eviction off and under every config x budget (ratios of
@@ -125,7 +126,8 @@ def run_quality(
             temperature=0,
             extra_body={"vllm_xargs": xargs},
         )
-        out = r.choices[0].message.content or ""
+        choice = r.choices[0]
+        out = choice.message.content or ""
         return {
             "task": task.name,
             "length": ln,
@@ -139,6 +141,7 @@ def run_quality(
             "seed": task.seed,
             "answer": task.answer,
             "output": out,
+            "finish_reason": choice.finish_reason,
             "score": task.score(out),
             "latency_s": round(time.perf_counter() - t0, 3),
         }
@@ -318,7 +321,7 @@ def plot(result: dict, path: str) -> None:
     import matplotlib.pyplot as plt
 
     fig, ax = plt.subplots(figsize=(9, 5.5))
-    colors = plt.get_cmap("tab20").colors
+    cmap = plt.get_cmap("tab20")  # a ListedColormap of 20: an int picks one of them
     styles = ["-", "--", ":", "-."]
     names = [n for n in result["summary"] if n != REFERENCE]
     ax.axhline(result["summary"][REFERENCE]["-"], color="black", linewidth=2, label="no eviction")
@@ -330,7 +333,7 @@ def plot(result: dict, path: str) -> None:
             [y for _, y in pts],
             marker="os^vD"[i % 5],
             linestyle=styles[i % 4],
-            color=colors[i % 20],
+            color=cmap(i % 20),
             label=name,
         )
     ax.set_xlabel("kept fraction of the prompt (budget / prompt tokens)")

@@ -41,7 +41,7 @@ class ServerSpec:
     def args(self, common: list[str]) -> list[str]:
         if self.policy is None:
             return [*common, *self.extra]
-        cfg = {"kvevict": {"policy": self.policy, "budget": self.budget}}
+        cfg: dict[str, dict[str, object]] = {"kvevict": {"policy": self.policy, "budget": self.budget}}
         if self.recall:
             cfg["kvevict"]["recall"] = {"enabled": True}
         cfg["kvevict"].update(self.config)
@@ -122,7 +122,8 @@ class Sampler:
 def stream_completion(client, model: str, prompt: list[int], max_tokens: int) -> dict:
     """One greedy completion of exactly ``max_tokens`` tokens, streamed: TTFT and TPOT."""
     t0 = time.perf_counter()
-    first = last = None
+    first: float | None = None
+    last: float | None = None
     n = 0
     stream = client.completions.create(
         model=model, prompt=prompt, max_tokens=max_tokens, temperature=0, stream=True, extra_body={"ignore_eos": True}
@@ -134,8 +135,10 @@ def stream_completion(client, model: str, prompt: list[int], max_tokens: int) ->
             last = now
             n += 1
     ttft = (first - t0) if first is not None else float("nan")
-    tpot = (last - first) / (max_tokens - 1) if first is not None and max_tokens > 1 else float("nan")
-    return {"ttft_s": ttft, "tpot_s": tpot, "latency_s": (last or t0) - t0, "chunks": n}
+    tpot = (
+        (last - first) / (max_tokens - 1) if first is not None and last is not None and max_tokens > 1 else float("nan")
+    )
+    return {"ttft_s": ttft, "tpot_s": tpot, "latency_s": (last if last is not None else t0) - t0, "chunks": n}
 
 
 def percentile(xs: list[float], q: float) -> float:

@@ -135,7 +135,8 @@ def _sentence(rng: random.Random) -> str:
 
 def _fill(tokenizer, budget: int, make: Callable[[], str], sep: str = " ") -> list[str]:
     """Pieces from ``make()`` while their tokens (each counted with its separator) fit ``budget``."""
-    pieces, used = [], 0
+    pieces: list[str] = []
+    used = 0
     while True:
         p = make()
         used += _ntok(tokenizer, sep + p)
@@ -284,7 +285,7 @@ def variable_tracking(tokenizer, length: int, depth: float, seed: int, hops: int
     """RULER variable tracking (vt): ``VAR X1 = 12345``, then ``VAR X2 = VAR X1`` ... (``hops``
     assignments) spread in order through the noise haystack; every variable holding the value is asked."""
     rng = random.Random(seed * 1000 + round(depth * 997) + 50_000)
-    names = []
+    names: list[str] = []
     while len(names) < hops + 1:
         n = _name(rng)
         if n not in names:
