@@ -189,8 +189,9 @@ def needle_chat(srv, convs: list[dict], answer_len: int, concurrency: int, quest
                 temperature=0,
             )
             text = r.choices[0].message.content or ""
-            if r.usage is not None:
-                prompt_tokens = r.usage.prompt_tokens
+            if r.usage is None:  # vLLM always reports it; a turn's size must not be guessed
+                raise RuntimeError(f"{srv.base_url}: a chat completion without usage")
+            prompt_tokens = r.usage.prompt_tokens
             messages.append({"role": "assistant", "content": text})
         return {
             "answer": conv["answer"],
