@@ -171,8 +171,8 @@ def main() -> None:
                     m(torch.tensor([ids[: n - args.tail]]), past_key_values=cache, use_cache=True)
                     everything = torch.arange(n)[None].expand(m.config.num_key_value_heads, n)
                     full = dict.fromkeys(range(len(m.model.layers)), everything)
-                    for name, top in [("nothing evicted", full), *sets.items()]:
-                        text = answer(m, tok, cache, ids, n, top, task.max_tokens, args.tail)
+                    for name, kept_sets in [("nothing evicted", full), *sets.items()]:
+                        text = answer(m, tok, cache, ids, n, kept_sets, task.max_tokens, args.tail)
                         print(f"  answers {name:<34} score {task.score(text):.0f}  {text[-60:]!r}", flush=True)
 
 

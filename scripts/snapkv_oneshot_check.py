@@ -7,6 +7,8 @@ generated from the pruned cache.
     .venv/bin/python scripts/snapkv_oneshot_check.py
 """
 
+from typing import Any
+
 import torch
 import torch.nn.functional as F
 from transformers import AutoModelForCausalLM, AutoTokenizer, DynamicCache
@@ -30,7 +32,7 @@ def main() -> None:
     needle = next(i for i in range(n) if ids[i : i + len(val)] == val)
     budget = round(RATIO * n)
     G = m.config.num_attention_heads // m.config.num_key_value_heads
-    cache = DynamicCache(config=m.config)
+    cache: Any = DynamicCache(config=m.config)  # its layers read below
     out = m(torch.tensor([ids]), past_key_values=cache, use_cache=True, output_attentions=True)
     kept_needle = []
     for layer, A in zip(cache.layers, out.attentions):

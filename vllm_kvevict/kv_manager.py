@@ -38,7 +38,7 @@ from vllm_kvevict._logging import logger
 from vllm_kvevict.config import KVEvictConfig, config_from_json
 from vllm_kvevict.request import ENGINE, RequestSettings, RequestState, resolve
 from vllm_kvevict.vllm_compat import kv_cache as vllm_kv_cache
-from vllm_kvevict.vllm_compat.kv_cache import FullAttentionManager, FullAttentionSpec, RequestStatus
+from vllm_kvevict.vllm_compat.kv_cache import FullAttentionManager, FullAttentionSpec, KVCacheBlock, RequestStatus
 from vllm_kvevict.window import (
     WindowConfig,
     copy_range,
@@ -78,7 +78,7 @@ class KVEvictSpec(FullAttentionSpec):
         max_in_flight: int,
         max_chunk: int = 0,
         hash_algo: str = "sha256",
-    ) -> KVEvictSpec:
+    ) -> Self:
         base = {f.name: getattr(spec, f.name) for f in fields(FullAttentionSpec) if f.init}
         return cls(
             **base,
@@ -114,7 +114,8 @@ class KVEvictSpec(FullAttentionSpec):
 
     @classmethod
     def merge(cls, specs: list[Self]) -> Self:
-        merged = FullAttentionSpec.merge.__func__(FullAttentionSpec, specs)  # checks the common fields
+        # vLLM's merge on the base class: it checks the common fields
+        merged = FullAttentionSpec.merge.__func__(FullAttentionSpec, specs)  # type: ignore[attr-defined]
         first = specs[0]
         extra = ("evict_config", "evict_max_in_flight", "evict_max_chunk", "evict_hash_algo")
         for s in specs:
@@ -141,7 +142,7 @@ class _Attempt:
     tails_done: int = 0
     #: copies of blocks the compaction at ``p`` rewrites, waiting for that step to run:
     #: ``(p, first token of the block, the copy)`` (the manager holds one reference to each copy)
-    saves: list[tuple[int, int, object]] = field(default_factory=list)
+    saves: list[tuple[int, int, KVCacheBlock]] = field(default_factory=list)
     #: a waiting request has waited for this one's windows (:meth:`KVEvictManager.waits_for_window`):
     #: its compactions copy aside the blocks they rewrite (nobody else is known to want them)
     awaited: bool = False
@@ -151,6 +152,8 @@ class KVEvictManager(FullAttentionManager):
     """Frees the blocks of evicted tokens as soon as the processed-token count crosses a trigger,
     and hashes for vLLM's prefix cache only what no compaction can have written (see the module
     docstring and docs/architecture.md, "Prefix caching")."""
+
+    kv_cache_spec: KVEvictSpec  # vLLM's attribute, always this plugin's spec here
 
     def __init__(self, kv_cache_spec: KVEvictSpec, **kwargs) -> None:
         super().__init__(kv_cache_spec, **kwargs)
@@ -276,7 +279,9 @@ class KVEvictManager(FullAttentionManager):
         if st is not None:
             self.max_admission_blocks_per_request = st.settings.admission_blocks(*self.kv_cache_spec.in_flight)
         try:
-            return super().get_num_blocks_to_allocate(*a, apply_admission_cap=True, **kwargs) + copies
+            # vLLM passes the cap by keyword (kv_cache_coordinator.py), so ``*a`` never holds it
+            capped = super().get_num_blocks_to_allocate(*a, apply_admission_cap=True, **kwargs)  # type: ignore[misc]
+            return capped + copies
         finally:
             self.max_admission_blocks_per_request = server_cap
 
@@ -496,9 +501,9 @@ class KVEvictManager(FullAttentionManager):
         so are those after its last scheduled compaction point (:meth:`_cache_last_tail`)."""
         att = self._attempts.get(request_id)
         st = ENGINE.get(request_id)
-        request = st.request if st is not None else None
-        if request is None or att is None or not st.settings.evicts:
+        if st is None or st.request is None or att is None or not st.settings.evicts:
             return
+        request = st.request
         computed = min(request.num_computed_tokens, len(self.req_to_blocks.get(request_id, ())) * self.block_size)
         self._cache_pure(request, computed if att.fence is None else min(att.fence, computed))
         if self.enable_caching:

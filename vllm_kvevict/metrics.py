@@ -255,7 +255,7 @@ class Collector:
             total = sum(float(v[LAYOUT.gauges[name]]) for _r, _k, alive, v in files if alive)
             yield GaugeMetricFamily(PREFIX + name, help_text, value=total)
         name, help_text = HISTOGRAM
-        fam = HistogramMetricFamily(PREFIX + name, help_text, labels=["rank"])
+        hist = HistogramMetricFamily(PREFIX + name, help_text, labels=["rank"])
         b, n = LAYOUT.buckets, len(BUCKETS)
         by_rank: dict[int, np.ndarray] = {}
         for _role, rank, _alive, values in files:  # only workers time steps; the rest add zeros
@@ -265,5 +265,5 @@ class Collector:
                 continue
             cumulative = np.cumsum(h[: n + 1])
             buckets = [(str(le), float(c)) for le, c in zip(BUCKETS, cumulative)] + [("+Inf", float(cumulative[-1]))]
-            fam.add_metric([str(rank)], buckets, float(h[n + 1]))
-        yield fam
+            hist.add_metric([str(rank)], buckets, float(h[n + 1]))
+        yield hist

@@ -77,10 +77,12 @@ def install_profile_hook() -> None:
     path = os.path.join(directory, f"steps-{os.getpid()}.jsonl")
 
     def begin() -> dict:
-        _tls.acc = acc = {}
+        acc: dict = {}
+        _tls.acc = acc
         return acc
 
-    def end(acc: dict, wall: float) -> None:
+    def end(acc: object, wall: float) -> None:
+        assert isinstance(acc, dict)
         _tls.acc = None
         if acc.get("rows"):
             with open(path, "a") as f:

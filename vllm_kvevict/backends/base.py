@@ -89,7 +89,7 @@ class KVEvictBackendMixin:
     def customize_spec(cls, spec):
         from vllm_kvevict.kv_manager import KVEvictSpec
 
-        spec = super().customize_spec(spec)
+        spec = super().customize_spec(spec)  # type: ignore[misc]  # the vLLM backend mixed with
         vllm_config = vllm_attention.current_vllm_config(or_none=True) or _worker_vllm_config
         if vllm_config is None:
             raise RuntimeError("kvevict: customize_spec called before any kvevict attention layer was built")
@@ -147,7 +147,7 @@ class KVEvictBuilderMixin:
 
     def build(self, common_prefix_len, common_attn_metadata, fast_build: bool = False, **kwargs):
         if self.kvevict_config is None:
-            return super().build(common_prefix_len, common_attn_metadata, fast_build, **kwargs)
+            return super().build(common_prefix_len, common_attn_metadata, fast_build, **kwargs)  # type: ignore[misc]
         step = vllm_runner.current_step()
         plan = plan_step(common_attn_metadata, self.kvevict_config, self.kvevict_block_size, step)
         if envs.KVEVICT_DUMP_DIR:
@@ -166,7 +166,8 @@ class KVEvictBuilderMixin:
         # Cascade attention reads a prefix shared by every row through row 0's *logical* block
         # table; a row whose table was shifted past its evicted blocks no longer starts there.
         common_prefix_len = cascade_prefix_len(plan, common_prefix_len)
-        return self.kvevict_metadata.of(super().build(common_prefix_len, cm, fast_build, **kwargs), plan)
+        built = super().build(common_prefix_len, cm, fast_build, **kwargs)  # type: ignore[misc]
+        return self.kvevict_metadata.of(built, plan)
 
 
 def _slots(plan, ranges: tuple[tuple[int, int, int], ...], block_size: int) -> torch.Tensor:
@@ -257,7 +258,9 @@ class KVEvictImplMixin(RecallMixin):
             with _eviction_time(query.device), profiling.timed("recall_s", query.device):
                 self._recall_before_attention(layer, query, kv_cache, plan)
         with profiling.timed("attn_s", query.device):
-            out = super().forward(layer, query, key, value, kv_cache, attn_metadata, *args, **kwargs)
+            out = super().forward(  # type: ignore[misc]  # vLLM's impl, mixed in after this class
+                layer, query, key, value, kv_cache, attn_metadata, *args, **kwargs
+            )
         if plan is not None:
             with _eviction_time(query.device):
                 self._kvevict_after_attention(layer, query, kv_cache, plan)
@@ -275,6 +278,7 @@ class KVEvictImplMixin(RecallMixin):
         rank, world = vllm_distributed.tensor_parallel()
         if world == 1:
             return list(range(self.num_kv_heads))
+        assert _worker_vllm_config is not None  # set when the first kvevict layer was built
         total = _worker_vllm_config.model_config.get_total_num_kv_heads()
         return vllm_distributed.kv_heads_of_rank(rank, world, total)
 
@@ -370,6 +374,8 @@ class KVEvictImplMixin(RecallMixin):
             return None
         qsl, L = plan.query_start_loc, plan.seq_lens[r]
         Q = query[qsl[r] : qsl[r + 1]].transpose(0, 1)  # [H_q, m, d]
+        Q_sel: torch.Tensor | None
+        q_pos: torch.Tensor | None
         if w:  # the query window moves every step
             Qw = self._query_window(plan, r, Q, w, layer)
             Q_sel, q_pos = Qw, torch.arange(L - Qw.shape[1], L, device=Qw.device)

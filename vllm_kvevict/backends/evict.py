@@ -198,9 +198,9 @@ def evict_step(
         )
     if batched:  # every row's attention rows in one call (view.attn)
         _attention(work, row_views, bounds, K_all, pos_all, G)
-    observed: list[tuple[slice, dict]] = []  # per-slot state to write back once every row is scored
+    observed: list[tuple[int, dict]] = []  # per-slot state to write back once every row is scored
     for i, view in row_views:
-        w, sl = work[i], slice(bounds[i], bounds[i + 1])
+        w = work[i]
         r = w.row
         if w.policy.needs.observes:
             w.policy.observe(view)

@@ -84,7 +84,8 @@ def request_states(step: RunnerStep, L_prev: list[int], server: KVEvictConfig, b
     WORKER.retain(step.live)
     states = []
     for r, rid in enumerate(step.req_ids[: len(L_prev)]):
-        st = WORKER.open(rid, lambda r=r: resolve(server, step.extra_args[r], block_size))
+        extra = step.extra_args[r]
+        st = WORKER.open(rid, lambda: resolve(server, extra, block_size))  # called here, if at all
         if rid in step.starts:
             st.restart(L_prev[r])
         states.append(st)

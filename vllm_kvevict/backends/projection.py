@@ -29,7 +29,7 @@ def output_projection(layer_name: str) -> torch.Tensor:
         proj = modules.get(f"{parent}.{name}")
         method = getattr(proj, "quant_method", None)
         n_in = getattr(proj, "input_size_per_partition", None)
-        if method is None or n_in is None:
+        if proj is None or method is None or n_in is None:
             continue
         param = next(proj.parameters())
         eye = torch.eye(n_in, dtype=param.dtype if param.is_floating_point() else torch.bfloat16, device=param.device)

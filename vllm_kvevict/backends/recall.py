@@ -25,6 +25,7 @@ restarts after preemption.
 from __future__ import annotations
 
 import os
+from collections.abc import Callable
 from dataclasses import dataclass, field
 from functools import cache
 from typing import Any
@@ -36,7 +37,7 @@ from vllm_kvevict._logging import logger
 from vllm_kvevict.backends.dump import dump_kept
 from vllm_kvevict.kernels import ops, torch_ops
 from vllm_kvevict.policies.attention import pool1d
-from vllm_kvevict.request import WORKER
+from vllm_kvevict.request import WORKER, LayerState
 
 
 @dataclass
@@ -130,10 +131,8 @@ def _merge(chunks: list[TierEntry], cap: int) -> TierEntry | None:
         e = chunks[0]
     else:
         keys = [k for k in chunks[0].state if all(k in c.state for c in chunks)]
-        e = TierEntry(
-            *(torch.cat([getattr(c, f) for c in chunks]) for f in ("K", "V", "pos", "score")),
-            {k: torch.cat([c.state[k] for c in chunks]) for k in keys},
-        )
+        K, V, pos, score = (torch.cat([getattr(c, f) for c in chunks]) for f in ("K", "V", "pos", "score"))
+        e = TierEntry(K, V, pos, score, {k: torch.cat([c.state[k] for c in chunks]) for k in keys})
     return _best(e, cap) if e.tokens > cap else e
 
 
@@ -262,6 +261,19 @@ class RecallMixin:
     """The recall step of a kvevict attention impl (:class:`~vllm_kvevict.backends.base.KVEvictImplMixin`):
     which rows keep a tier in a step (their prompt's latest queries kept per layer), and the
     re-selection of a row's window from what it kept and its tier when its prompt completes."""
+
+    # provided by KVEvictImplMixin (base.py), the one class this is mixed into
+    num_heads: int
+    num_kv_heads: int
+    scale: float
+    _slot_pos: Callable[[torch.Tensor], torch.Tensor]
+    _kvevict_slot_state: dict[str, torch.Tensor]
+    _layer_state: Callable[..., LayerState]
+    _layer_key: Callable[[Any], Any]
+    _layer_index: Callable[[Any], int]
+    _model_kv_heads: Callable[[], list[int]]
+    _kvevict_gather: Callable[..., tuple[torch.Tensor, torch.Tensor]]
+    _kvevict_write: Callable[..., None]
 
     def _bound_tiers(self, plan, rows: list[int]) -> None:
         """Keep every tier of this worker within ``recall.max_bytes`` (the server's; the default
@@ -407,7 +419,7 @@ class RecallMixin:
             slots = logical_slots(plan.block_table, r, start, end - start, bs)
             K_w, V_w = self._kvevict_gather(layer, kv_cache, slots // bs, slots % bs)
             h = torch.arange(K_w.shape[1], device=K_w.device)[None, :]
-            pos_w = self._kvevict_slot_pos[slots].long()
+            pos_w = self._slot_pos(kv_cache)[slots].long()
             K = torch.cat([K_w, tier.K.to(K_w.dtype)])
             V = torch.cat([V_w, tier.V.to(V_w.dtype)])
             pos = torch.cat([pos_w, tier.pos])
@@ -442,7 +454,7 @@ class RecallMixin:
             self._recall_failed(plan, r, err)
             return None
         self._kvevict_write(layer, kv_cache, slots, K_sel, V_sel)
-        self._kvevict_slot_pos[slots] = pos_sel.to(torch.int32)
+        self._slot_pos(kv_cache)[slots] = pos_sel.to(torch.int32)
         for k, v in state.items():
             self._kvevict_slot_state[k][slots] = v
         return pos_sel, int((idx >= K_w.shape[0]).sum()), lost

@@ -15,6 +15,7 @@ import json
 from collections import defaultdict
 from dataclasses import dataclass, field
 from pathlib import Path
+from typing import Any
 
 import torch
 
@@ -170,7 +171,7 @@ class PolicyCheck:
         self.queries: dict[int, torch.Tensor] = {}
         self.compared = 0
         self.differing = 0  # events whose kept set differed within tolerance
-        self._hooks = []
+        self._hooks: list = []
 
     def __enter__(self):
         from transformers.models.llama.modeling_llama import apply_rotary_pos_emb
@@ -199,7 +200,7 @@ class PolicyCheck:
 
         attn = self.model.model.layers[i].self_attn
         W = attn.o_proj.weight.float()
-        Q, q_pos = step_queries(self.policy.needs, self.queries[i].float(), q_pos)
+        Q, q_sel = step_queries(self.policy.needs, self.queries[i].float(), q_pos)
         return KVView(
             K=layer.keys[0].float(),
             V=layer.values[0].float(),
@@ -208,7 +209,7 @@ class PolicyCheck:
             G=self.G,
             L=L,
             Q=Q,
-            q_pos=q_pos,
+            q_pos=q_sel,
             scale=attn.scaling,
             budget=self.budget,
             W_O=W.reshape(W.shape[0], -1, attn.head_dim).permute(1, 2, 0),
@@ -225,8 +226,8 @@ class PolicyCheck:
             self.state[i][name] = new if old is None else torch.cat([old, new], dim=1)
         w = max(p.needs.query_window, self.decode_policy.needs.query_window)  # the engine's buffer
         if w:
-            q = self.queries[i].float()
-            self.qwin[i] = (q if self.qwin[i] is None else torch.cat([self.qwin[i], q], dim=1))[:, -w:]
+            q, prev = self.queries[i].float(), self.qwin[i]
+            self.qwin[i] = (q if prev is None else torch.cat([prev, q], dim=1))[:, -w:]
         if p.needs.observes:
             p.observe(self._view(i, layer, pos, L, q_pos))
 
@@ -235,7 +236,9 @@ class PolicyCheck:
         self._policy_at(L)
         view = self._view(i, layer, pos, L, q_pos)
         if w := self.policy.needs.query_window:
-            view.Q = self.qwin[i][:, -w:]
+            qwin = self.qwin[i]
+            assert qwin is not None  # kept by every segment before (after_segment)
+            view.Q = qwin[:, -w:]
             view.q_pos = torch.arange(L - view.Q.shape[1], L)
         keep = kept_engine.shape[1]
         kept_ref, merged = self.policy.evict(view, keep)
@@ -279,7 +282,7 @@ def replay(model, token_ids: list[int], events: Events, check: PolicyCheck | Non
     """
     from transformers import DynamicCache
 
-    cache = DynamicCache(config=model.config)
+    cache: Any = DynamicCache(config=model.config)  # its layers' keys and values are rewritten below
     n_layers = model.config.num_hidden_layers
     cache_pos: list[torch.Tensor | None] = [None] * n_layers  # [H, n] position of each cache entry
     # What earlier events dropped, per layer ([1, H, n, d] keys and values, [H, n] positions): an
@@ -303,29 +306,28 @@ def replay(model, token_ids: list[int], events: Events, check: PolicyCheck | Non
             n_cache += end - start
             for i in range(n_layers):
                 H = cache.layers[i].keys.shape[1]
-                new = pos[None, :].expand(H, -1)
-                cache_pos[i] = new if cache_pos[i] is None else torch.cat([cache_pos[i], new], dim=1)
+                seg, prev = pos[None, :].expand(H, -1), cache_pos[i]
+                cache_pos[i] = cp = seg if prev is None else torch.cat([prev, seg], dim=1)
                 if check is not None:
-                    check.after_segment(i, cache.layers[i], cache_pos[i], end, pos)
+                    check.after_segment(i, cache.layers[i], cp, end, pos)
             seg_pos = pos
             start = end
         if end in events:
             for i, kept in events[end].items():
                 kept_t = torch.tensor(kept)  # [H, R] positions
-                layer = cache.layers[i]
+                layer, cpos, drop = cache.layers[i], cache_pos[i], dropped[i]
+                assert cpos is not None  # every event follows a segment
                 merged = None
                 # per head: a position one head takes back may be in another head's cache
-                recalls = dropped[i] is not None and not all(
-                    bool(torch.isin(k, c).all()) for k, c in zip(kept_t, cache_pos[i])
-                )
-                if recalls:  # the window takes back entries an earlier event dropped
-                    keys = torch.cat([layer.keys, dropped[i][0]], dim=2)
-                    values = torch.cat([layer.values, dropped[i][1]], dim=2)
-                    pos_all = torch.cat([cache_pos[i], dropped[i][2]], dim=1)
+                recalls = drop is not None and not all(bool(torch.isin(k, c).all()) for k, c in zip(kept_t, cpos))
+                if drop is not None and recalls:  # the window takes back entries an earlier event dropped
+                    keys = torch.cat([layer.keys, drop[0]], dim=2)
+                    values = torch.cat([layer.values, drop[1]], dim=2)
+                    pos_all = torch.cat([cpos, drop[2]], dim=1)
                 else:
-                    keys, values, pos_all = layer.keys, layer.values, cache_pos[i]
+                    keys, values, pos_all = layer.keys, layer.values, cpos
                 if check is not None and not recalls:
-                    idx, merged = check.at_event(i, layer, cache_pos[i], end, seg_pos, kept_t)
+                    idx, merged = check.at_event(i, layer, cpos, end, seg_pos, kept_t)
                 else:
                     idx = cache_indices(pos_all, kept_t, i, end)
                 d = layer.keys.shape[-1]
@@ -333,11 +335,11 @@ def replay(model, token_ids: list[int], events: Events, check: PolicyCheck | Non
                 rest = _complement(idx, pos_all.shape[1])  # [H, n - R]: what this event drops
                 ridx = rest[None, :, :, None].expand(1, -1, -1, d)
                 new = (torch.gather(keys, 2, ridx), torch.gather(values, 2, ridx), torch.gather(pos_all, 1, rest))
-                if dropped[i] is not None and not recalls:  # pos_all did not include the earlier ones
+                if drop is not None and not recalls:  # pos_all did not include the earlier ones
                     new = (
-                        torch.cat([dropped[i][0], new[0]], dim=2),
-                        torch.cat([dropped[i][1], new[1]], dim=2),
-                        torch.cat([dropped[i][2], new[2]], dim=1),
+                        torch.cat([drop[0], new[0]], dim=2),
+                        torch.cat([drop[1], new[1]], dim=2),
+                        torch.cat([drop[2], new[2]], dim=1),
                     )
                 dropped[i] = new
                 if merged is not None:

@@ -52,7 +52,7 @@ def install() -> None:
         if "@recall" in faults:
             recall.recall_scores = fail("recall")
         if "@tier" in faults:
-            recall.Tier.add = fail("the recall tier")
+            recall.Tier.add = fail("the recall tier")  # type: ignore[method-assign]
     if envs.KVEVICT_TEST_HOLD is not None:
         from vllm_kvevict.backends.plan import add_plan_listener
 
@@ -66,6 +66,8 @@ class InjectedFault(RuntimeError):
 class _FailingNeeds(Needs):
     """A policy's needs whose query window raises: the backend reads it first when it prepares
     the policy's rows (``name@prepare``)."""
+
+    _kvevict_name: str  # set past the frozen dataclass's guard, not a field
 
     def __init__(self, name: str, needs: Needs) -> None:
         super().__init__(**{f.name: getattr(needs, f.name) for f in dataclasses.fields(needs)})

@@ -151,7 +151,7 @@ def build_smollm2(path: Path) -> Path:
             cfg.pop(key, None)
         model = LlamaForCausalLM(LlamaConfig(**cfg))
         model.load_state_dict(quantized.state_dict(), strict=True)
-        model.to(torch.float32).save_pretrained(out)
+        model.float().save_pretrained(out)
         tok.save_pretrained(out)
         (out / "kvevict-source.json").write_text(json.dumps({"package": SMOLLM2_PACKAGE, "file": SMOLLM2_GGUF}))
     _log(f"kvevict: SmolLM2 ready at {path}")
@@ -213,7 +213,7 @@ def build_tiny(path: Path, params: dict) -> Path:
         num_key_value_heads=params["num_key_value_heads"],
         head_dim=hidden // heads,
         max_position_embeddings=params["max_position_embeddings"],
-        rope_theta=10000.0,
+        rope_theta=10000.0,  # type: ignore[call-arg]  # transformers 5 moves it into rope_parameters
         bos_token_id=tok.bos_token_id,
         eos_token_id=tok.eos_token_id,
         pad_token_id=tok.pad_token_id,
@@ -221,7 +221,7 @@ def build_tiny(path: Path, params: dict) -> Path:
         dtype="float32",
     )
     torch.manual_seed(params["seed"])
-    model = LlamaForCausalLM(cfg).to(torch.float32)
+    model = LlamaForCausalLM(cfg).float()
     with _building(path) as out:
         model.save_pretrained(out)
         tok.save_pretrained(out)

@@ -26,6 +26,7 @@ from __future__ import annotations
 
 from collections.abc import Callable, Iterator
 
+from vllm.v1.core.kv_cache_utils import KVCacheBlock
 from vllm.v1.core.single_type_kv_cache_manager import FullAttentionManager
 from vllm.v1.kv_cache_interface import FullAttentionSpec
 from vllm.v1.request import RequestStatus
@@ -35,6 +36,7 @@ from vllm_kvevict.vllm_compat.patching import wrap_method
 __all__ = [
     "FullAttentionManager",
     "FullAttentionSpec",
+    "KVCacheBlock",
     "RequestStatus",
     "cache_block",
     "cached_block",
@@ -109,7 +111,7 @@ def copy_on_write(manager, request_id: str, index: int):
     return block
 
 
-def copy_aside(manager, block):
+def copy_aside(manager, block: KVCacheBlock) -> KVCacheBlock:
     """A new block that holds a copy of ``block`` (computed in an earlier step) once the workers
     start the step being scheduled: the same copies as :func:`copy_on_write`, the request keeping
     its block. The caller holds one reference to the copy (the scheduler frees its own once the

@@ -11,21 +11,22 @@ from __future__ import annotations
 
 from collections.abc import Callable
 from dataclasses import dataclass
+from types import ModuleType
 from typing import Any
 
 
 @dataclass(frozen=True)
 class Patch:
-    cls: type
+    cls: type | ModuleType
     name: str
     purpose: str
     original: Any  # what ``cls.__dict__`` held under ``name`` (None: inherited)
 
 
-_PATCHES: dict[tuple[type, str], Patch] = {}
+_PATCHES: dict[tuple[type | ModuleType, str], Patch] = {}
 
 
-def wrap_method(cls: type, name: str, make: Callable[[Callable], Callable], purpose: str) -> bool:
+def wrap_method(cls: type | ModuleType, name: str, make: Callable[[Callable], Callable], purpose: str) -> bool:
     """Replace ``cls.name`` by ``make(original)``, where ``original`` is the plain function the
     attribute resolves to (a classmethod's underlying function takes ``cls`` first). ``cls`` may
     also be a module (a module-level function). Returns False when it is wrapped already."""
@@ -36,7 +37,7 @@ def wrap_method(cls: type, name: str, make: Callable[[Callable], Callable], purp
     raw = own if own is not None else _lookup(cls, name)
     kind = type(raw) if isinstance(raw, (classmethod, staticmethod)) else None
     func = raw.__func__ if kind is not None else raw
-    wrapper = make(func)
+    wrapper: Any = make(func)
     wrapper.__kvevict_purpose__ = purpose
     wrapper.__wrapped__ = func  # inspect.signature() and friends see vLLM's own signature
     setattr(cls, name, kind(wrapper) if kind is not None else wrapper)
@@ -44,14 +45,14 @@ def wrap_method(cls: type, name: str, make: Callable[[Callable], Callable], purp
     return True
 
 
-def _lookup(cls: type, name: str) -> Any:
+def _lookup(cls: type | ModuleType, name: str) -> Any:
     for base in getattr(cls, "__mro__", (cls,)):  # a module has no MRO: its own namespace
         if name in base.__dict__:
             return base.__dict__[name]
     raise AttributeError(f"{cls.__qualname__} has no attribute {name!r} to wrap")
 
 
-def unwrap(cls: type, name: str) -> None:
+def unwrap(cls: type | ModuleType, name: str) -> None:
     """Undo :func:`wrap_method` for ``cls.name`` (no-op when it is not wrapped)."""
     patch = _PATCHES.pop((cls, name), None)
     if patch is None:
@@ -62,7 +63,7 @@ def unwrap(cls: type, name: str) -> None:
         setattr(cls, name, patch.original)
 
 
-def is_wrapped(cls: type, name: str) -> bool:
+def is_wrapped(cls: type | ModuleType, name: str) -> bool:
     return (cls, name) in _PATCHES
 
 
