@@ -89,7 +89,7 @@ class KVEvictBackendMixin:
     def customize_spec(cls, spec):
         from vllm_kvevict.kv_manager import KVEvictSpec
 
-        spec = super().customize_spec(spec)  # type: ignore[misc]  # the vLLM backend mixed with
+        spec = super().customize_spec(spec)  # type: ignore[misc]  # vLLM's backend, mixed in after this class
         vllm_config = vllm_attention.current_vllm_config(or_none=True) or _worker_vllm_config
         if vllm_config is None:
             raise RuntimeError("kvevict: customize_spec called before any kvevict attention layer was built")
