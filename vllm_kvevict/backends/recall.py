@@ -419,7 +419,8 @@ class RecallMixin:
             slots = logical_slots(plan.block_table, r, start, end - start, bs)
             K_w, V_w = self._kvevict_gather(layer, kv_cache, slots // bs, slots % bs)
             h = torch.arange(K_w.shape[1], device=K_w.device)[None, :]
-            pos_w = self._slot_pos(kv_cache)[slots].long()
+            slot_pos = self._slot_pos(kv_cache)
+            pos_w = slot_pos[slots].long()
             K = torch.cat([K_w, tier.K.to(K_w.dtype)])
             V = torch.cat([V_w, tier.V.to(V_w.dtype)])
             pos = torch.cat([pos_w, tier.pos])
@@ -454,7 +455,7 @@ class RecallMixin:
             self._recall_failed(plan, r, err)
             return None
         self._kvevict_write(layer, kv_cache, slots, K_sel, V_sel)
-        self._slot_pos(kv_cache)[slots] = pos_sel.to(torch.int32)
+        slot_pos[slots] = pos_sel.to(torch.int32)
         for k, v in state.items():
             self._kvevict_slot_state[k][slots] = v
         return pos_sel, int((idx >= K_w.shape[0]).sum()), lost
