@@ -218,6 +218,18 @@ def test_wrap_method_is_idempotent_and_reversible():
     assert not patching.is_wrapped(_Child, "method")
 
 
+def test_wrap_method_names_what_it_cannot_find():
+    """A missing name raises AttributeError naming its owner, a class or a module (a module has
+    no ``__qualname__``), and nothing is recorded."""
+    import types
+
+    module = types.ModuleType("kvevict_fake_module")
+    for owner, label in ((_Child, "_Child"), (module, "kvevict_fake_module")):
+        with pytest.raises(AttributeError, match=f"^{label} has no attribute 'missing' to wrap$"):
+            patching.wrap_method(owner, "missing", lambda orig: orig, "test")
+        assert not patching.is_wrapped(owner, "missing")
+
+
 def test_register_patches_through_the_seam():
     """Every patch ``register()`` makes is recorded by the helper, with its purpose."""
     from vllm_kvevict import plugin

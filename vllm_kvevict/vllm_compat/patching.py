@@ -49,7 +49,8 @@ def _lookup(cls: type | ModuleType, name: str) -> Any:
     for base in getattr(cls, "__mro__", (cls,)):  # a module has no MRO: its own namespace
         if name in base.__dict__:
             return base.__dict__[name]
-    raise AttributeError(f"{cls.__qualname__} has no attribute {name!r} to wrap")
+    owner = getattr(cls, "__qualname__", cls.__name__)  # a module has only a __name__
+    raise AttributeError(f"{owner} has no attribute {name!r} to wrap")
 
 
 def unwrap(cls: type | ModuleType, name: str) -> None:
