@@ -204,3 +204,54 @@ def test_when_the_safe_policy_fails_too_the_window_is_left_in_place(monkeypatch,
     assert all(torch.equal(a, b) for a, b in zip(mine.values(), kept_r))
     assert sum("policy snapkv failed" in r.message for r in caplog.records) == 1  # one WARNING
     assert sum(r.levelname == "WARNING" for r in caplog.records) == 1
+
+
+@pytest.mark.parametrize("calls, falls_back", [(1, False), (2, True)])
+def test_a_counted_fault_raises_its_first_calls_then_the_policy_works(calls, falls_back):
+    """``KVEVICT_TEST_FAULT=snapkv#n``: the first ``n`` scoring calls of the policy raise, then it
+    works. The batched step and its row-by-row retry are two calls: with one, the retry succeeds
+    and the row keeps its policy (nothing else changes); with two, the row falls back."""
+    cache_r, _, pos_r, state_r, plan_r, work_r = _setup("flash", torch.float32)
+    if falls_back:
+        w = work_r[FAULTY_ROW]
+        work_r[FAULTY_ROW] = RowWork(w.row, fault.SAFE_POLICY, w.compact, w.inputs)
+    kept_r = _step(cache_r, pos_r, state_r, plan_r)(work_r)
+
+    cache, _, slot_pos, state, plan, work = _setup("flash", torch.float32)
+    w = work[FAULTY_ROW]
+    faulty = hooks.faulty_class(type(w.policy), frozenset({f"snapkv#{calls}"}))(w.policy.params)
+    work[FAULTY_ROW] = RowWork(w.row, faulty, w.compact, w.inputs)
+    step = _step(cache, slot_pos, state, plan)
+    with pytest.raises(RuntimeError, match="fault injected into snapkv"):
+        step(work)
+    done, kept = fault.isolate(plan, work, step, RuntimeError("batched"), _in_place(plan, slot_pos))
+    assert (done[FAULTY_ROW].policy is fault.SAFE_POLICY) == falls_back
+    assert (plan.states[FAULTY_ROW].fell_back_from == "snapkv") == falls_back
+    assert torch.equal(cache, cache_r) and all(torch.equal(a, b) for a, b in zip(kept, kept_r))
+    assert len(_step(cache, slot_pos, state, plan)(work)) == len(kept)  # the policy works again
+
+
+def test_a_steps_fallbacks_travel_with_its_output():
+    """What the engine core reads (``kv_manager``'s ``on_fallbacks``): the requests that fell back in
+    the step, once, on the output vLLM pickles to the engine core (never on its shared empty one)."""
+    import pickle
+
+    from vllm.v1.outputs import EMPTY_MODEL_RUNNER_OUTPUT, ModelRunnerOutput
+
+    from vllm_kvevict.config import parse_config
+    from vllm_kvevict.request import WORKER, resolve
+    from vllm_kvevict.vllm_compat.runner import attach_fallbacks, output_fallbacks
+
+    fault.step_fallbacks()
+    settings = resolve(parse_config({"policy": "snapkv"}), None, BS)
+    for rid in ("a", "b"):
+        fault.fall_back(WORKER.open(rid, lambda: settings), rid, settings.policy, ValueError("x"))
+    fault.fall_back(WORKER.get("a"), "a", settings.policy, ValueError("again"))
+    took = fault.step_fallbacks()
+    assert took == {"a", "b"} and fault.step_fallbacks() == frozenset()
+    out = ModelRunnerOutput(req_ids=["a", "b", "c"], req_id_to_index={"a": 0, "b": 1, "c": 2})
+    assert attach_fallbacks(out, took) and attach_fallbacks(out, frozenset({"c"}))
+    assert output_fallbacks(pickle.loads(pickle.dumps(out))) == {"a", "b", "c"}
+    assert not attach_fallbacks(EMPTY_MODEL_RUNNER_OUTPUT, took) and not output_fallbacks(EMPTY_MODEL_RUNNER_OUTPUT)
+    assert output_fallbacks(ModelRunnerOutput(req_ids=[], req_id_to_index={})) == frozenset()
+    WORKER.clear()

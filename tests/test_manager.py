@@ -20,6 +20,7 @@ from vllm.v1.request import Request, RequestStatus  # noqa: E402
 from vllm_kvevict import kv_manager as mgr  # noqa: E402
 from vllm_kvevict.config import parse_config  # noqa: E402
 from vllm_kvevict.request import ENGINE  # noqa: E402
+from vllm_kvevict.vllm_compat import kv_cache as vllm_kv_cache  # noqa: E402
 from vllm_kvevict.window import WindowConfig, evicted_tokens, window_bound_blocks  # noqa: E402
 
 BS, CHUNK, NUM_BLOCKS, BUDGET, MAX_LEN = 32, 64, 41, 96, 8192
@@ -309,3 +310,136 @@ def test_hashing_does_not_wait_for_processed_tokens():
     assert cached() == (e1 // BS, 6)
     kv.free(req)
     assert cached() == (e1 // BS, 6)
+
+
+def _caching_manager(server: dict, in_flight: int = CHUNK) -> KVCacheManager:
+    from vllm.utils.hashing import get_hash_fn_by_name
+    from vllm.v1.core.kv_cache_utils import init_none_hash
+
+    mgr.register_spec()
+    mgr.install_scheduler_hooks()
+    init_none_hash(get_hash_fn_by_name("sha256"))
+    spec = mgr.KVEvictSpec.from_spec(
+        FullAttentionSpec(block_size=BS, num_kv_heads=2, head_size=64, dtype=torch.float32),
+        parse_config(server),
+        in_flight,
+        in_flight,
+    )
+    config = KVCacheConfig(num_blocks=NUM_BLOCKS, kv_cache_tensors=[], kv_cache_groups=[KVCacheGroupSpec(["l"], spec)])
+    kv = KVCacheManager(
+        config,
+        max_model_len=MAX_LEN,
+        scheduler_block_size=BS,
+        hash_block_size=BS,
+        max_in_flight_tokens=in_flight,
+        enable_caching=True,
+    )
+    _single(kv).copies = True  # one group, hash blocks the size of its blocks (as install_scheduler_hooks sets)
+    return kv
+
+
+def _hashed_request(rid: str, tokens: list[int], max_tokens: int = 4) -> Request:
+    from vllm.utils.hashing import get_hash_fn_by_name
+    from vllm.v1.core.kv_cache_utils import get_request_block_hasher
+
+    hasher = get_request_block_hasher(BS, get_hash_fn_by_name("sha256"))
+    return Request(rid, tokens, SamplingParams(max_tokens=max_tokens), None, block_hasher=hasher)
+
+
+def _run_step(kv: KVCacheManager, req: Request, n: int) -> None:
+    """Schedule ``n`` tokens of ``req`` and let the step run (synchronous scheduling)."""
+    assert kv.allocate_slots(req, n) is not None
+    req.num_computed_tokens += n
+
+
+def test_a_step_taken_back_hashes_nothing_it_would_have_computed():
+    """vLLM's priority scheduling may preempt a request it has already scheduled in the step being
+    built (the step is taken back: it never runs). When that step would have reached the attempt's
+    first compaction point from below ``E1`` (budget 96, stride 192: E1 = 96 at 192; the step
+    [64, 192)), the blocks it would have computed below ``E1`` are not hashed: only what earlier
+    steps computed."""
+    kv = _caching_manager({"policy": "keydiff", "budget": BUDGET, "stride": 192})
+    req = _hashed_request("taken-back", list(range(3, 403)))
+    kv.get_computed_blocks(req)  # the scheduler's lookup resolves its settings
+    _run_step(kv, req, 64)
+    assert kv.allocate_slots(req, 128) is not None  # [64, 192): scheduled, sets the fence at 96 ...
+    req.status = RequestStatus.RUNNING
+    kv.free(req)  # ... and preempted in the same schedule (num_computed_tokens still 64)
+    hashed = [b for b in kv.block_pool.blocks if b.block_hash is not None]
+    assert len(hashed) == 64 // BS  # [0, 64); [64, 96) was never computed
+    ENGINE.end("taken-back")
+
+
+def test_the_rest_of_the_fence_is_hashed_once_its_step_has_run():
+    """The same step run (not taken back): [64, 96) is hashed once the core knows it ran (the
+    request's next allocation, with 192 tokens processed), before its blocks go back."""
+    kv = _caching_manager({"policy": "keydiff", "budget": BUDGET, "stride": 192})
+    req = _hashed_request("fence-rest", list(range(3, 403)))
+    kv.get_computed_blocks(req)
+    _run_step(kv, req, 64)
+    _run_step(kv, req, 128)
+
+    def pure() -> int:
+        return sum(b.block_hash is not None for b in kv.block_pool.blocks)
+
+    assert pure() == 64 // BS
+    _run_step(kv, req, 32)  # the core sees 192 processed: [0, 96) pure (and the window at 192)
+    m = _single(kv)
+    assert m._attempts["fence-rest"].pure_pending is None and pure() >= 96 // BS
+    req.status = RequestStatus.FINISHED_STOPPED
+    kv.free(req)
+
+
+def test_a_fallback_reported_by_a_worker_caches_nothing_of_the_attempt():
+    """A worker's fallback (the step's output names the request) reaches the manager before the
+    core caches anything of that step: the window the safe policy compacted is never cached, nor
+    any later one, nor its last tail; its pure prefix is (computed before anything was evicted)."""
+    kv = _caching_manager({"policy": "keydiff", "budget": BUDGET})
+    m = _single(kv)
+    req = _hashed_request("fell-back", list(range(3, 403)))
+    kv.get_computed_blocks(req)
+    _run_step(kv, req, 192)  # compacts at 192 (E1 = 96)
+    m.fell_back("fell-back")  # what update_from_output's hook does, for each manager
+    ENGINE.get("fell-back").fell_back_from = "a worker"
+    _run_step(kv, req, 96)  # the core sees 192 processed; compacts at 288
+    _run_step(kv, req, 32)
+    req.status = RequestStatus.FINISHED_STOPPED
+    kv.free(req)
+    pure_keys = {b.block_hash for b in kv.block_pool.blocks if b.block_hash is not None}
+    assert len(pure_keys) == 96 // BS  # [0, E1) only: no window, no tail
+
+
+def test_a_partly_cached_window_is_replaced_whole():
+    """A window whose first block left vLLM's LRU while the others stayed cached, computed again by
+    another request: cached whole from that computation, never mixed with the other's blocks (two
+    computations may keep different tokens: numerics depend on the batch on a GPU)."""
+    kv = _caching_manager({"policy": "keydiff", "budget": BUDGET})
+    m = _single(kv)
+    prompt = list(range(3, 403))
+    settings = m.state_of(_hashed_request("probe", prompt)).settings
+    ENGINE.end("probe")
+
+    def window_blocks(req) -> list:
+        keys = m._window_keys(req.block_hashes[192 // BS - 1], settings, 3)
+        return [vllm_kv_cache.cached_block(kv.block_pool, k) for k in keys]
+
+    def compute(rid: str) -> list:
+        req = _hashed_request(rid, prompt)
+        kv.get_computed_blocks(req)
+        _run_step(kv, req, 192)
+        _run_step(kv, req, 32)  # the core sees 192 processed: the window at 192 is cached
+        held = list(m.req_to_blocks[rid][96 // BS : 192 // BS])
+        req.status = RequestStatus.FINISHED_STOPPED
+        kv.free(req)
+        return held
+
+    first = compute("w-first")
+    a = _hashed_request("keys", prompt)
+    assert [b.block_id for b in window_blocks(a)] == [b.block_id for b in first]
+    vllm_kv_cache.uncache_blocks(kv.block_pool, first[:1])  # vLLM's LRU took the first block
+    second = compute("w-second")
+    got = window_blocks(a)
+    assert all(b is not None for b in got)
+    assert [b.block_id for b in got] == [b.block_id for b in second]
+    assert not {b.block_id for b in got} & {b.block_id for b in first[1:]}
+    ENGINE.clear()

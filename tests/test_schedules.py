@@ -18,7 +18,11 @@ Random mixes (hypothesis): prompts that share documents or continue earlier conv
 (prompt and generated tokens), one-token requests, EOS, aborts at any point, a pool small enough
 to preempt, chunked prefill with small token budgets (requests sit out rounds), per-request
 policies, budgets and triggers (per-slot state, ``once``, eviction off), synchronous and
-asynchronous scheduling, and prefix-cache hits everywhere.
+asynchronous scheduling, FCFS and priority scheduling (which preempts a request already scheduled
+in the step being built), worker fallbacks (a request's policy replaced by the safe policy in any
+of its steps, on the worker, through ``backends/fault.py``: what it compacts from then on is not
+what its configuration computes, and the step's output tells the engine core so), and
+prefix-cache hits everywhere.
 """
 
 from __future__ import annotations
@@ -47,11 +51,12 @@ from vllm.v1.outputs import ModelRunnerOutput  # noqa: E402
 from vllm.v1.request import Request, RequestStatus  # noqa: E402
 
 from vllm_kvevict import kv_manager as mgr  # noqa: E402
+from vllm_kvevict.backends import fault  # noqa: E402
 from vllm_kvevict.backends import plan as worker_plan  # noqa: E402
 from vllm_kvevict.config import parse_config  # noqa: E402
 from vllm_kvevict.request import ENGINE, WORKER, resolve  # noqa: E402
 from vllm_kvevict.vllm_compat.kv_cache import tail_block_key, window_block_keys  # noqa: E402
-from vllm_kvevict.vllm_compat.runner import RunnerStep  # noqa: E402
+from vllm_kvevict.vllm_compat.runner import RunnerStep, attach_fallbacks  # noqa: E402
 from vllm_kvevict.window import evicted_tokens, last_boundary, peak_blocks, step_window  # noqa: E402
 
 BS = 16
@@ -84,8 +89,9 @@ def vllm_config():
     mgr.install_scheduler_hooks()
     model = ModelConfig(model=str(tiny_path()), skip_tokenizer_init=True, max_model_len=MAX_LEN, dtype="float32")
 
-    def make(max_batched: int, max_seqs: int, reserve_full_isl: bool) -> VllmConfig:
+    def make(max_batched: int, max_seqs: int, reserve_full_isl: bool, priority: bool = False) -> VllmConfig:
         sched = SchedulerConfig(
+            policy="priority" if priority else "fcfs",
             max_num_seqs=max_seqs,
             max_num_batched_tokens=max_batched,
             max_model_len=MAX_LEN,
@@ -139,11 +145,19 @@ class Attempt:
 class StandInWorker:
     """Runs scheduled steps as a worker would, writing labels instead of KV, and checks every read."""
 
-    def __init__(self, server_config, eos_rates: dict[str, float], prompts: dict[str, list[int]]):
+    def __init__(
+        self, server_config, eos_rates: dict[str, float], prompts: dict[str, list[int]], fallback_rate: float = 0.0
+    ):
         self.server_config = server_config
+        self.fallback_rate = fallback_rate
+        self.fails: set[str] = set()  # requests whose policy fails at their first compaction
+        self.fallbacks = 0  # requests whose policy failed
         self.eos_rates = eos_rates
         self.prompts = prompts
         self.slots: dict[tuple[int, int], object] = {}  # (block id, offset) -> label
+        #: block id -> the compaction that last wrote it, (attempt, step): a cached window's blocks
+        #: must all come from one computation (two may keep different tokens on a GPU)
+        self.origin: dict[int, tuple[int, int]] = {}
         self.attempts: dict[str, Attempt] = {}
         self.uids = 0
         self.step_seq = 0
@@ -251,6 +265,9 @@ class StandInWorker:
                     att.window = (ds[b - 1], settings.window_salt)
                     for q in range(e_prev, b):
                         att.expected[q] = ("compacted", *att.window, q)
+                    origins = {self.origin.get(att.blocks[q // BS]) for q in range(e_prev, b, BS)}
+                    if len(origins) > 1:
+                        self._fail(f"{rid} starts on a window of several computations: {sorted(map(str, origins))}")
                     for q in range(b, L0):
                         att.expected[q] = ("after", *att.window, ds[q])
                     self.tail_reads += L0 > b
@@ -278,17 +295,32 @@ class StandInWorker:
             att = self.attempts[rid]
             e_prev, e_new, L = plan.e_prev[r], plan.e_new[r], seq[r]
             self.last_step[rid] = self.step_seq
+            state = plan.states[r]
+            fails = rid in self.fails and e_new > e_prev  # at its first compaction, if it is told to
+            if (
+                state.settings.evicts
+                and state.fell_back_from is None
+                and (fails or _falls_back(rid, self.step_seq, self.fallback_rate))
+            ):
+                # a fault on the worker: the real fallback path (every later step of the request
+                # runs the safe policy, and this step's output says so)
+                fault.fall_back(state, rid, state.settings.policy, RuntimeError("injected"))
+                self.fallbacks += 1
             if e_new > e_prev:  # compaction rewrites [E_new, L) in place
                 self.compactions += 1
                 self.compacted_in[rid].append(self.step_seq)
                 self.compacted_at[rid].append(L)
                 att.evicted = True
-                # what compaction keeps depends on the tokens and the configuration alone
-                at, salt = _prefix_digests(att.tokens[:L])[-1], plan.states[r].settings.window_salt
+                # what compaction keeps depends on the tokens and the configuration alone, unless
+                # the request fell back: then on whatever the safe policy keeps (unique to it)
+                at, salt = _prefix_digests(att.tokens[:L])[-1], state.settings.window_salt
+                if state.fell_back_from is not None:
+                    salt = f"fallback of {rid} (attempt {att.uid})"
                 att.window = (at, salt)
                 for q in range(e_new, L):
                     label = ("compacted", at, salt, q)
                     self._write(att.blocks[q // BS], q % BS, label)
+                    self.origin[att.blocks[q // BS]] = (att.uid, self.step_seq)
                     att.expected[q] = label
             if L >= len(att.tokens):  # not a partial prefill: one token sampled
                 tok = _token(rid, L, self.eos_rates[rid])
@@ -296,9 +328,11 @@ class StandInWorker:
                 sampled.append([tok])
             else:
                 sampled.append([])
-        return ModelRunnerOutput(
+        output = ModelRunnerOutput(
             req_ids=rids, req_id_to_index={r: i for i, r in enumerate(rids)}, sampled_token_ids=sampled
         )
+        attach_fallbacks(output, fault.step_fallbacks())  # as the runner's output hook does
+        return output
 
     def allocated(self, out) -> None:
         """Blocks handed out afresh in the step just scheduled (not a hit's blocks): vLLM dropped
@@ -339,6 +373,7 @@ class StandInWorker:
         """Every hashed block holds the pure KV its hash names, once its step has run. A hash seen
         for the first time is stamped with ``stamp_step``, the step it was hashed for (vLLM hashes
         a block as it schedules the step that computes it)."""
+        window_origins: dict[tuple, tuple[int, int] | None] = {}  # a cached window -> its computation
         for block in pool.blocks:
             h = block.block_hash
             if h is None:
@@ -352,6 +387,9 @@ class StandInWorker:
             window = self.windows.get(bytes(get_block_hash(h)))
             if window is not None:  # a cached compacted window's block
                 at, salt, first = window
+                seen = window_origins.setdefault((at, salt), self.origin.get(block.block_id))
+                if seen != self.origin.get(block.block_id):
+                    self._fail(f"window block {block.block_id} is cached beside blocks of another computation")
                 for o in range(BS):
                     if self.slots.get((block.block_id, o)) != ("compacted", at, salt, first + o):
                         self._fail(
@@ -380,6 +418,11 @@ class StandInWorker:
                     break
 
 
+def _falls_back(rid: str, step: int, rate: float) -> bool:
+    """Whether the worker's policy of ``rid`` fails in ``step`` (a fixed function of both)."""
+    return rate > 0 and random.Random(f"fallback/{rid}/{step}").random() < rate
+
+
 def _block_key(h) -> bytes:
     return bytes(h)
 
@@ -396,6 +439,8 @@ class Req:
     override: int  # index into OVERRIDES
     abort: int | None = None  # aborted after this many rounds once it arrived (None: never)
     arrive: int = 0  # the round it arrives in (at the latest: earlier when the scheduler is idle)
+    priority: int = 0  # with priority scheduling: lower is served first
+    fails: bool = False  # its policy fails on the worker at its first compaction
 
 
 @dataclass(frozen=True)
@@ -409,6 +454,8 @@ class Mix:
     reserve_full_isl: bool = True  # vLLM's admission gate: the whole prompt must fit (off: more preemption)
     stride: int = 0  # the server's compaction stride (0: each request's W): above W, windows have tails
     copy_rewritten: str = "shared"  # the server's: copies aside only for waiting requests, or always
+    priority: bool = False  # vLLM's priority scheduling (else FCFS)
+    fallbacks: float = 0.0  # chance that an evicting request's policy fails on the worker in a step
 
 
 @st.composite
@@ -425,6 +472,7 @@ def mixes(draw):
                 override=draw(st.integers(0, len(OVERRIDES) - 1)),
                 abort=draw(st.one_of(st.none(), st.integers(0, 12))),
                 arrive=draw(st.integers(0, 30)),
+                priority=draw(st.integers(0, 3)),
             )
         )
     return Mix(
@@ -437,6 +485,8 @@ def mixes(draw):
         reserve_full_isl=draw(st.booleans()),
         stride=draw(st.sampled_from([0, 0, 96, 144])),
         copy_rewritten=draw(st.sampled_from(["shared", "always"])),
+        priority=draw(st.booleans()),
+        fallbacks=draw(st.sampled_from([0.0, 0.0, 0.02, 0.1, 0.3])),
     )
 
 
@@ -444,7 +494,8 @@ def run_mix(make_config, mix: Mix) -> StandInWorker:
     """Drive the real scheduler through ``mix``; returns the stand-in worker (its violations)."""
     ENGINE.clear()
     WORKER.clear()
-    config = make_config(mix.max_batched, mix.max_seqs, mix.reserve_full_isl)
+    fault.step_fallbacks()  # none left over from another mix
+    config = make_config(mix.max_batched, mix.max_seqs, mix.reserve_full_isl, mix.priority)
     config.cache_config.num_gpu_blocks = mix.pool_blocks
     in_flight = mix.max_batched * (2 if mix.async_scheduling else 1)
     server = parse_config(
@@ -468,7 +519,7 @@ def run_mix(make_config, mix: Mix) -> StandInWorker:
     docs = {f"doc{i}": [rng.randrange(3, VOCAB) for _ in range(400)] for i in range(2)}
     eos_rates: dict[str, float] = {}
     prompts: dict[str, list[int]] = {}
-    worker = StandInWorker(server, eos_rates, prompts)
+    worker = StandInWorker(server, eos_rates, prompts, mix.fallbacks)
     worker.extra_args = {}
     worker.async_scheduling = mix.async_scheduling
     digests: dict = {}
@@ -522,14 +573,31 @@ def run_mix(make_config, mix: Mix) -> StandInWorker:
             return  # the API refuses a request that could not fit the pool alone (plugin.check_fits_pool)
         rid = f"r{i}"
         params = SamplingParams(max_tokens=r.max_tokens, stop_token_ids=[EOS], extra_args=xargs)
-        req = Request(rid, prompt, params, None, block_hasher=hasher)
+        req = Request(rid, prompt, params, None, priority=r.priority, block_hasher=hasher)
         eos_rates[rid], prompts[rid], worker.extra_args[rid] = r.eos, prompt, xargs
+        if r.fails:
+            worker.fails.add(rid)
         record_hashes(req)
         sched.add_request(req)
         live[rid] = req
         if r.abort is not None:
             aborts[rid] = r.abort
 
+    # which requests the scheduler allocated for in the step being built, and which of those
+    # allocations set their attempt's fence over blocks that step would compute
+    scheduled_now: set[str] = set()
+    fenced_now: set[str] = set()
+    (manager,) = sched.kv_cache_manager.coordinator.single_type_managers
+
+    def spy(request, start: int, num_tokens: int, scheduled=manager.scheduled) -> None:
+        att = manager._attempts.get(request.request_id)
+        unfenced = att is not None and att.fence is None
+        scheduled(request, start, num_tokens)
+        scheduled_now.add(request.request_id)
+        if unfenced and att.fence is not None and start < att.fence:
+            fenced_now.add(request.request_id)
+
+    manager.scheduled = spy
     queue: list = []
     rounds = 0
     while pending or sched.has_requests() or queue:
@@ -548,7 +616,13 @@ def run_mix(make_config, mix: Mix) -> StandInWorker:
             aborts[rid] -= 1
         if sched.has_requests():
             processed = {r.request_id: r.num_computed_tokens - r.num_in_flight_tokens for r in sched.running}
+            scheduled_now.clear()
+            fenced_now.clear()
             out = sched.schedule()
+            for rid in set(out.preempted_req_ids or ()) & scheduled_now:  # taken back (priority)
+                worker.paths.add("priority preempted a request it had scheduled in the step")
+                if rid in fenced_now:
+                    worker.paths.add("priority took back the step that fenced the attempt")
             for rid in out.scheduled_cached_reqs.req_ids:
                 if rid in processed and rid not in out.scheduled_cached_reqs.resumed_req_ids:
                     worker.core_allocates(rid, processed[rid])
@@ -595,8 +669,8 @@ def test_cached_blocks_are_exact_under_random_schedules(vllm_config, mix):
     assert not worker.violations, "\n".join(worker.violations[:10])
 
 
-def _r(source, base, own, max_tokens, eos, override, abort=None, arrive=0) -> Req:
-    return Req(source, base, own, max_tokens, eos, override, abort, arrive)
+def _r(source, base, own, max_tokens, eos, override, abort=None, arrive=0, priority=0) -> Req:
+    return Req(source, base, own, max_tokens, eos, override, abort, arrive, priority)
 
 
 #: One mix per schedule-dependent path reachable with vLLM's schedulers; each hashed blocks that a
@@ -660,6 +734,21 @@ FOUND = {
     # [384, 464); r1 continues it, and starting on that tail would need 5 copies beside its bound:
     # 17 blocks in a pool of 16, never admitted, every waiting request stuck behind it; the hit
     # stops where no copy is needed (KVEvictManager._copies_fit)
+    # (found by a search of priority mixes) r0 (CriticalKV, ``once``: 294 prompt tokens, 19 of the
+    # 20 blocks) is preempted for r1 (priority 0) and resumes alone with 37 generated tokens to
+    # recompute: under async scheduling its step [294, 331) was scheduled while the compaction at
+    # 294 was in flight, 19 + 3 blocks, more than the pool: preempted again, at every attempt,
+    # forever. It takes what its last block has room for until then (``window.settle_limit``).
+    "a resumed once request steps past its prompt while its compaction is in flight": Mix(
+        True,
+        64,
+        4,
+        21,
+        (_r("new", 0, 294, 40, 0.0, 5, priority=3), _r("doc0", 149, 44, 100, 0.0, 3, arrive=3)),
+        seed=1808,
+        reserve_full_isl=False,
+        priority=True,
+    ),
     "a hit whose copies would not fit beside its window bound": Mix(
         False, 128, 4, 17, (_r("new", 0, 470, 10, 0.0, 2), _r("turn", 0, 20, 10, 0.0, 2, arrive=80))
     ),
@@ -861,4 +950,73 @@ def test_requests_start_on_cached_windows(vllm_config, name):
     reads (window hits included) holds what that request would have computed itself."""
     worker = run_mix(vllm_config, WINDOW_MIXES[name])
     assert not worker.violations, "\n".join(worker.violations[:10])
+    assert worker.window_reads > 0, "no request started on a cached window"
+
+
+def _failing(r: Req) -> Req:
+    return dataclasses.replace(r, fails=True)
+
+
+#: A request whose policy fails on the worker at its first compaction (the safe policy compacts its
+#: windows from then on): nothing of it is cached for the others, who compute the document
+#: themselves and cache their own windows, read by the requests after them.
+FALLBACK_MIXES = {
+    "shared document": Mix(
+        False,
+        256,
+        4,
+        60,
+        (
+            _failing(_r("doc0", 400, 20, 5, 0.0, 0)),
+            _r("doc0", 400, 30, 5, 0.0, 0, arrive=12),
+            _r("doc0", 400, 40, 5, 0.0, 0, arrive=40),
+        ),
+    ),
+    # per-slot state (H2O): the window's state is snapshotted by the policy, never by the safe one
+    "shared document, per-slot state (async)": Mix(
+        True,
+        256,
+        4,
+        60,
+        (
+            _failing(_r("doc0", 400, 20, 5, 0.0, 4)),
+            _r("doc0", 400, 30, 5, 0.0, 4, arrive=12),
+            _r("doc0", 400, 40, 5, 0.0, 4, arrive=40),
+        ),
+    ),
+    # r1 arrives while r0 computes the document: it would wait for r0's windows (and copies), which
+    # a request that fell back never caches
+    "arriving together": Mix(
+        False,
+        256,
+        4,
+        60,
+        (
+            _failing(_r("doc0", 400, 40, 5, 0.0, 0)),
+            _r("doc0", 400, 30, 5, 0.0, 0),
+            _r("doc0", 400, 20, 5, 0.0, 0, arrive=40),
+        ),
+    ),
+    "chat turn": Mix(
+        False,
+        128,
+        4,
+        60,
+        (
+            _failing(_r("new", 0, 200, 100, 0.0, 0)),
+            _r("turn", 0, 40, 10, 0.0, 0, arrive=130),
+            _r("turn", 0, 40, 10, 0.0, 0, arrive=200),
+        ),
+        stride=96,
+    ),
+}
+
+
+@pytest.mark.parametrize("name", sorted(FALLBACK_MIXES))
+def test_a_request_that_fell_back_caches_nothing(vllm_config, name):
+    """The request that fell back reads and writes only its own blocks; every request after it reads
+    windows its own configuration computed, and some request still starts on a cached window."""
+    worker = run_mix(vllm_config, FALLBACK_MIXES[name])
+    assert not worker.violations, "\n".join(worker.violations[:10])
+    assert worker.fallbacks == 1
     assert worker.window_reads > 0, "no request started on a cached window"

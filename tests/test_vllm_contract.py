@@ -145,3 +145,29 @@ def test_model_runner_v2_choice_is_a_config_property():
 
     assert isinstance(inspect.getattr_static(VllmConfig, "use_v2_model_runner"), property)
     assert callable(VllmConfig._get_v1_model_runner_unsupported_features)
+
+
+def test_what_carries_a_fallback_to_the_engine_core():
+    """A worker's fallback reaches the engine core on the step's output (runner.install_output_hook,
+    kv_cache's update_from_output hook), agreed over the tensor-parallel group's CPU communicator
+    (distributed.union_over_ranks); a window computed twice is replaced through vLLM's own eviction
+    of cached blocks (kv_cache.uncache_blocks)."""
+    import dataclasses
+
+    from vllm.distributed.parallel_state import GroupCoordinator
+    from vllm.v1.core.block_pool import BlockPool
+    from vllm.v1.core.sched.scheduler import Scheduler
+    from vllm.v1.outputs import EMPTY_MODEL_RUNNER_OUTPUT, ModelRunnerOutput
+    from vllm.v1.worker.gpu_model_runner import AsyncGPUModelRunnerOutput, GPUModelRunner
+
+    from vllm_kvevict.vllm_compat.patching import _lookup
+
+    _starts_with(_lookup(GPUModelRunner, "sample_tokens"), "self", "grammar_output")
+    _starts_with(_lookup(GPUModelRunner, "_pool"), "self")
+    assert "self._model_runner_output = model_runner_output" in inspect.getsource(AsyncGPUModelRunnerOutput)
+    assert "return output" in inspect.getsource(AsyncGPUModelRunnerOutput.get_output)
+    assert dataclasses.is_dataclass(ModelRunnerOutput) and not hasattr(ModelRunnerOutput, "__slots__")
+    assert isinstance(EMPTY_MODEL_RUNNER_OUTPUT, ModelRunnerOutput)
+    _starts_with(_lookup(Scheduler, "update_from_output"), "self", "scheduler_output", "model_runner_output")
+    _starts_with(BlockPool.evict_blocks, "self", "block_ids")
+    assert "cpu_group" in GroupCoordinator.__annotations__

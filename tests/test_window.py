@@ -19,6 +19,7 @@ from vllm_kvevict.window import (
     next_point,
     peak_blocks,
     pure_hit_limit,
+    settle_limit,
     step_limit,
     step_window,
     tail_end,
@@ -198,3 +199,47 @@ def test_bound_holds_under_in_flight_steps(cfg, chunk, batches, seed):
         elif in_flight:
             processed = in_flight.pop(0)
     assert peak_blocks(prompt, total, cfg, batches * chunk, chunk) <= bound
+
+
+@given(
+    cfg=configs("once"),
+    chunk=st.sampled_from([16, 64, 100, 512]),
+    batches=st.sampled_from([1, 2]),
+    prompt=st.integers(1, 700),
+    generated=st.integers(0, 300),
+    seed=st.integers(0, 2**32),
+)
+def test_a_resumed_once_request_stays_within_its_peak(cfg, chunk, batches, prompt, generated, seed):
+    """A ``once`` window holds its whole prompt until the compaction at its end is processed. A
+    request resumed after preemption recomputes its prompt and what it generated; with a step in
+    flight (asynchronous scheduling) the next step is scheduled before that compaction's blocks
+    come back, so it may take only what its last block has room for (``settle_limit``): the blocks
+    held never exceed ``peak_blocks``, which the API checks against the pool (an admitted request
+    that exceeded it, alone in the pool, would be preempted at every attempt, forever)."""
+    rng = random.Random(seed)
+    total = prompt + generated + 1  # what it recomputes, then one more token
+    bs, peak = cfg.block_size, peak_blocks(prompt, total, cfg, batches * chunk, chunk)
+    processed, in_flight = 0, []
+    while processed < total:
+        scheduled = in_flight[-1] if in_flight else processed
+        if len(in_flight) < batches and scheduled < total and rng.random() < 0.8:
+            n = min(chunk, total - scheduled)  # a resumed request takes all the budget gives
+            for limit in (step_limit(scheduled, prompt, cfg), settle_limit(scheduled, processed, prompt, cfg)):
+                n = min(n, limit) if limit is not None else n
+            in_flight.append(scheduled + n)
+            held = -(-in_flight[-1] // bs) - evicted_tokens(processed, prompt, cfg) // bs
+            assert held <= peak, (processed, in_flight, held, peak)
+        elif in_flight:
+            processed = in_flight.pop(0)
+
+
+def test_settle_limit_examples():
+    once = WindowConfig(budget=100, block_size=32, trigger="once")
+    assert settle_limit(1000, 999, 1000, once) == 24  # the prompt's last block has 24 free slots
+    assert settle_limit(1024, 1000, 1024, once) == 1  # a full last block: one token, one block more
+    assert settle_limit(1000, 1000, 1000, once) is None  # the compaction is processed
+    assert settle_limit(900, 800, 1000, once) is None  # before the prompt's end: step_limit cuts there
+    assert settle_limit(1000, 999, 1000, WindowConfig(budget=100, block_size=32)) is None  # chunked
+    assert settle_limit(64, 0, 64, once) is None  # a prompt within the budget evicts nothing
+    # asynchronous scheduling: one token's block beside a prompt that fills its last block
+    assert peak_blocks(1024, 1100, once, 1024, 512) == 33 and peak_blocks(1024, 1100, once, 512, 512) == 32

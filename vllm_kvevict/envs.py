@@ -114,8 +114,9 @@ _VARS = [
         "KVEVICT_TEST_FAULT",
         "",
         lambda s: frozenset(n.strip() for n in s.split(",") if n.strip()),
-        "tests only: comma-separated policy names whose scoring raises (`name`), or whose row preparation "
-        "raises (`name@prepare`), to exercise the fault isolation",
+        "tests only: comma-separated policy names whose scoring raises (`name`; `name#n`: only its first n "
+        "scoring calls in each worker process), or whose row preparation raises (`name@prepare`), and "
+        "`@safe`, `@recall`, `@tier`, to exercise the fault isolation",
         "tests",
     ),
     EnvVar(

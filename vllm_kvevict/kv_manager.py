@@ -47,6 +47,7 @@ from vllm_kvevict.window import (
     last_boundary,
     next_point,
     pure_hit_limit,
+    settle_limit,
     step_limit,
     window_bound_blocks,
 )
@@ -136,6 +137,9 @@ class _Attempt:
     #: ``E1``, the first compaction point scheduled in this attempt: no block at or after it is
     #: ever hashed as a pure block (None while no scheduled step compacts)
     fence: int | None = None
+    #: ``(E1, L1)``: the pure blocks below ``E1`` that the step reaching ``L1`` computes, hashed
+    #: once that step has run (vLLM's priority scheduling may still take the step back)
+    pure_pending: tuple[int, int] | None = None
     #: compaction points scheduled whose windows wait to be cached (once their step has run)
     windows: list[int] = field(default_factory=list)
     #: tokens up to which the blocks computed after compaction points (tails) have been cached
@@ -295,7 +299,9 @@ class KVEvictManager(FullAttentionManager):
 
         The first compaction point ``E1`` of the attempt fences the prefix cache: blocks ``[0, E1)``
         were computed with nothing evicted and no compaction ever writes them (every compaction
-        writes ``[E, L)`` with ``E >= E1``), so they are hashed now; no block at or after ``E1`` is
+        writes ``[E, L)`` with ``E >= E1``), so they are hashed now, those this step computes once
+        it has run (vLLM's priority scheduling may preempt a request it has already scheduled in
+        the step being built, which then never runs); no block at or after ``E1`` is
         ever hashed in this attempt (the first compaction rewrites ``[E1, L1)``, and everything
         computed after it attended to a window), except the copies of the blocks it rewrites
         (:meth:`_save`)."""
@@ -309,8 +315,10 @@ class KVEvictManager(FullAttentionManager):
             return
         if att.fence is None:
             att.fence = e
-            self._cache_pure(request, e)
-        if self.enable_caching and st.settings.shares_windows and num_tokens % st.settings.window.step == 0:
+            self._cache_pure(request, min(e, start))  # computed in earlier steps
+            if start < e:
+                att.pure_pending = (e, num_tokens)
+        if self._caches_windows(st) and num_tokens % st.settings.window.step == 0:
             att.windows.append(num_tokens)  # cached once the step has run (remove_skipped_blocks, free)
             if self.copies and st.settings.shares_tails:
                 self._save(request, st.settings, att, start, num_tokens)
@@ -320,6 +328,25 @@ class KVEvictManager(FullAttentionManager):
             self._metrics.inc("tokens_evicted", policy, freed * self.block_size)
             self._metrics.inc("compactions", policy)
         att.scheduled_e = e
+
+    def _caches_windows(self, st: RequestState) -> bool:
+        """Whether what the request compacts is cached for others: it shares its windows and no
+        worker has replaced its policy (a window the safe policy kept is not what its
+        configuration computes, and its per-slot state was never snapshotted)."""
+        return self.enable_caching and st.settings.shares_windows and st.fell_back_from is None
+
+    def fell_back(self, request_id: str) -> None:
+        """A worker replaced the request's policy by the safe policy in a step whose results the
+        core has not yet seen: nothing of the request is cached from now on (its windows, tails and
+        copies; it keeps the safe policy for life, on every rank), and the copies it holds aside
+        go back uncached. Its pure blocks stay: they were computed before anything was evicted."""
+        att = self._attempts.get(request_id)
+        if att is None:
+            return
+        att.windows.clear()
+        if att.saves:
+            self.block_pool.free_blocks([blk for *_, blk in att.saves])
+            att.saves = []
 
     def _save(self, request, settings: RequestSettings, att: _Attempt, start: int, p: int) -> None:
         """Copy aside the request's blocks that its compaction at ``p``, in the step just scheduled,
@@ -456,6 +483,7 @@ class KVEvictManager(FullAttentionManager):
         blocks = self.req_to_blocks.get(request_id)
         att = self._attempts.get(request_id)
         if att is not None and self.enable_caching:  # before the blocks of a window it has left go back
+            self._cache_pending_pure(request_id, att, processed_computed_tokens)
             self._cache_windows(request_id, att, processed_computed_tokens)
         if e <= 0 or blocks is None or att is None:
             return
@@ -494,6 +522,14 @@ class KVEvictManager(FullAttentionManager):
         num_tokens = min(num_tokens, len(request.block_hashes) * self.block_size, request.num_tokens)
         self._vllm_cache_blocks(request, num_tokens // self.block_size * self.block_size)
 
+    def _cache_pending_pure(self, request_id: str, att: _Attempt, processed: int) -> None:
+        """Hash the pure blocks the step that set the fence computed, once it has run."""
+        st = ENGINE.get(request_id)
+        if att.pure_pending is None or processed < att.pure_pending[1] or st is None or st.request is None:
+            return
+        self._cache_pure(st.request, att.pure_pending[0])
+        att.pure_pending = None
+
     def _cache_at_free(self, request_id: str) -> None:
         """When a request with an evicting window is freed (finished, aborted, preempted), every
         step it will ever run has been scheduled: its blocks below the fence (all of them when no
@@ -506,7 +542,7 @@ class KVEvictManager(FullAttentionManager):
         request = st.request
         computed = min(request.num_computed_tokens, len(self.req_to_blocks.get(request_id, ())) * self.block_size)
         self._cache_pure(request, computed if att.fence is None else min(att.fence, computed))
-        if self.enable_caching:
+        if self._caches_windows(st):
             processed = vllm_kv_cache.processed_tokens(request)
             self._cache_windows(request_id, att, processed)
             if self.copies and st.settings.shares_tails:
@@ -535,7 +571,7 @@ class KVEvictManager(FullAttentionManager):
         known to the core (async scheduling) is dropped, as is one whose blocks are going back.
         Then the tails computed since (:meth:`_cache_tails`)."""
         st = ENGINE.get(request_id)
-        if st is None or st.request is None:
+        if st is None or st.request is None or not self._caches_windows(st):
             return
         ready = [b for b in att.windows if b <= processed]
         if ready:
@@ -596,8 +632,13 @@ class KVEvictManager(FullAttentionManager):
         if len(blocks) * bs != b - e or any(blk.is_null or blk.block_hash is not None for blk in blocks):
             return  # pragma: no cover - a window's blocks are the request's own, never hashed
         keys = list(self._window_keys(request.block_hashes[b // hbs - 1], settings, len(blocks)))
-        if vllm_kv_cache.cached_block(self.block_pool, keys[0]) is not None:
+        cached = [c for c in (vllm_kv_cache.cached_block(self.block_pool, key) for key in keys) if c is not None]
+        if len(cached) == len(keys):
             return  # the same window is cached already (another request with this prefix)
+        # Part of another computation of this window (the rest left with vLLM's LRU): replaced
+        # whole, never mixed with this one's blocks (two computations may keep different tokens:
+        # numerics that depend on the batch).
+        vllm_kv_cache.uncache_blocks(self.block_pool, cached)
         for key, blk in zip(keys, blocks):
             vllm_kv_cache.cache_block(self.block_pool, key, blk)
 
@@ -671,8 +712,8 @@ class KVEvictManager(FullAttentionManager):
             other = ENGINE.get(rid)
             if rid == request.request_id or other is None or other.request is None:
                 continue
-            if other.settings.window_salt != settings.window_salt:
-                continue
+            if other.settings.window_salt != settings.window_salt or other.fell_back_from is not None:
+                continue  # another configuration, or one whose windows are not cached
             theirs, n = other.request.block_hashes, 0
             while n < min(len(mine), len(theirs)) and mine[n] == theirs[n]:
                 n += 1
@@ -777,6 +818,17 @@ def install_scheduler_hooks() -> None:
         for m in ours(managers):
             m.scheduled(request, start, num_tokens)
 
+    def on_fallbacks(request_ids: frozenset[str], managers: list) -> None:
+        for rid in request_ids:
+            st = ENGINE.get(rid)
+            if st is None:  # finished or aborted before this step's results arrived
+                continue
+            if st.fell_back_from is None:
+                st.fell_back_from = "a worker"
+                logger.debug("kvevict: request %s fell back on a worker: nothing of it is cached", rid)
+            for m in ours(managers):
+                m.fell_back(rid)
+
     def on_window(request, num_tokens: int, managers: list) -> tuple[list, int] | None:
         (m,) = managers
         return m.window_hit(request, num_tokens) if isinstance(m, KVEvictManager) else None
@@ -787,12 +839,18 @@ def install_scheduler_hooks() -> None:
                 return 0
             settings = m.state_of(request).settings
             saves = settings.policy.needs.window if m.copies and settings.shares_tails else None
-            limit = step_limit(start, request.num_prompt_tokens, settings.window, saves)
-            if limit is not None:
-                num_tokens = min(num_tokens, limit)
+            prompt = request.num_prompt_tokens
+            for limit in (
+                step_limit(start, prompt, settings.window, saves),
+                settle_limit(start, vllm_kv_cache.processed_tokens(request), prompt, settings.window),
+            ):
+                if limit is not None:
+                    num_tokens = min(num_tokens, limit)
         return num_tokens
 
-    vllm_kv_cache.install_request_hooks(on_allocate, on_end, on_prefix_hit, on_scheduled, on_hit, on_chunk, on_window)
+    vllm_kv_cache.install_request_hooks(
+        on_allocate, on_end, on_prefix_hit, on_scheduled, on_hit, on_chunk, on_window, on_fallbacks
+    )
 
 
 def register_spec() -> None:

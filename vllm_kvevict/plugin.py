@@ -77,6 +77,12 @@ def _refuse_unsafe_combinations(vllm_config, cfg) -> None:
     server may evict: by default, or through a per-request override)."""
     if getattr(vllm_config, "speculative_config", None) is not None:
         _refuse("speculative decoding (--speculative-config)", "draft and verified tokens would need their own windows")
+    if getattr(getattr(vllm_config, "parallel_config", None), "pipeline_parallel_size", 1) > 1:
+        _refuse(
+            "pipeline parallelism (--pipeline-parallel-size)",
+            "a policy that fails on one stage must reach the engine core before it caches that request's "
+            "windows; tensor parallelism is supported",
+        )
     cache = vllm_config.cache_config
     if getattr(vllm_config, "kv_transfer_config", None) is not None or getattr(cache, "kv_offloading_size", None):
         _refuse(

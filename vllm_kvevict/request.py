@@ -181,7 +181,9 @@ class RequestState:
     window_hit: int = 0
     #: engine core: vLLM's request while it holds blocks (its block hashes, for the prefix cache)
     request: Any = None
-    #: worker: the policy a fault made it leave for the safe policy (backends/fault.py), if any
+    #: the policy a fault made it leave for the safe policy (backends/fault.py), if any: on a
+    #: worker, set where it failed; in the engine core, from the step's output (nothing of it is
+    #: cached from then on). Kept for the request's life, across preemption.
     fell_back_from: str | None = None
     #: worker: recall or its tier raised for this request (warned once; backends/recall.py)
     recall_failed: bool = False

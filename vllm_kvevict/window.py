@@ -179,6 +179,20 @@ def step_limit(L: int, prompt_len: int, cfg: WindowConfig, saves: int | None = N
     return limit
 
 
+def settle_limit(L: int, processed: int, prompt_len: int, cfg: WindowConfig) -> int | None:
+    """The most tokens a ``once`` window's step may compute from ``L`` while its compaction at the
+    end of its prompt is in flight (``processed`` tokens below the prompt's end): what its last
+    block has room for, at least one. The compaction's blocks go back only once its step is
+    processed, so a step scheduled before that (asynchronous scheduling: a request resumed after
+    preemption recomputes its generated tokens in one step) holds at most one block beyond its
+    prompt's (:func:`peak_blocks`). ``None``: no limit."""
+    if not cfg.enabled or cfg.trigger == "chunked" or L < prompt_len or processed >= prompt_len:
+        return None
+    if _floor_evict(prompt_len, cfg) == 0:
+        return None
+    return max(1, -L % cfg.block_size)
+
+
 def window_bound_blocks(cfg: WindowConfig, max_in_flight: int, max_chunk: int | None = None) -> int:
     """Most blocks a request holds at any time in ``chunked`` mode.
 
@@ -205,7 +219,10 @@ def peak_blocks(
     prompt_len: int, total_len: int, cfg: WindowConfig, max_in_flight: int, max_chunk: int | None = None
 ) -> int:
     """Most blocks a request with this window ever holds, computing ``total_len`` tokens
-    (prompt plus the most it may generate) of which ``prompt_len`` are prompt."""
+    (prompt plus the most it may generate) of which ``prompt_len`` are prompt. A ``once`` window
+    holds its whole prompt until the compaction at its end is processed, and under asynchronous
+    scheduling (``max_in_flight`` beyond one chunk) one more token's block beside it
+    (:func:`settle_limit`)."""
     bs = cfg.block_size
     full = -(-total_len // bs)
     if not cfg.enabled:
@@ -216,7 +233,8 @@ def peak_blocks(
             return prefill
         # E stays at its last boundary inside the prompt while the request decodes.
         return min(full, max(prefill, full - evicted_tokens(prompt_len, prompt_len, cfg) // bs))
-    return min(full, max(-(-prompt_len // bs), full - _floor_evict(prompt_len, cfg) // bs))
+    in_flight = 1 if max_in_flight > (max_chunk or max_in_flight) and total_len > prompt_len else 0
+    return min(full, max(-(-(prompt_len + in_flight) // bs), full - _floor_evict(prompt_len, cfg) // bs))
 
 
 @dataclass(frozen=True)

@@ -69,6 +69,14 @@ CASES = {  # name: (--additional-config, KVEVICT_CONFIG, extra vllm args, the on
         "invalid kvevict configuration: a KV transfer or offloading connector (--kv-transfer-config, "
         "--kv-offloading-size) is not supported with eviction (compaction rewrites blocks the connector would copy)",
     ),
+    "pipeline_parallel": (
+        {"kvevict": {"policy": "keydiff", "budget": 64}},
+        None,
+        ["--pipeline-parallel-size", "2"],
+        "invalid kvevict configuration: pipeline parallelism (--pipeline-parallel-size) is not supported with "
+        "eviction (a policy that fails on one stage must reach the engine core before it caches that request's "
+        "windows; tensor parallelism is supported)",
+    ),
     "model_runner_v2": (
         {"kvevict": {"policy": "keydiff", "budget": 64}},
         None,

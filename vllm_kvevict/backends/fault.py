@@ -21,6 +21,13 @@ The backend's preparation of a row (its queries, query window, output projection
 guarded the same way: a request whose preparation raises (for example a policy that needs ``W_O``
 on a model where none is found) falls back before the step.
 
+The engine core must hear of every fallback before it caches anything of that attempt: a window
+the safe policy compacted, cached under the request's configuration, would be read by every later
+request with that prefix as if its policy had made it. :func:`fall_back` notes the request for the
+step; once the step's forward has run, :func:`step_fallbacks` hands the step's fallbacks of every
+tensor-parallel rank to the model runner's output (``vllm_compat/runner.py``), which the engine core
+reads before it looks at the step's results (``kv_manager.py``, ``on_fallbacks``).
+
 Testing: :mod:`vllm_kvevict.testing.hooks` makes policies raise on demand (``KVEVICT_TEST_FAULT``),
 outside this module and the forward path.
 """
@@ -36,7 +43,8 @@ from vllm_kvevict import metrics
 from vllm_kvevict._logging import logger
 from vllm_kvevict.policies import Policy
 from vllm_kvevict.policies.streamingllm import StreamingLLM, StreamingLLMParams
-from vllm_kvevict.request import RequestState
+from vllm_kvevict.request import WORKER, RequestState
+from vllm_kvevict.vllm_compat import distributed as vllm_distributed
 
 #: Keeps the newest tokens per KV head (StreamingLLM without sinks): scores are the positions,
 #: nothing it computes can fail for a window the engine could gather.
@@ -44,6 +52,9 @@ SAFE_POLICY: Policy = StreamingLLM(StreamingLLMParams(sink_tokens=0))
 
 #: policy name -> requests that fell back to :data:`SAFE_POLICY` in this worker since start.
 FALLBACKS: Counter[str] = Counter()
+
+#: requests that fell back in this worker since the last :func:`step_fallbacks`
+_unreported: set[str] = set()
 
 
 def policy_of(state: RequestState, decoding: bool = False) -> Policy:
@@ -61,6 +72,8 @@ def fall_back(state: RequestState | None, req_id: str | None, policy: Policy, er
         if state.fell_back_from is not None:
             return
         state.fell_back_from = name
+    if req_id is not None:
+        _unreported.add(req_id)
     FALLBACKS[name] += 1
     rec = metrics.worker_recorder()
     if rec is not None:
@@ -72,6 +85,21 @@ def fall_back(state: RequestState | None, req_id: str | None, policy: Policy, er
         type(err).__name__,
         str(err)[:200],
     )
+
+
+def step_fallbacks() -> frozenset[str]:
+    """The requests that fell back in the step just run, on this rank or any other of its
+    tensor-parallel group (called by every rank once per step: the ranks agree), for the step's
+    output to the engine core. A request that fell back on another rank falls back here too: every
+    rank runs the safe policy from the next step on."""
+    mine = frozenset(_unreported)
+    _unreported.clear()
+    every = vllm_distributed.union_over_ranks(mine)
+    for rid in every - mine:
+        st = WORKER.get(rid)
+        if st is not None and st.fell_back_from is None:
+            st.fell_back_from = "another rank's fallback"
+    return every
 
 
 def isolate(

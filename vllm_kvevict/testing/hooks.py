@@ -6,7 +6,10 @@ the workers). Nothing here is called from the forward path otherwise.
 * ``KVEVICT_TEST_FAULT=<policy>[,<policy>@prepare...]``: those policies' classes are replaced, in
   this process's ``POLICIES``, by subclasses whose scoring (``<policy>``) or whose row preparation
   by the backend (``<policy>@prepare``: where it reads the queries and ``W_O``, before the step)
-  raises, so a test can fault one request among many (backends/fault.py isolates it). Three more
+  raises, so a test can fault one request among many (backends/fault.py isolates it);
+  ``<policy>#<n>``: only the first ``n`` scoring calls (``score``, ``score_ragged``, ``observe``,
+  ``merge``) in this process raise, then the policy works again (a fault in one compaction and not
+  the next: the batched step and its row-by-row retry are two calls). Three more
   names fault what the fault path itself runs on, in this process: ``@safe`` (the safe policy a
   failing request falls back to), ``@recall`` (recall's scoring at the prompt's end) and ``@tier``
   (adding evicted tokens to a recall tier).
@@ -80,19 +83,28 @@ class _FailingNeeds(Needs):
 
 def faulty_class(cls: type[Policy], names: frozenset[str]) -> type[Policy]:
     """``cls``, or a subclass that raises: ``name`` in ``names`` makes its scoring raise (inside the
-    eviction step), ``name@prepare`` the backend's preparation of its rows."""
+    eviction step), ``name#n`` its first ``n`` scoring calls, ``name@prepare`` the backend's
+    preparation of its rows."""
     if getattr(cls, "kvevict_faulty", False):
         return cls
-    if cls.name in names:
+    counted = [int(n.partition("#")[2]) for n in names if n.partition("#")[0] == cls.name and "#" in n]
+    if cls.name in names or counted:
+        left = [counted[0] if counted and cls.name not in names else -1]  # -1: every call
 
-        def fail(*_args, **_kwargs):
-            raise InjectedFault(f"fault injected into {cls.name} by {TEST_FAULT_ENV}")
+        def failing(method: str):
+            def fail(self, *args, **kwargs):
+                if left[0] == 0:
+                    return getattr(cls, method)(self, *args, **kwargs)
+                left[0] = max(-1, left[0] - 1)
+                raise InjectedFault(f"fault injected into {cls.name} by {TEST_FAULT_ENV}")
+
+            return fail
 
         methods = {
-            "score": fail,
-            "observe": fail,
-            **({"merge": fail} if cls.merge is not Policy.merge else {}),
-            **({"score_ragged": fail} if cls.score_ragged is not Policy.score_ragged else {}),
+            "score": failing("score"),
+            "observe": failing("observe"),
+            **({"merge": failing("merge")} if cls.merge is not Policy.merge else {}),
+            **({"score_ragged": failing("score_ragged")} if cls.score_ragged is not Policy.score_ragged else {}),
         }
     elif f"{cls.name}@prepare" in names:
 

@@ -47,6 +47,7 @@ __all__ = [
     "pure_block_key",
     "register_spec",
     "request_extra_args",
+    "uncache_blocks",
     "window_block_keys",
 ]
 
@@ -131,6 +132,12 @@ def cache_block(block_pool, key, block) -> None:
         block_pool._insert_block_hash(key, block, num_tokens=None)
 
 
+def uncache_blocks(block_pool, blocks) -> None:
+    """Take ``blocks`` out of vLLM's prefix cache (``BlockPool.evict_blocks``, 0.32 and 0.33: their
+    hashes go, the blocks stay with whoever holds them and go back to the pool as uncached)."""
+    block_pool.evict_blocks({blk.block_id for blk in blocks})
+
+
 def cached_block(block_pool, key):
     """The block cached under ``key``, or None."""
     return block_pool.cached_block_hash_to_block.get_one_block(key)
@@ -154,6 +161,7 @@ def install_request_hooks(
     on_hit: Callable[[object, int], None],
     on_chunk: Callable[[object, int, int, list], int],
     on_window: Callable[[object, int, list], tuple[list, int] | None],
+    on_fallbacks: Callable[[frozenset[str], list], None],
 ) -> None:
     """The single-type managers only see request ids; ``KVCacheManager`` sees the request.
 
@@ -184,7 +192,11 @@ def install_request_hooks(
     ``on_window(request, num_tokens, single_type_managers)`` sees every lookup after the pure hit
     is decided (``num_tokens``), on a model with one KV cache group, and returns a
     cached compacted window the request may start on instead, ``(blocks, tokens)`` (the group's
-    block list: null blocks for the evicted prefix, then the window's), or None. vLLM 0.32/0.33:
+    block list: null blocks for the evicted prefix, then the window's), or None;
+    ``on_fallbacks(request_ids, single_type_managers)`` gets the requests whose policy a worker
+    replaced by the safe policy in a step (``runner.output_fallbacks``), first thing in
+    ``Scheduler.update_from_output`` for that step: before vLLM advances anything from the step's
+    results, so before the core frees, finishes or schedules on them. vLLM 0.32/0.33:
     ``get_computed_blocks`` returns ``(KVCacheBlocks, num_tokens,
     shared_prefix_boundary)`` (0.33 adds an optional ``max_cache_hit_length``, passed on);
     ``find_longest_cache_hit(block_hashes, max_length)`` returns ``(blocks, num_tokens,
@@ -255,6 +267,20 @@ def install_request_hooks(
 
         return reserve
 
+    from vllm_kvevict.vllm_compat.runner import output_fallbacks
+
+    def make_output(orig):
+        def update_from_output(self, scheduler_output, model_runner_output, *args, **kwargs):
+            fallbacks = output_fallbacks(model_runner_output)
+            if fallbacks:
+                on_fallbacks(fallbacks, list(self.kv_cache_manager.coordinator.single_type_managers))
+            return orig(self, scheduler_output, model_runner_output, *args, **kwargs)
+
+        return update_from_output
+
+    wrap_method(
+        Scheduler, "update_from_output", make_output, "kvevict: the workers' fallbacks, before a step's results"
+    )
     wrap_method(
         Scheduler,
         "_reserve_prefill_lookahead",

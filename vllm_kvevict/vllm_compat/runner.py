@@ -213,6 +213,54 @@ def add_step_listener(
     wrap_method(GPUModelRunner, "execute_model", make, "kvevict: step boundaries (metrics, KVEVICT_PROFILE_DIR)")
 
 
+#: The attribute of vLLM's ``ModelRunnerOutput`` that carries the requests whose policy fell back in
+#: the step (a frozenset of request ids; absent: none). The output is pickled to the engine core with
+#: its attributes (vLLM 0.32/0.33 ``MessageQueue``), or handed over in process.
+FALLBACKS_ATTR = "kvevict_fallbacks"
+
+
+def attach_fallbacks(output, req_ids: frozenset[str]) -> bool:
+    """Put ``req_ids`` on a step's output (a ``ModelRunnerOutput``, or the ``ModelRunnerOutput`` an
+    ``AsyncGPUModelRunnerOutput`` will return), beside any already there. False when the output
+    cannot carry them (vLLM's shared empty output, or no output): the caller keeps them."""
+    from vllm.v1.outputs import EMPTY_MODEL_RUNNER_OUTPUT, ModelRunnerOutput
+
+    inner = getattr(output, "_model_runner_output", output)  # AsyncGPUModelRunnerOutput (0.32, 0.33)
+    if not isinstance(inner, ModelRunnerOutput) or inner is EMPTY_MODEL_RUNNER_OUTPUT:
+        return False
+    setattr(inner, FALLBACKS_ATTR, frozenset(getattr(inner, FALLBACKS_ATTR, ())) | req_ids)
+    return True
+
+
+def output_fallbacks(output) -> frozenset[str]:
+    """The requests a step's output says fell back (engine core side)."""
+    return frozenset(getattr(output, FALLBACKS_ATTR, ()))
+
+
+def install_output_hook(take: Callable[[], frozenset[str]]) -> None:
+    """Hand the step's fallbacks to its output: ``take()`` once the step's forward has run, on every
+    rank (it may agree with the other ranks: every rank calls it at the same point), its result on
+    the output the engine core receives. vLLM 0.32/0.33: after ``execute_model`` ran the forward,
+    ``GPUModelRunner.sample_tokens`` builds the step's output (``_pool`` for pooling models, called
+    from ``execute_model``); a step with nothing scheduled runs neither. Idempotent."""
+    from vllm.v1.worker.gpu_model_runner import GPUModelRunner
+
+    pending: set[str] = set()
+
+    def make(orig):
+        def wrapped(self, *args, **kwargs):
+            out = orig(self, *args, **kwargs)
+            pending.update(take())
+            if pending and attach_fallbacks(out, frozenset(pending)):
+                pending.clear()
+            return out
+
+        return wrapped
+
+    wrap_method(GPUModelRunner, "sample_tokens", make, "kvevict: a step's fallbacks to the engine core")
+    wrap_method(GPUModelRunner, "_pool", make, "kvevict: a step's fallbacks to the engine core (pooling)")
+
+
 def _sync(device) -> None:
     if device is not None and getattr(device, "type", None) == "cuda":
         import torch

