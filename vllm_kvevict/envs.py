@@ -116,7 +116,8 @@ _VARS = [
         lambda s: frozenset(n.strip() for n in s.split(",") if n.strip()),
         "tests only: comma-separated policy names whose scoring raises (`name`; `name#n`: only its first n "
         "scoring calls in each worker process), or whose row preparation raises (`name@prepare`), and "
-        "`@safe`, `@recall`, `@tier`, to exercise the fault isolation",
+        "`@safe`, `@recall`, `@tier`, `@alloc:<site>[#n]` (positions, state, snapshot, overlay), to exercise "
+        "the fault isolation",
         "tests",
     ),
     EnvVar(

@@ -66,6 +66,19 @@ def _eviction_time(device):
         yield
 
 
+@contextlib.contextmanager
+def _guarded(plan):
+    """The last line around what the plugin adds to a layer's forward (each part guards its own
+    failures, per request, first): anything that still escapes falls back every evicting request
+    of the step, whose windows stay as they are, and never reaches vLLM, which would declare the
+    engine dead for every user."""
+    try:
+        yield
+    except Exception as err:  # noqa: BLE001
+        logger.debug("kvevict: the step's eviction failed outside its guards (%r)", err, exc_info=True)
+        fault.fall_back_rows(plan, err)
+
+
 def _current_config() -> KVEvictConfig:
     global _worker_vllm_config
     _worker_vllm_config = vllm_attention.current_vllm_config()
@@ -171,6 +184,22 @@ class KVEvictBuilderMixin:
         return self.kvevict_metadata.of(built, plan)
 
 
+def per_slot(site: str, kv_cache: torch.Tensor, dtype: torch.dtype, init: float) -> torch.Tensor:
+    """A ``[num_slots, H]`` tensor beside a layer's KV cache, filled with ``init``: its slot
+    positions (``site`` ``"positions"``), a policy's per-slot state (``"state"``) or its snapshot
+    of compacted windows (``"snapshot"``). Allocated the first time the layer needs it, after vLLM
+    has sized its pool: a failure falls back the requests of the step that needed it, never reaches
+    the engine (``KVEVICT_TEST_FAULT=@alloc:<site>`` makes it fail)."""
+    nb, H, bs = kv_cache.shape[:3]
+    return torch.full((nb * bs, H), init, dtype=dtype, device=kv_cache.device)
+
+
+def rows_of(site: str, t: torch.Tensor, idx: torch.Tensor) -> torch.Tensor:
+    """``t[idx]``, a copy: a request's own copy of a cached window's state (``site``
+    ``"overlay"``), guarded like :func:`per_slot`."""
+    return t[idx]
+
+
 def _slots(plan, ranges: tuple[tuple[int, int, int], ...], block_size: int) -> torch.Tensor:
     """The physical slots of logical tokens ``[start, end)`` of each ``(row, start, end)``, packed;
     computed by the step's first layer that asks and kept on the plan for the others."""
@@ -256,14 +285,14 @@ class KVEvictImplMixin(RecallMixin):
             info_once(f"kvevict: first forward through {type(self).__name__} ({name})", key="forward")
         plan = attn_metadata.kvevict_plan if isinstance(attn_metadata, KVEvictMetadata) else None
         if plan is not None and recall_ends(plan):
-            with _eviction_time(query.device), profiling.timed("recall_s", query.device):
+            with _eviction_time(query.device), profiling.timed("recall_s", query.device), _guarded(plan):
                 self._recall_before_attention(layer, query, kv_cache, plan)
         with profiling.timed("attn_s", query.device):
             out = super().forward(  # type: ignore[misc]  # vLLM's impl, mixed in after this class
                 layer, query, key, value, kv_cache, attn_metadata, *args, **kwargs
             )
         if plan is not None:
-            with _eviction_time(query.device):
+            with _eviction_time(query.device), _guarded(plan):
                 self._kvevict_after_attention(layer, query, kv_cache, plan)
         return out
 
@@ -271,7 +300,7 @@ class KVEvictImplMixin(RecallMixin):
         """Per-slot, per-head absolute positions, moved with the tokens at every compaction."""
         nb, H, bs = kv_cache.shape[:3]
         if self._kvevict_slot_pos is None or self._kvevict_slot_pos.shape[0] != nb * bs:
-            self._kvevict_slot_pos = torch.zeros(nb * bs, H, dtype=torch.int32, device=kv_cache.device)
+            self._kvevict_slot_pos = per_slot("positions", kv_cache, torch.int32, 0)
         return self._kvevict_slot_pos
 
     def _model_kv_heads(self) -> list[int]:
@@ -296,12 +325,12 @@ class KVEvictImplMixin(RecallMixin):
         store = self._kvevict_window_state if snapshot else self._kvevict_slot_state
         t = store.get(name)
         if t is None:
-            nb, H, bs = kv_cache.shape[:3]
-            t = store[name] = torch.full((nb * bs, H), init, dtype=dtype, device=kv_cache.device)
+            t = store[name] = per_slot("snapshot" if snapshot else "state", kv_cache, dtype, init)
         return t
 
     def _window_overlays(self, plan, work: list[RowWork], kv_cache, layer) -> dict[int, dict[str, torch.Tensor]]:
-        """The per-slot state of the cached windows requests started on, each request's own copy.
+        """The per-slot state of the cached windows requests started on, each request's own copy
+        (a request whose copy cannot be made falls back: its item in ``work`` is replaced).
 
         A request that starts an attempt with ``e_prev > 0`` starts on a cached window (the engine
         core cuts a pure hit below the first compaction point): its first ``L_prev - e_prev`` slots
@@ -310,24 +339,31 @@ class KVEvictImplMixin(RecallMixin):
         it (:meth:`_snapshot_windows`), observes into its copy, and drops the copy once its next
         compaction has moved past the window."""
         out = {}
-        for w in work:
+        for i, w in enumerate(work):
             needs, r = w.policy.needs, w.row
             if not needs.state:
                 continue
             ls = self._layer_state(plan, r, layer)
             if ls.window_state is None and plan.req_ids[r] in plan.starts and plan.e_prev[r] > 0:
-                slots = _slots(plan, ((r, plan.e_prev[r], plan.L_prev[r]),), kv_cache.shape[2])
-                ls.window_state = {
-                    k: self._state(kv_cache, k, dtype, init, snapshot=True)[slots].clone()
-                    for k, (dtype, init) in needs.state.items()
-                }
+                try:
+                    slots = _slots(plan, ((r, plan.e_prev[r], plan.L_prev[r]),), kv_cache.shape[2])
+                    ls.window_state = {
+                        k: rows_of("overlay", self._state(kv_cache, k, dtype, init, snapshot=True), slots)
+                        for k, (dtype, init) in needs.state.items()
+                    }
+                except Exception as err:  # noqa: BLE001 - e.g. out of memory: this request falls back
+                    fault.fall_back(plan.states[r], plan.req_ids[r], w.policy, err)
+                    work[i] = RowWork(r, fault.SAFE_POLICY, w.compact, keep_evicted=w.keep_evicted)
+                    continue
             if ls.window_state is not None:
                 out[r] = ls.window_state
         return out
 
     def _snapshot_windows(self, plan, work: list[RowWork], kv_cache, layer) -> None:
         """Keep the per-slot state each compaction of a request that shares its windows left in its
-        window, and drop a row's copy of the window it started on once it has compacted past it."""
+        window, and drop a row's copy of the window it started on once it has compacted past it.
+        Requests whose snapshot cannot be written fall back (a window is cached with its state or
+        not at all: the engine core hears of the fallback before it caches the window)."""
         rows = [w for w in work if w.compact and w.policy.needs.state]
         if not rows:
             return
@@ -338,9 +374,14 @@ class KVEvictImplMixin(RecallMixin):
         rows = [w for w in rows if plan.states[w.row].settings.shares_windows]
         if not rows:
             return
-        slots = _slots(plan, tuple((w.row, plan.e_new[w.row], plan.seq_lens[w.row]) for w in rows), kv_cache.shape[2])
-        for k, (dtype, init) in {k: v for w in rows for k, v in w.policy.needs.state.items()}.items():
-            self._state(kv_cache, k, dtype, init, snapshot=True)[slots] = self._kvevict_slot_state[k][slots]
+        try:
+            slots = _slots(
+                plan, tuple((w.row, plan.e_new[w.row], plan.seq_lens[w.row]) for w in rows), kv_cache.shape[2]
+            )
+            for k, (dtype, init) in {k: v for w in rows for k, v in w.policy.needs.state.items()}.items():
+                self._state(kv_cache, k, dtype, init, snapshot=True)[slots] = self._kvevict_slot_state[k][slots]
+        except Exception as err:  # noqa: BLE001 - their windows go without their state: not cached
+            fault.fall_back_rows(plan, err, [w.row for w in rows])
 
     def _w_o(self, layer) -> torch.Tensor:
         if self._kvevict_w_o is None:
@@ -396,7 +437,13 @@ class KVEvictImplMixin(RecallMixin):
         return RowWork(r, policy, compacts, inputs)
 
     def _kvevict_after_attention(self, layer, query, kv_cache, plan) -> None:
-        slot_pos = self._slot_pos(kv_cache)
+        if not plan.states:  # a dummy batch: no request behind its rows
+            return
+        try:
+            slot_pos = self._slot_pos(kv_cache)
+        except Exception as err:  # noqa: BLE001 - no positions to score by: windows left as they are
+            fault.fall_back_rows(plan, err)
+            return
         written = plan.memo.get("written")
         if written is None:  # the same in every layer of the step
             valid = plan.slot_mapping >= 0
@@ -406,8 +453,6 @@ class KVEvictImplMixin(RecallMixin):
         if in_order is not None:
             slot_pos[in_order[0]] = in_order[1].to(slot_pos)[:, None]
         compact = set(plan.compact_rows)
-        if not plan.states:  # a dummy batch: no request behind its rows
-            return
         done = plan.prompt_lens  # a row decoding: its prompt was complete before this step
         policies = [
             fault.policy_of(st, done is not None and plan.L_prev[r] >= done[r]) if st.settings.evicts else None

@@ -87,6 +87,17 @@ def fall_back(state: RequestState | None, req_id: str | None, policy: Policy, er
     )
 
 
+def fall_back_rows(plan, err: BaseException, rows=None) -> None:
+    """Every evicting request of the step's ``rows`` (all of them by default) falls back, for
+    ``err``: what this layer's step could not do for them (an allocation that failed, any error
+    outside the isolated step) is not done, and each compacting row's window is left as it is
+    (the safe policy's kept set)."""
+    for r in range(len(plan.states)) if rows is None else rows:
+        st = plan.states[r]
+        if st.settings.evicts:
+            fall_back(st, plan.req_ids[r] if plan.req_ids else None, policy_of(st), err)
+
+
 def step_fallbacks() -> frozenset[str]:
     """The requests that fell back in the step just run, on this rank or any other of its
     tensor-parallel group (called by every rank once per step: the ranks agree), for the step's

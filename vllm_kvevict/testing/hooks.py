@@ -9,7 +9,10 @@ the workers). Nothing here is called from the forward path otherwise.
   raises, so a test can fault one request among many (backends/fault.py isolates it);
   ``<policy>#<n>``: only the first ``n`` scoring calls (``score``, ``score_ragged``, ``observe``,
   ``merge``) in this process raise, then the policy works again (a fault in one compaction and not
-  the next: the batched step and its row-by-row retry are two calls). Three more
+  the next: the batched step and its row-by-row retry are two calls);
+  ``@alloc:<site>[#n]``: the eviction step's allocation at ``site`` (``positions``, ``state``,
+  ``snapshot``, ``overlay``: ``backends/base.per_slot`` and ``rows_of``) fails as an out-of-memory
+  would (always, or its first ``n`` times). Three more
   names fault what the fault path itself runs on, in this process: ``@safe`` (the safe policy a
   failing request falls back to), ``@recall`` (recall's scoring at the prompt's end) and ``@tier``
   (adding evicted tokens to a recall tier).
@@ -56,6 +59,13 @@ def install() -> None:
             recall.recall_scores = fail("recall")
         if "@tier" in faults:
             recall.Tier.add = fail("the recall tier")  # type: ignore[method-assign]
+    allocs = _counted({n.removeprefix("@alloc:") for n in faults if n.startswith("@alloc:")})
+    if allocs:
+        from vllm_kvevict.backends import base
+
+        if not getattr(base.per_slot, "kvevict_faulty", False):
+            base.per_slot = _failing_allocation(base.per_slot, allocs)
+            base.rows_of = _failing_allocation(base.rows_of, allocs)
     if envs.KVEVICT_TEST_HOLD is not None:
         from vllm_kvevict.backends.plan import add_plan_listener
 
@@ -64,6 +74,26 @@ def install() -> None:
 
 class InjectedFault(RuntimeError):
     pass
+
+
+def _counted(names: set[str]) -> dict[str, int]:
+    """``{"name": -1, "other#2": ...}`` as ``{name: calls left to fail}`` (-1: every call)."""
+    return {n.partition("#")[0]: int(n.partition("#")[2]) if "#" in n else -1 for n in names}
+
+
+def _failing_allocation(fn, left: dict[str, int]):
+    """``fn(site, ...)`` (one of the eviction step's allocations, ``backends/base.py``) failing as
+    an out-of-memory would, at the sites in ``left`` (the first ``n`` times, or always)."""
+
+    def allocate(site: str, *args, **kwargs):
+        n = left.get(site, 0)
+        if n == 0:
+            return fn(site, *args, **kwargs)
+        left[site] = max(-1, n - 1)
+        raise InjectedFault(f"out of memory: allocation at {site!r} failed (injected by {TEST_FAULT_ENV})")
+
+    allocate.kvevict_faulty = True  # type: ignore[attr-defined]
+    return allocate
 
 
 class _FailingNeeds(Needs):
