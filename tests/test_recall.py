@@ -190,9 +190,10 @@ def test_tier_on_a_gpu_copies_without_waiting_and_reads_only_landed_copies():
     assert torch.equal(got.state["acc"].cpu()[order, h], 2 * cat.score[best, h])
 
 
-def test_tiers_over_the_budget_drop_the_lowest_scored_across_requests():
-    """``trim_tiers``: all of a worker's tiers within ``max_bytes``, each keeping its best tokens of
-    each head; what goes is the lowest-scored across tiers (a tier of high scores keeps more)."""
+def test_tiers_over_the_budget_drop_their_lowest_scored():
+    """``trim_tiers``: all of a request's tiers (its layers) within ``max_bytes``, each keeping its
+    best tokens of each head; what goes is the lowest-scored across its layers (a layer of high
+    scores keeps more)."""
     from vllm_kvevict.backends.recall import trim_tiers
 
     g = torch.Generator().manual_seed(0)
@@ -208,9 +209,9 @@ def test_tiers_over_the_budget_drop_the_lowest_scored_across_requests():
     tiers = [high, low, mixed]
     scores = [t.chunks[0].score.clone() for t in tiers]
     row = high.nbytes / 50
-    assert trim_tiers(tiers, 10**9) == 0  # within the budget: nothing changes
+    assert trim_tiers([tiers], 10**9) == 0  # within the budget: nothing changes
     budget = int(60 * row)
-    dropped = trim_tiers(tiers, budget)
+    dropped = trim_tiers([tiers], budget)
     assert sum(t.nbytes for t in tiers) <= budget and dropped > 0
     assert high.tokens > mixed.tokens > low.tokens
     for t, s in zip(tiers, scores):  # each head keeps its best scores
@@ -220,4 +221,43 @@ def test_tiers_over_the_budget_drop_the_lowest_scored_across_requests():
                 assert torch.equal(
                     kept[:, h].sort(descending=True).values, s[:, h].sort(descending=True).values[: t.tokens]
                 )
-    assert trim_tiers(tiers, 0) > 0 and all(t.tokens == 0 for t in tiers)
+    assert trim_tiers([tiers], 0) > 0 and all(t.tokens == 0 for t in tiers)
+
+
+def test_a_trim_is_fair_across_requests_and_policies():
+    """Scores of different policies are not comparable (StreamingLLM's are positions, up to the
+    context length; SnapKV's at most 1): the trim gives every request holding tiers at least its
+    share of the budget (a request below its share keeps all it holds, and what it leaves goes to
+    the others), and ranks tokens only within a request."""
+    from vllm_kvevict.backends.recall import trim_tiers
+
+    g = torch.Generator().manual_seed(1)
+
+    def tier(n: int, score: torch.Tensor) -> Tier:
+        t = Tier()
+        pos = torch.arange(n)[:, None].expand(n, 2).contiguous()
+        t.add(TierEntry(torch.randn(n, 2, 4, generator=g), torch.randn(n, 2, 4, generator=g), pos, score), cap=10**6)
+        return t
+
+    def snapkv(n: int) -> Tier:
+        return tier(n, torch.rand(n, 2, generator=g))
+
+    def streaming(n: int) -> Tier:
+        return tier(n, torch.arange(1000, 1000 + n, dtype=torch.float32)[:, None].expand(n, 2).contiguous())
+
+    tenant_a = [snapkv(400), snapkv(400)]  # two layers each
+    tenant_b = [streaming(400), streaming(400)]
+    row = tenant_a[0].nbytes / 400
+    budget = int(800 * row)  # half of what both hold
+    trim_tiers([tenant_a, tenant_b], budget)
+    held = [sum(t.nbytes for t in req) for req in (tenant_a, tenant_b)]
+    assert sum(held) <= budget
+    assert all(h >= budget / 2 - 2 * row for h in held), held  # each its half (whole rows per tier)
+    # a small request keeps all it holds; the large one gets the rest
+    small, large = [snapkv(50)], [streaming(1000)]
+    trim_tiers([small, large], int(400 * row))
+    assert small[0].tokens == 50 and large[0].tokens == 350
+    # within a request, the best-scored go last (across its layers)
+    layers = [tier(100, torch.full((100, 2), 0.9)), tier(100, torch.full((100, 2), 0.1))]
+    trim_tiers([layers], int(100 * row))
+    assert layers[0].tokens == 100 and layers[1].tokens == 0

@@ -16,8 +16,9 @@ GPU server in pinned host memory, copied from the device asynchronously (the cop
 step's stream and waited for only when the tier next merges, a step later, or at recall, when it is
 copied back the same way). It is bounded by ``recall.max_bytes`` per worker (every request and
 layer) and, where set, by ``recall.cap`` tokens per request, layer and KV head (plus, on a GPU, the
-newest compaction's tokens while their copy is in flight): when full, the lowest-scored tokens go
-first. It is part of the request's state in the worker
+newest compaction's tokens while their copy is in flight): when full, every request keeps at
+least its share of the budget and drops its own lowest-scored tokens first (scores of different
+policies are not comparable, and one tenant must not empty another's tier). It is part of the request's state in the worker
 (:class:`~vllm_kvevict.request.LayerState`), so it goes when the request finishes, is aborted or
 restarts after preemption.
 """
@@ -138,7 +139,13 @@ def _merge(chunks: list[TierEntry], cap: int) -> TierEntry | None:
 
 def worker_tiers() -> list[Tier]:
     """Every recall tier of this worker process (all requests and layers)."""
-    return [ls.tier for st in WORKER.states() for ls in st.layers.values() if ls.tier is not None]
+    return [t for req in request_tiers() for t in req]
+
+
+def request_tiers() -> list[list[Tier]]:
+    """This worker's recall tiers, one list (its layers') per request that holds any."""
+    out = [[ls.tier for ls in st.layers.values() if ls.tier is not None] for st in WORKER.states()]
+    return [req for req in out if req]
 
 
 @cache
@@ -148,14 +155,37 @@ def default_max_bytes() -> int:
     return os.sysconf("SC_PAGE_SIZE") * os.sysconf("SC_PHYS_PAGES") // 16
 
 
-def trim_tiers(tiers: list[Tier], max_bytes: int) -> int:
-    """Drop the lowest-scored tokens across ``tiers`` (every request and layer of a worker) until
-    they hold at most ``max_bytes``; returns the bytes dropped. A tier keeps its ``k`` best tokens of
-    each KV head: its ``j``-th row is worth the mean over heads of each head's ``j``-th best score,
-    and rows are kept, best first across all tiers, while they fit."""
-    before = sum(t.nbytes for t in tiers)
-    if before <= max_bytes:
+def fair_shares(held: list[int], max_bytes: int) -> list[int]:
+    """How many of ``max_bytes`` each request may hold, ``held`` what each holds: an equal share,
+    and what a request holding less leaves is shared by the others (max-min fairness)."""
+    shares = [0] * len(held)
+    left = max_bytes
+    order = sorted(range(len(held)), key=held.__getitem__)
+    for n, i in enumerate(order):
+        shares[i] = min(held[i], left // (len(held) - n))
+        left -= shares[i]
+    return shares
+
+
+def trim_tiers(requests: list[list[Tier]], max_bytes: int) -> int:
+    """Keep a worker's tiers (``requests``: each request's tiers, one per layer) within
+    ``max_bytes``; returns the bytes dropped. Each request keeps at least its share
+    (:func:`fair_shares`), so one tenant's long requests cannot empty the others' tiers, and what a
+    request drops is ranked within it alone: the scores of different policies are not comparable
+    (StreamingLLM's are positions, SnapKV's attention shares). Within a request a tier keeps its
+    ``k`` best tokens of each KV head: its ``j``-th row is worth the mean over heads of each head's
+    ``j``-th best score, and rows are kept, best first across the request's layers, while they fit."""
+    held = [sum(t.nbytes for t in req) for req in requests]
+    if sum(held) <= max_bytes:
         return 0
+    for req, has, share in zip(requests, held, fair_shares(held, max_bytes)):
+        if has > share:
+            _trim_request(req, share)
+    return sum(held) - sum(t.nbytes for req in requests for t in req)
+
+
+def _trim_request(tiers: list[Tier], max_bytes: int) -> None:
+    """One request's tiers within ``max_bytes``, its lowest-scored rows first (see :func:`trim_tiers`)."""
     rows = []  # (worth, tier index, bytes of one row)
     entries: list[TierEntry | None] = []
     for i, t in enumerate(tiers):
@@ -176,7 +206,6 @@ def trim_tiers(tiers: list[Tier], max_bytes: int) -> int:
         keep[i] += 1
     for t, e, k in zip(tiers, entries, keep):
         t.chunks = [_best(e, k)] if e is not None and k else []
-    return before - sum(t.nbytes for t in tiers)
 
 
 def _best(e: TierEntry, cap: int) -> TierEntry:
@@ -277,11 +306,11 @@ class RecallMixin:
 
     def _bound_tiers(self, plan, rows: list[int]) -> None:
         """Keep every tier of this worker within ``recall.max_bytes`` (the server's; the default
-        :func:`default_max_bytes`) after ``rows`` added to theirs: the lowest-scored tokens across
-        requests and layers go first (:func:`trim_tiers`)."""
+        :func:`default_max_bytes`) after ``rows`` added to theirs: each request keeps at least its
+        share, and drops its own lowest-scored tokens first (:func:`trim_tiers`)."""
         limit = plan.states[rows[0]].settings.config.recall.max_bytes
         try:
-            dropped = trim_tiers(worker_tiers(), default_max_bytes() if limit is None else limit)
+            dropped = trim_tiers(request_tiers(), default_max_bytes() if limit is None else limit)
             if dropped:
                 logger.debug("kvevict: recall tiers over their budget: %d bytes dropped", dropped)
         except Exception as err:  # noqa: BLE001 - memory first: these rows' tiers go
