@@ -4,6 +4,7 @@
 from __future__ import annotations
 
 import importlib.metadata as md
+import os
 
 import pytest
 import torch
@@ -171,3 +172,47 @@ def test_cuda_graphs_resolve_to_piecewise():
     c.set_splitting_ops_for_v1(all2all_backend="none")
     with pytest.raises(ValueError, match="PIECEWISE"):
         c.resolve_cudagraph_mode_and_sizes(support, "kvevict")
+
+
+_UNSUPPORTED = """
+import sys
+import vllm
+vllm.__version__ = "0.99.0"  # a release the plugin was not written for, as vLLM reports it
+from vllm.engine.arg_utils import EngineArgs  # loads the installed plugins as `vllm serve` does
+args = EngineArgs(model=sys.argv[1], dtype="float32", block_size=32, enforce_eager=True,
+                  attention_backend=sys.argv[2] or None)
+print("configured", args.create_engine_config().attention_config.backend, flush=True)
+"""
+
+
+@pytest.mark.parametrize("backend", ["", "kvevict"])
+def test_an_unsupported_vllm_is_left_alone_unless_kvevict_is_selected(backend, tiny_model, monkeypatch):
+    """On a vLLM release outside the supported ones, installing the plugin must not stop any
+    server: vLLM loads every installed plugin and does not catch what one raises. One WARNING and
+    nothing installed; a server that selects the kvevict backend is refused with one line."""
+    import subprocess
+    import sys
+
+    from vllm_kvevict.testing.server import BASE_ENV
+
+    monkeypatch.delenv("KVEVICT_ALLOW_UNTESTED_VLLM", raising=False)
+    env = {**os.environ, **BASE_ENV, "KVEVICT_CONFIG": ""}
+    proc = subprocess.run(
+        [sys.executable, "-c", _UNSUPPORTED, str(tiny_model), backend],
+        capture_output=True,
+        text=True,
+        env=env,
+        timeout=300,
+    )
+    out = proc.stdout + proc.stderr
+    warning = "vllm-kvevict supports vLLM 0.32.x, 0.33.x but found 0.99.0: the plugin stays inactive"
+    assert out.count(warning) == 1, out[-3000:]
+    if not backend:
+        assert proc.returncode == 0 and "configured None" in out, out[-3000:]
+        return
+    assert proc.returncode != 0 and "Traceback" not in out, out[-3000:]
+    lines = [ln for ln in out.splitlines() if "invalid kvevict configuration" in ln]
+    assert lines == [
+        "ERROR: invalid kvevict configuration: vllm-kvevict supports vLLM 0.32.x, 0.33.x but found 0.99.0; "
+        "serve without --attention-backend kvevict, or set KVEVICT_ALLOW_UNTESTED_VLLM=1 to try it anyway"
+    ], out[-3000:]

@@ -18,7 +18,7 @@ from __future__ import annotations
 
 import sys
 
-from vllm_kvevict import envs, metrics
+from vllm_kvevict import envs, metrics, vllm_compat
 from vllm_kvevict._logging import logger
 from vllm_kvevict.backends import CPU_BACKEND, FLASH_ATTN_BACKEND
 from vllm_kvevict.config import (
@@ -30,7 +30,6 @@ from vllm_kvevict.config import (
 )
 from vllm_kvevict.request import RequestSettings, resolve
 from vllm_kvevict.vllm_compat import attention as vllm_attention
-from vllm_kvevict.vllm_compat import check_supported
 from vllm_kvevict.vllm_compat import engine as vllm_engine
 from vllm_kvevict.vllm_compat import metrics as vllm_metrics
 from vllm_kvevict.vllm_compat import runner as vllm_runner
@@ -119,6 +118,17 @@ def check_request(vllm_config, params):
         )
 
     def fits(request) -> None:
+        if getattr(request, "resumable", False) and settings.evicts:
+            # vLLM's streaming input (AsyncLLM.generate with an input stream, the realtime API)
+            # extends a live request's prompt while it keeps its blocks: the prompt's length, which
+            # a `once` window's compaction point and a window's caching depend on, would change
+            # under a compacted window.
+            raise RequestConfigError(
+                "kvevict_enabled: streaming input is not supported with eviction (the prompt would grow "
+                "under a compacted window); send each input as a request of its own, or set "
+                "kvevict_enabled to false for this one",
+                "kvevict_enabled",
+            )
         sp = getattr(request, "sampling_params", None)
         if sp is None:
             return
@@ -201,12 +211,49 @@ def _install_excepthook() -> None:
     sys.excepthook = hook
 
 
+def _stay_inactive() -> None:
+    """On a vLLM release outside the supported ones, install nothing a server uses unless it
+    selects the kvevict backend: vLLM loads every installed plugin in every process and lets what
+    a plugin raises stop it, so raising here would stop every ``vllm serve`` of the environment,
+    with or without eviction. One WARNING; ``--attention-backend kvevict`` is then refused with
+    one line when vLLM checks its configuration. Whatever of vLLM this touches may have moved in
+    that release: if it has, nothing is installed (vLLM then refuses the unknown backend name)."""
+    logger.warning(
+        "kvevict: %s: the plugin stays inactive (--attention-backend kvevict is refused). %s=1 tries it "
+        "anyway; VLLM_PLUGINS (the names of the plugins to load) leaves it out",
+        vllm_compat.unsupported_reason(),
+        vllm_compat.ALLOW_UNTESTED_ENV,
+    )
+    try:
+        vllm_attention.alias_custom(ALIAS)
+        vllm_engine.install_config_hook(vllm_attention.platform_class(), _refuse_unsupported)
+        _install_excepthook()
+    except Exception as err:  # noqa: BLE001 - an internal that moved: vLLM refuses the name itself
+        logger.debug("kvevict: could not install the refusal of the kvevict backend (%r)", err)
+
+
+def _refuse_unsupported(vllm_config) -> None:
+    """Refuse the kvevict backend on an unsupported vLLM (its CUSTOM backend left unregistered)."""
+    try:
+        refused = vllm_attention.custom_selected(vllm_config) and not vllm_attention.custom_registered()
+    except Exception:  # noqa: BLE001 - a configuration this release shapes otherwise: not ours to stop
+        return
+    if refused:
+        raise KVEvictConfigError(
+            f"invalid kvevict configuration: {vllm_compat.unsupported_reason()}; serve without "
+            f"--attention-backend kvevict, or set {vllm_compat.ALLOW_UNTESTED_ENV}=1 to try it anyway"
+        )
+
+
 def register() -> None:
     """The ``vllm.general_plugins`` entry point; safe to call any number of times."""
     global _registered
     if _registered:
         return
-    check_supported()
+    if not vllm_compat.supported():
+        _stay_inactive()
+        _registered = True
+        return
     kind = vllm_attention.platform_kind()
     path = CPU_BACKEND if kind == "cpu" else FLASH_ATTN_BACKEND
     vllm_attention.register_custom(path, ALIAS)

@@ -44,11 +44,18 @@ def vllm_version_is(*series: str) -> bool:
     return any(version == s or version.startswith(s + ".") for s in series)
 
 
+def supported() -> bool:
+    """Whether the installed vLLM is one the plugin may install itself into: a release of
+    :data:`SUPPORTED`, or any with ``KVEVICT_ALLOW_UNTESTED_VLLM=1``."""
+    return vllm_version_is(*SUPPORTED) or envs.KVEVICT_ALLOW_UNTESTED_VLLM
+
+
+def unsupported_reason() -> str:
+    """Why :func:`supported` is False, in words."""
+    return f"vllm-kvevict supports vLLM {', '.join(s + '.x' for s in SUPPORTED)} but found {vllm_version()}"
+
+
 def check_supported() -> None:
     """Refuse a vLLM release outside :data:`SUPPORTED` (``KVEVICT_ALLOW_UNTESTED_VLLM=1`` to try)."""
-    if vllm_version_is(*SUPPORTED) or envs.KVEVICT_ALLOW_UNTESTED_VLLM:
-        return
-    raise RuntimeError(
-        f"vllm-kvevict supports vLLM {', '.join(s + '.x' for s in SUPPORTED)} but found {vllm_version()}; "
-        f"set {ALLOW_UNTESTED_ENV}=1 to try anyway"
-    )
+    if not supported():
+        raise RuntimeError(f"{unsupported_reason()}; set {ALLOW_UNTESTED_ENV}=1 to try anyway")

@@ -115,6 +115,22 @@ def register_custom(class_path: str, alias: str) -> None:
     AttentionBackendEnum._member_map_.setdefault(alias.upper(), AttentionBackendEnum.CUSTOM)
 
 
+def alias_custom(alias: str) -> None:
+    """Make ``alias`` name vLLM's CUSTOM backend on the command line, unless another plugin has
+    made CUSTOM its own (``--attention-backend <alias>`` would then run that plugin's backend)."""
+    from vllm.v1.attention.backends.registry import AttentionBackendEnum
+
+    if not AttentionBackendEnum.CUSTOM.is_overridden():
+        AttentionBackendEnum._member_map_.setdefault(alias.upper(), AttentionBackendEnum.CUSTOM)
+
+
+def custom_registered() -> bool:
+    """Whether some plugin has registered vLLM's CUSTOM backend in this process."""
+    from vllm.v1.attention.backends.registry import AttentionBackendEnum
+
+    return AttentionBackendEnum.CUSTOM.is_overridden()
+
+
 def custom_selected(vllm_config) -> bool:
     """Whether ``vllm_config`` selects the CUSTOM backend (``--attention-backend kvevict``)."""
     from vllm.v1.attention.backends.registry import AttentionBackendEnum
