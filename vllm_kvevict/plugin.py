@@ -219,10 +219,10 @@ def _stay_inactive() -> None:
     one line when vLLM checks its configuration. Whatever of vLLM this touches may have moved in
     that release: if it has, nothing is installed (vLLM then refuses the unknown backend name)."""
     logger.warning(
-        "kvevict: %s: the plugin stays inactive (--attention-backend kvevict is refused). %s=1 tries it "
-        "anyway; VLLM_PLUGINS (the names of the plugins to load) leaves it out",
-        vllm_compat.unsupported_reason(),
-        vllm_compat.ALLOW_UNTESTED_ENV,
+        f"kvevict: vllm-kvevict supports vLLM {vllm_compat.supported_series()} but found "
+        f"{vllm_compat.vllm_version()}: the plugin stays inactive (--attention-backend kvevict is refused). "
+        "KVEVICT_ALLOW_UNTESTED_VLLM=1 tries it anyway; VLLM_PLUGINS (the names of the plugins to load) "
+        "leaves it out"
     )
     try:
         vllm_attention.alias_custom(ALIAS)
@@ -241,7 +241,7 @@ def _refuse_unsupported(vllm_config) -> None:
     if refused:
         raise KVEvictConfigError(
             f"invalid kvevict configuration: {vllm_compat.unsupported_reason()}; serve without "
-            f"--attention-backend kvevict, or set {vllm_compat.ALLOW_UNTESTED_ENV}=1 to try it anyway"
+            "--attention-backend kvevict, or set KVEVICT_ALLOW_UNTESTED_VLLM=1 to try it anyway"
         )
 
 

@@ -50,9 +50,14 @@ def supported() -> bool:
     return vllm_version_is(*SUPPORTED) or envs.KVEVICT_ALLOW_UNTESTED_VLLM
 
 
+def supported_series() -> str:
+    """The supported release series, in words (``0.32.x, 0.33.x``)."""
+    return ", ".join(s + ".x" for s in SUPPORTED)
+
+
 def unsupported_reason() -> str:
     """Why :func:`supported` is False, in words."""
-    return f"vllm-kvevict supports vLLM {', '.join(s + '.x' for s in SUPPORTED)} but found {vllm_version()}"
+    return f"vllm-kvevict supports vLLM {supported_series()} but found {vllm_version()}"
 
 
 def check_supported() -> None:
