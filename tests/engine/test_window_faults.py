@@ -16,6 +16,7 @@ it starts on B's window (caching works again once a request computes the documen
 from __future__ import annotations
 
 import json
+import os
 
 import pytest
 
@@ -30,10 +31,8 @@ pytestmark = [pytest.mark.engine, pytest.mark.timeout(900)]
 BUDGET, BS = 256, 32
 
 
-@pytest.fixture(scope="module")
-def server(gqa_model, tmp_path_factory):
-    base = tmp_path_factory.mktemp("window-faults")
-    args = [
+def _args() -> list[str]:
+    return [
         "--attention-backend",
         "kvevict",
         *CPU_SERVER_ARGS,
@@ -46,25 +45,52 @@ def server(gqa_model, tmp_path_factory):
         "--additional-config",
         json.dumps({"kvevict": {"policy": "h2o", "budget": BUDGET}}),
     ]
+
+
+@pytest.fixture(scope="module")
+def server(gqa_model, tmp_path_factory):
+    base = tmp_path_factory.mktemp("window-faults")
     env = {"KVEVICT_TEST_FAULT": "h2o#2", "VLLM_SERVER_DEV_MODE": "1"}
-    with VLLMServer(gqa_model, args, log_path=base / "server.log", env=env) as srv:
+    with VLLMServer(gqa_model, _args(), log_path=base / "server.log", env=env) as srv:
         yield srv
 
 
-def test_a_request_that_fell_back_leaves_no_window_behind(server, hf_model):
-    vocab = hf_model.config.vocab_size
+def _check(srv: VLLMServer, vocab: int) -> None:
+    """A falls back (one WARNING); B, with A's document, starts on nothing of A's and equals itself
+    alone; C starts on B's window."""
     doc = make_prompt(700, 11, vocab)
-    a = complete(server, doc + make_prompt(30, 12, vocab), 16)
-    (warning,) = server.wait_log(r"kvevict: request (\S+): policy h2o failed \(InjectedFault")
+    a = complete(srv, doc + make_prompt(30, 12, vocab), 16)
+    (warning,) = srv.wait_log(r"kvevict: request (\S+): policy h2o failed \(InjectedFault")
     assert warning[1].startswith(a["id"] + "-")
-    wait_until(lambda: _released(server, a["id"]), 60, "A's release line")
-    assert server.metrics().get("kvevict:fallbacks_total", 0.0) == 1
+    wait_until(lambda: _released(srv, a["id"]), 60, "A's release line")
+    assert srv.metrics().get("kvevict:fallbacks_total", 0.0) == 1
 
     mine = doc + make_prompt(40, 13, vocab)
-    b = complete(server, mine, 24)
+    b = complete(srv, mine, 24)
     assert b["cached_tokens"] == 0, "B started on the window of a request that fell back"
-    wait_until(lambda: _released(server, b["id"]), 60, "B's release line")
-    c = complete(server, doc + make_prompt(50, 14, vocab), 8)  # B computed the document right
+    wait_until(lambda: _released(srv, b["id"]), 60, "B's release line")
+    c = complete(srv, doc + make_prompt(50, 14, vocab), 8)  # B computed the document right
     assert c["cached_tokens"] == last_boundary(len(doc), WindowConfig(BUDGET, BS))
-    _same(b, _from_scratch(server, mine, 24))
-    assert len(server.wait_log(r"policy h2o failed")) == 1  # the fault was A's alone
+    _same(b, _from_scratch(srv, mine, 24))
+    assert len(srv.wait_log(r"policy h2o failed")) == 1  # the fault was A's alone
+
+
+def test_a_request_that_fell_back_leaves_no_window_behind(server, hf_model):
+    _check(server, hf_model.config.vocab_size)
+
+
+@pytest.mark.skipif(len(os.sched_getaffinity(0)) < 2, reason="tensor parallel size 2 needs two cores")
+def test_a_fallback_on_one_rank_reaches_every_rank_and_the_engine_core(gqa_model, hf_model, tmp_path):
+    """Tensor parallelism: H2O fails on rank 1 only (``h2o#2/rank1``), in A's first step. Only rank
+    0's output reaches the engine core; the ranks share their fallbacks at the end of the step, so
+    rank 0 keeps the safe policy for A too and the core caches nothing of A: B computes the
+    document itself and equals B alone, and C starts on B's window."""
+    cpus = sorted(os.sched_getaffinity(0))[:2]
+    env = {
+        "KVEVICT_TEST_FAULT": "h2o#2/rank1",
+        "VLLM_SERVER_DEV_MODE": "1",
+        "VLLM_CPU_OMP_THREADS_BIND": "|".join(map(str, cpus)),
+    }
+    args = [*_args(), "--tensor-parallel-size", "2"]
+    with VLLMServer(gqa_model, args, log_path=tmp_path / "server.log", env=env, startup_timeout=600) as srv:
+        _check(srv, hf_model.config.vocab_size)

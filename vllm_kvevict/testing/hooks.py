@@ -9,7 +9,8 @@ the workers). Nothing here is called from the forward path otherwise.
   raises, so a test can fault one request among many (backends/fault.py isolates it);
   ``<policy>#<n>``: only the first ``n`` scoring calls (``score``, ``score_ragged``, ``observe``,
   ``merge``) in this process raise, then the policy works again (a fault in one compaction and not
-  the next: the batched step and its row-by-row retry are two calls);
+  the next: the batched step and its row-by-row retry are two calls); ``<policy>#<n>/rank<r>``:
+  only on tensor-parallel rank ``r``;
   ``@alloc:<site>[#n]``: the eviction step's allocation at ``site`` (``positions``, ``state``,
   ``snapshot``, ``overlay``: ``backends/base.per_slot`` and ``rows_of``) fails as an out-of-memory
   would (always, or its first ``n`` times). Three more
@@ -30,6 +31,7 @@ from pathlib import Path
 from vllm_kvevict import envs
 from vllm_kvevict._logging import logger
 from vllm_kvevict.policies import POLICIES, Needs, Policy
+from vllm_kvevict.vllm_compat import distributed as vllm_distributed
 
 TEST_FAULT_ENV = "KVEVICT_TEST_FAULT"
 #: the longest a held step waits for its test (then it goes on, with a warning)
@@ -76,9 +78,17 @@ class InjectedFault(RuntimeError):
     pass
 
 
+def _spec(name: str) -> tuple[str, int, int | None]:
+    """``"h2o#2/rank1"`` as ``("h2o", 2, 1)``: what fails, how many times (-1: always), on which
+    tensor-parallel rank (None: every rank)."""
+    name, _, rank = name.partition("/rank")
+    name, _, count = name.partition("#")
+    return name, int(count) if count else -1, int(rank) if rank else None
+
+
 def _counted(names: set[str]) -> dict[str, int]:
-    """``{"name": -1, "other#2": ...}`` as ``{name: calls left to fail}`` (-1: every call)."""
-    return {n.partition("#")[0]: int(n.partition("#")[2]) if "#" in n else -1 for n in names}
+    """``{"name", "other#2"}`` as ``{name: calls left to fail}`` (-1: every call)."""
+    return {name: count for name, count, _rank in map(_spec, names)}
 
 
 def _failing_allocation(fn, left: dict[str, int]):
@@ -113,17 +123,19 @@ class _FailingNeeds(Needs):
 
 def faulty_class(cls: type[Policy], names: frozenset[str]) -> type[Policy]:
     """``cls``, or a subclass that raises: ``name`` in ``names`` makes its scoring raise (inside the
-    eviction step), ``name#n`` its first ``n`` scoring calls, ``name@prepare`` the backend's
-    preparation of its rows."""
+    eviction step), ``name#n`` its first ``n`` scoring calls (``name#n/rank<r>``: on that
+    tensor-parallel rank only), ``name@prepare`` the backend's preparation of its rows."""
     if getattr(cls, "kvevict_faulty", False):
         return cls
-    counted = [int(n.partition("#")[2]) for n in names if n.partition("#")[0] == cls.name and "#" in n]
-    if cls.name in names or counted:
-        left = [counted[0] if counted and cls.name not in names else -1]  # -1: every call
+    specs = [_spec(n) for n in names]
+    mine = [(count, rank) for name, count, rank in specs if name == cls.name]
+    if mine:
+        count, rank = mine[0]
+        left = [count]
 
         def failing(method: str):
             def fail(self, *args, **kwargs):
-                if left[0] == 0:
+                if left[0] == 0 or (rank is not None and vllm_distributed.tensor_parallel()[0] != rank):
                     return getattr(cls, method)(self, *args, **kwargs)
                 left[0] = max(-1, left[0] - 1)
                 raise InjectedFault(f"fault injected into {cls.name} by {TEST_FAULT_ENV}")
