@@ -115,7 +115,8 @@ _VARS = [
         "",
         lambda s: frozenset(n.strip() for n in s.split(",") if n.strip()),
         "tests only: comma-separated policy names whose scoring raises (`name`; `name#n`: only its first n "
-        "scoring calls in each worker process), or whose row preparation raises (`name@prepare`), and "
+        "scoring calls in each worker process; `name#n/rank<r>`: on that tensor-parallel rank), or whose row "
+        "preparation raises (`name@prepare`), and "
         "`@safe`, `@recall`, `@tier`, `@alloc:<site>[#n]` (positions, state, snapshot, overlay), to exercise "
         "the fault isolation",
         "tests",
