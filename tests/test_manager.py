@@ -255,23 +255,19 @@ def test_a_cut_hit_stays_consistent_across_kv_cache_groups():
     ENGINE.end("mg-b")
 
 
-def test_hashing_does_not_wait_for_processed_tokens():
-    """Under async scheduling the core may first hear of a request's processed tokens when they have
-    passed two compaction points at once (``remove_skipped_blocks`` sees ``E2``, never ``E1``). What
-    is hashed as pure is decided when each step is scheduled: ``[0, E1)`` at the first compacting
-    step, and nothing at or after ``E1`` ever, however late the processed count catches up. The
-    windows compacted at both points are cached once the core knows their steps have run."""
+def _caching_manager(server: dict, in_flight: int = CHUNK, max_chunk: int | None = None) -> KVCacheManager:
+    """vLLM's KVCacheManager with prefix caching, one group of this plugin's spec."""
     from vllm.utils.hashing import get_hash_fn_by_name
-    from vllm.v1.core.kv_cache_utils import get_request_block_hasher, init_none_hash, make_block_hash_with_group_id
+    from vllm.v1.core.kv_cache_utils import init_none_hash
 
     mgr.register_spec()
     mgr.install_scheduler_hooks()
     init_none_hash(get_hash_fn_by_name("sha256"))
     spec = mgr.KVEvictSpec.from_spec(
         FullAttentionSpec(block_size=BS, num_kv_heads=2, head_size=64, dtype=torch.float32),
-        parse_config({"policy": "keydiff", "budget": BUDGET}),
-        2 * 96,
-        96,
+        parse_config(server),
+        in_flight,
+        max_chunk or in_flight,
     )
     config = KVCacheConfig(num_blocks=NUM_BLOCKS, kv_cache_tensors=[], kv_cache_groups=[KVCacheGroupSpec(["l"], spec)])
     kv = KVCacheManager(
@@ -279,16 +275,36 @@ def test_hashing_does_not_wait_for_processed_tokens():
         max_model_len=MAX_LEN,
         scheduler_block_size=BS,
         hash_block_size=BS,
-        max_in_flight_tokens=2 * 96,
+        max_in_flight_tokens=in_flight,
         enable_caching=True,
     )
-    req = Request(
-        "jump",
-        list(range(3, 403)),
-        SamplingParams(max_tokens=4),
-        None,
-        block_hasher=get_request_block_hasher(BS, get_hash_fn_by_name("sha256")),
-    )
+    return kv
+
+
+def _hashed_request(rid: str, tokens: list[int], max_tokens: int = 4) -> Request:
+    from vllm.utils.hashing import get_hash_fn_by_name
+    from vllm.v1.core.kv_cache_utils import get_request_block_hasher
+
+    hasher = get_request_block_hasher(BS, get_hash_fn_by_name("sha256"))
+    return Request(rid, tokens, SamplingParams(max_tokens=max_tokens), None, block_hasher=hasher)
+
+
+def _run_step(kv: KVCacheManager, req: Request, n: int) -> None:
+    """Schedule ``n`` tokens of ``req`` and let the step run (synchronous scheduling)."""
+    assert kv.allocate_slots(req, n) is not None
+    req.num_computed_tokens += n
+
+
+def test_hashing_does_not_wait_for_processed_tokens():
+    """Under async scheduling the core may first hear of a request's processed tokens when they have
+    passed two compaction points at once (``remove_skipped_blocks`` sees ``E2``, never ``E1``). What
+    is hashed as pure is decided when each step is scheduled: ``[0, E1)`` at the first compacting
+    step, and nothing at or after ``E1`` ever, however late the processed count catches up. The
+    windows compacted at both points are cached once the core knows their steps have run."""
+    from vllm.v1.core.kv_cache_utils import make_block_hash_with_group_id
+
+    kv = _caching_manager({"policy": "keydiff", "budget": BUDGET}, 2 * 96, 96)
+    req = _hashed_request("jump", list(range(3, 403)))
     pure_keys = {make_block_hash_with_group_id(h, 0) for h in req.block_hashes}
 
     def cached() -> tuple[int, int]:
@@ -310,46 +326,6 @@ def test_hashing_does_not_wait_for_processed_tokens():
     assert cached() == (e1 // BS, 6)
     kv.free(req)
     assert cached() == (e1 // BS, 6)
-
-
-def _caching_manager(server: dict, in_flight: int = CHUNK) -> KVCacheManager:
-    from vllm.utils.hashing import get_hash_fn_by_name
-    from vllm.v1.core.kv_cache_utils import init_none_hash
-
-    mgr.register_spec()
-    mgr.install_scheduler_hooks()
-    init_none_hash(get_hash_fn_by_name("sha256"))
-    spec = mgr.KVEvictSpec.from_spec(
-        FullAttentionSpec(block_size=BS, num_kv_heads=2, head_size=64, dtype=torch.float32),
-        parse_config(server),
-        in_flight,
-        in_flight,
-    )
-    config = KVCacheConfig(num_blocks=NUM_BLOCKS, kv_cache_tensors=[], kv_cache_groups=[KVCacheGroupSpec(["l"], spec)])
-    kv = KVCacheManager(
-        config,
-        max_model_len=MAX_LEN,
-        scheduler_block_size=BS,
-        hash_block_size=BS,
-        max_in_flight_tokens=in_flight,
-        enable_caching=True,
-    )
-    _single(kv).copies = True  # one group, hash blocks the size of its blocks (as install_scheduler_hooks sets)
-    return kv
-
-
-def _hashed_request(rid: str, tokens: list[int], max_tokens: int = 4) -> Request:
-    from vllm.utils.hashing import get_hash_fn_by_name
-    from vllm.v1.core.kv_cache_utils import get_request_block_hasher
-
-    hasher = get_request_block_hasher(BS, get_hash_fn_by_name("sha256"))
-    return Request(rid, tokens, SamplingParams(max_tokens=max_tokens), None, block_hasher=hasher)
-
-
-def _run_step(kv: KVCacheManager, req: Request, n: int) -> None:
-    """Schedule ``n`` tokens of ``req`` and let the step run (synchronous scheduling)."""
-    assert kv.allocate_slots(req, n) is not None
-    req.num_computed_tokens += n
 
 
 def test_a_step_taken_back_hashes_nothing_it_would_have_computed():

@@ -18,14 +18,12 @@ The sites are met in this order, each by the request named:
 
 from __future__ import annotations
 
-import json
 from concurrent.futures import ThreadPoolExecutor
 from functools import partial
 
 import pytest
 
-from tests.conftest import CPU_SERVER_ARGS
-from tests.engine.evict_common import check_against_reference, complete, make_prompt
+from tests.engine.evict_common import check_against_reference, complete, make_prompt, server_args
 from tests.engine.test_window_reuse import _released
 from vllm_kvevict.testing.hf_reference import load_attempts
 from vllm_kvevict.testing.server import VLLMServer, wait_until
@@ -41,21 +39,11 @@ SITES = ("positions", "state", "snapshot", "overlay")
 @pytest.fixture(scope="module")
 def server(gqa_model, tmp_path_factory):
     base = tmp_path_factory.mktemp("alloc-faults")
-    args = [
-        "--attention-backend",
-        "kvevict",
-        *CPU_SERVER_ARGS,
-        "--max-model-len",
-        "4096",
-        "--max-num-batched-tokens",
-        "512",
-        "--max-num-seqs",
-        "4",
-        "--enable-prompt-tokens-details",
-        "--enable-log-requests",
-        "--additional-config",
-        json.dumps({"kvevict": {"policy": "keydiff", "budget": BUDGET}}),
-    ]
+    args = server_args(
+        {"policy": "keydiff", "budget": BUDGET},
+        *("--max-model-len", "4096", "--max-num-batched-tokens", "512", "--max-num-seqs", "4"),
+        *("--enable-prompt-tokens-details", "--enable-log-requests"),
+    )
     env = {
         "KVEVICT_TEST_FAULT": ",".join(f"@alloc:{s}#1" for s in SITES),
         "KVEVICT_DUMP_DIR": str(base / "dump"),

@@ -15,13 +15,11 @@ it starts on B's window (caching works again once a request computes the documen
 
 from __future__ import annotations
 
-import json
 import os
 
 import pytest
 
-from tests.conftest import CPU_SERVER_ARGS
-from tests.engine.evict_common import complete, make_prompt
+from tests.engine.evict_common import complete, make_prompt, server_args
 from tests.engine.test_window_reuse import _from_scratch, _released, _same
 from vllm_kvevict.testing.server import VLLMServer, wait_until
 from vllm_kvevict.window import WindowConfig, last_boundary
@@ -32,19 +30,11 @@ BUDGET, BS = 256, 32
 
 
 def _args() -> list[str]:
-    return [
-        "--attention-backend",
-        "kvevict",
-        *CPU_SERVER_ARGS,
-        "--max-model-len",
-        "4096",
-        "--max-num-batched-tokens",
-        "512",
-        "--enable-prompt-tokens-details",
-        "--enable-log-requests",
-        "--additional-config",
-        json.dumps({"kvevict": {"policy": "h2o", "budget": BUDGET}}),
-    ]
+    return server_args(
+        {"policy": "h2o", "budget": BUDGET},
+        *("--max-model-len", "4096", "--max-num-batched-tokens", "512"),
+        *("--enable-prompt-tokens-details", "--enable-log-requests"),
+    )
 
 
 @pytest.fixture(scope="module")
