@@ -216,3 +216,40 @@ def test_an_unsupported_vllm_is_left_alone_unless_kvevict_is_selected(backend, t
         "ERROR: invalid kvevict configuration: vllm-kvevict supports vLLM 0.32.x, 0.33.x but found 0.99.0; "
         "serve without --attention-backend kvevict, or set KVEVICT_ALLOW_UNTESTED_VLLM=1 to try it anyway"
     ], out[-3000:]
+
+
+def test_the_workers_say_which_layers_evict_and_refuse_a_model_where_none_does(registered, caplog):
+    """``plugin.check_layers`` on a worker's KV cache specs (vLLM's own spec classes): with a
+    full-attention layer, one INFO line says which layers evict and which are left to vLLM;
+    without one (the start-up prediction missed a model), one line refuses it."""
+    import logging
+
+    from vllm.config import VllmConfig
+    from vllm.config.attention import AttentionConfig
+    from vllm.v1.attention.backends.registry import AttentionBackendEnum
+    from vllm.v1.kv_cache_interface import FullAttentionSpec, MLAAttentionSpec, SlidingWindowSpec
+
+    from vllm_kvevict import _logging
+    from vllm_kvevict.config import KVEvictConfigError, parse_config
+    from vllm_kvevict.kv_manager import KVEvictSpec
+
+    cfg = VllmConfig(attention_config=AttentionConfig(backend=AttentionBackendEnum.CUSTOM))
+    kw = dict(block_size=32, num_kv_heads=2, head_size=64, dtype=torch.float32)
+    full = KVEvictSpec.from_spec(FullAttentionSpec(**kw), parse_config({}), 64)
+    sliding = SlidingWindowSpec(**kw, sliding_window=256)
+    mla = MLAAttentionSpec(**kw)
+    caplog.set_level(logging.INFO, logger="vllm.kvevict")
+    _logging._logged.discard("layers")
+    plugin.check_layers(cfg, {"l0": sliding, "l1": full, "l2": sliding, "l3": full})
+    assert (
+        "kvevict: 2 of 4 attention layers evict (full attention); left to vLLM: 2 SlidingWindowSpec (window 256)"
+        in (caplog.messages)
+    )
+    with pytest.raises(KVEvictConfigError) as err:
+        plugin.check_layers(cfg, {"l0": sliding, "l1": mla})
+    assert str(err.value) == (
+        "invalid kvevict configuration: this model has no layer eviction applies to (1 MLAAttentionSpec, "
+        "1 SlidingWindowSpec (window 256): the plugin evicts full-attention layers only); serve it without "
+        "--attention-backend kvevict"
+    )
+    plugin.check_layers(VllmConfig(), {"l0": sliding})  # another backend selected: not the plugin's to check

@@ -19,7 +19,7 @@ from __future__ import annotations
 import sys
 
 from vllm_kvevict import envs, metrics, vllm_compat
-from vllm_kvevict._logging import logger
+from vllm_kvevict._logging import info_once, logger
 from vllm_kvevict.backends import CPU_BACKEND, FLASH_ATTN_BACKEND
 from vllm_kvevict.config import (
     KVEvictConfigError,
@@ -88,10 +88,67 @@ def _refuse_unsafe_combinations(vllm_config, cfg) -> None:
             "a KV transfer or offloading connector (--kv-transfer-config, --kv-offloading-size)",
             "compaction rewrites blocks the connector would copy",
         )
+    _refuse_models_without_evictable_layers(vllm_config)
     # The per-step hook that gives the workers each request's own window is in the V1 model runner.
     refusal = vllm_runner.require_v1_runner(vllm_config, logger)
     if refusal is not None:
         _refuse(*refusal)
+
+
+NO_EVICTION = "serve it without --attention-backend kvevict"
+
+
+def _refuse_models_without_evictable_layers(vllm_config) -> None:
+    """A model none of whose layers the plugin evicts would serve as if eviction were off, and
+    say nothing: refused here, from vLLM's own decisions about the model's layers, before any
+    weight loads (the workers check the layers they really built too: :func:`check_layers`).
+    vLLM gives every layer without a window of its own the model's sliding window
+    (``cache_config.sliding_window``) exactly when the model has no full-attention layer."""
+    model = getattr(vllm_config, "model_config", None)
+    if model is None:
+        return
+    if getattr(model, "use_mla", False):
+        _refuse(
+            "multi-head latent attention (MLA, as in DeepSeek-V2/V3)",
+            "its latent KV cache has no per-head keys and values to score; set VLLM_MLA_DISABLE=1 to run it as "
+            f"multi-head attention, which evicts, or {NO_EVICTION}",
+        )
+    window = getattr(vllm_config.cache_config, "sliding_window", None)
+    if window is not None:
+        _refuse(
+            f"a model whose every attention layer is sliding-window attention (window {window})",
+            f"vLLM already keeps those layers within their window and the plugin evicts full-attention layers "
+            f"only; {NO_EVICTION}",
+        )
+
+
+def check_layers(vllm_config, specs: dict) -> None:
+    """A worker's KV cache specs (layer name -> vLLM's spec), once its model is built: refused when
+    no layer evicts (a kvevict layer is a :class:`~vllm_kvevict.kv_manager.KVEvictSpec`: full
+    attention; sliding-window, MLA, Mamba and other layers are left to vLLM), else one INFO line
+    saying which layers evict and which do not."""
+    from vllm_kvevict.kv_manager import KVEvictSpec
+
+    if not vllm_attention.custom_selected(vllm_config):
+        return
+    kinds: dict[str, int] = {}
+    for spec in specs.values():
+        name = "full attention" if isinstance(spec, KVEvictSpec) else type(spec).__name__
+        window = getattr(spec, "sliding_window", None)
+        key = name + (f" (window {window})" if window else "")
+        kinds[key] = kinds.get(key, 0) + 1
+    evicting = kinds.pop("full attention", 0)
+    others = ", ".join(f"{n} {k}" for k, n in sorted(kinds.items()))
+    if not evicting:
+        raise KVEvictConfigError(
+            f"invalid kvevict configuration: this model has no layer eviction applies to ({others or 'no layers'}: "
+            f"the plugin evicts full-attention layers only); {NO_EVICTION}"
+        )
+    info_once(
+        f"kvevict: {evicting} of {evicting + sum(kinds.values())} attention layers evict (full attention)"
+        + (f"; left to vLLM: {others}" if others else ""),
+        key="layers",
+    )
 
 
 def check_request(vllm_config, params):
@@ -262,6 +319,7 @@ def register() -> None:
     elif kind == "cuda":
         vllm_attention.install_cuda_selector(_choose_cuda_base)
     vllm_engine.install_config_hook(vllm_attention.platform_class(), check_config)
+    vllm_runner.install_spec_check(check_layers)
     from vllm_kvevict.kv_manager import install_scheduler_hooks, register_spec
 
     register_spec()

@@ -77,6 +77,31 @@ CASES = {  # name: (--additional-config, KVEVICT_CONFIG, extra vllm args, the on
         "eviction (a policy that fails on one stage must reach the engine core before it caches that request's "
         "windows; tensor parallelism is supported)",
     ),
+    # models none of whose layers evict (testing/models.ARCHS)
+    "every_layer_sliding": (
+        {"kvevict": {"policy": "keydiff", "budget": 64}},
+        None,
+        ["MODEL:mistral-sliding"],
+        "invalid kvevict configuration: a model whose every attention layer is sliding-window attention (window "
+        "256) is not supported with eviction (vLLM already keeps those layers within their window and the plugin "
+        "evicts full-attention layers only; serve it without --attention-backend kvevict)",
+    ),
+    "every_layer_local": (
+        {"kvevict": {"policy": "keydiff", "budget": 64}},
+        None,
+        ["MODEL:gemma3-local"],
+        "invalid kvevict configuration: a model whose every attention layer is sliding-window attention (window "
+        "256) is not supported with eviction (vLLM already keeps those layers within their window and the plugin "
+        "evicts full-attention layers only; serve it without --attention-backend kvevict)",
+    ),
+    "mla": (
+        {"kvevict": {"policy": "keydiff", "budget": 64}},
+        None,
+        ["MODEL:deepseek-v2"],
+        "invalid kvevict configuration: multi-head latent attention (MLA, as in DeepSeek-V2/V3) is not supported "
+        "with eviction (its latent KV cache has no per-head keys and values to score; set VLLM_MLA_DISABLE=1 to run "
+        "it as multi-head attention, which evicts, or serve it without --attention-backend kvevict)",
+    ),
     "model_runner_v2": (
         {"kvevict": {"policy": "keydiff", "budget": 64}},
         None,
@@ -91,7 +116,12 @@ CASES = {  # name: (--additional-config, KVEVICT_CONFIG, extra vllm args, the on
 def test_bad_config_fails_fast_with_one_line(case, tiny_model, server_log):
     additional, env_cfg, extra, expected = CASES[case]
     extra_env = dict(a.removeprefix("ENV:").split("=", 1) for a in extra if a.startswith("ENV:"))
-    extra = [a for a in extra if not a.startswith("ENV:")]
+    models = [a.removeprefix("MODEL:") for a in extra if a.startswith("MODEL:")]
+    extra = [a for a in extra if not a.startswith(("ENV:", "MODEL:"))]
+    if models:
+        from vllm_kvevict.testing.models import arch_path
+
+        tiny_model = arch_path(models[0])
     args = ["--attention-backend", "kvevict", *CPU_BASE_ARGS, *extra]
     if additional is not None:
         args += ["--additional-config", json.dumps(additional)]

@@ -282,8 +282,13 @@ def replay(model, token_ids: list[int], events: Events, check: PolicyCheck | Non
     """
     from transformers import DynamicCache
 
-    cache: Any = DynamicCache(config=model.config)  # its layers' keys and values are rewritten below
     n_layers = model.config.num_hidden_layers
+    types = _layer_types(model.config)
+    # Models with sliding-window layers (Gemma 2/3, gpt-oss): every layer's cache keeps all it
+    # gets and each segment's masks are given per layer type (_masks): the engine evicts the
+    # full-attention layers only, vLLM keeps the sliding ones to their window.
+    cache: Any = DynamicCache() if types else DynamicCache(config=model.config)  # keys, values rewritten below
+    full = [i for i in range(n_layers) if not types or types[i] == "full_attention"]
     cache_pos: list[torch.Tensor | None] = [None] * n_layers  # [H, n] position of each cache entry
     # What earlier events dropped, per layer ([1, H, n, d] keys and values, [H, n] positions): an
     # event may keep a dropped entry again (recall), with the KV it was computed with.
@@ -295,12 +300,14 @@ def replay(model, token_ids: list[int], events: Events, check: PolicyCheck | Non
         if end > start:
             ids = torch.tensor([token_ids[start:end]])
             pos = torch.arange(start, end)
+            mixed = {"attention_mask": _masks(model.config, n_cache, start, end)} if types else {}
             res = model(
                 input_ids=ids,
                 position_ids=pos[None],
                 past_key_values=cache,
                 use_cache=True,
-                cache_position=torch.arange(n_cache, n_cache + end - start),
+                cache_position=pos if types else torch.arange(n_cache, n_cache + end - start),
+                **mixed,
             )
             out.append(torch.log_softmax(res.logits[0].float(), dim=-1))
             n_cache += end - start
@@ -351,7 +358,30 @@ def replay(model, token_ids: list[int], events: Events, check: PolicyCheck | Non
                     for name, t in check.state[i].items():
                         check.state[i][name] = torch.gather(t, 1, idx)
                 cache_pos[i] = torch.gather(pos_all, 1, idx)
-            n_cache = cache.layers[0].keys.shape[2]
-            if any(cache.layers[i].keys.shape[2] != n_cache for i in range(n_layers)):
+            n_cache = cache.layers[full[0]].keys.shape[2]
+            if any(cache.layers[i].keys.shape[2] != n_cache for i in full):
                 raise AssertionError("layers kept different counts")
     return torch.cat(out)
+
+
+def _layer_types(config) -> list[str] | None:
+    """The model's ``layer_types`` when some layer is not full attention (None: all are)."""
+    types = getattr(config, "layer_types", None)
+    return list(types) if types and any(t != "full_attention" for t in types) else None
+
+
+def _masks(config, n_full: int, start: int, end: int) -> dict[str, torch.Tensor]:
+    """Additive masks ``[1, 1, end - start, keys]`` for the segment ``[start, end)``, by layer type:
+    a full-attention layer reads its ``n_full`` kept entries and the segment causally; a
+    sliding-window layer holds every token so far and reads those within its window
+    (``0 <= p_q - p_k < sliding_window``, as vLLM's sliding-window attention)."""
+    q = torch.arange(start, end)[:, None]
+    seg = torch.arange(start, end)[None, :]
+    full = torch.cat([torch.ones(end - start, n_full, dtype=torch.bool), seg <= q], dim=1)
+    k = torch.arange(end)[None, :]
+    sliding = (k <= q) & (q - k < config.sliding_window)
+
+    def additive(allowed: torch.Tensor) -> torch.Tensor:
+        return torch.zeros(allowed.shape).masked_fill(~allowed, float("-inf"))[None, None]
+
+    return {"full_attention": additive(full), "sliding_attention": additive(sliding)}

