@@ -171,3 +171,21 @@ def test_what_carries_a_fallback_to_the_engine_core():
     _starts_with(_lookup(Scheduler, "update_from_output"), "self", "scheduler_output", "model_runner_output")
     _starts_with(BlockPool.evict_blocks, "self", "block_ids")
     assert "cpu_group" in GroupCoordinator.__annotations__
+
+
+def test_what_tells_which_layers_evict():
+    """The worker's KV cache specs (runner.install_spec_check) and the configuration the start-up
+    check reads (plugin._refuse_models_without_evictable_layers): vLLM gives every layer the
+    model's sliding window through ``CacheConfig.sliding_window`` exactly when no layer is full
+    attention (``EngineArgs.create_engine_config``), and says whether the model runs MLA."""
+    from vllm.config import CacheConfig, ModelConfig
+    from vllm.engine.arg_utils import EngineArgs
+    from vllm.v1.worker.gpu_model_runner import GPUModelRunner
+
+    from vllm_kvevict.vllm_compat.patching import _lookup
+
+    assert _params(_lookup(GPUModelRunner, "get_kv_cache_spec")) == ["self"]
+    assert "sliding_window" in CacheConfig.__dataclass_fields__
+    assert isinstance(inspect.getattr_static(ModelConfig, "use_mla"), property)
+    src = inspect.getsource(EngineArgs.create_engine_config)
+    assert 'all(lt == "sliding_attention" for lt in layer_types)' in src and "sliding_window=sliding_window" in src
