@@ -283,9 +283,40 @@ def test_column_sums_rows_are_attention_probs(case):
 
 
 @pytest.mark.parametrize("case", range(len(ATTN_CASES)))
-def test_triton_column_sums(tri, case):
-    """Every row in one launch per pass equals the reference's row-by-row matmuls."""
+def test_column_sums_with_attention_sinks(case):
+    """Learned attention sinks (gpt-oss): one more logit per query head in every softmax, whose
+    probability is no key's. Each query's probabilities over the keys are its sinkless ones scaled
+    by ``1 / (1 + exp(sink - lse))`` (``lse`` over the keys it sees): a query that sees no key stays
+    0, and the column sums are no longer a sum of ones per query."""
+    Q, K, q_pos, k_pos, cu_q, cu_k, G, scale, cap = ragged_attention_case(case)
+    sinks = torch.linspace(-2.0, 3.0, Q.shape[1], device=Q.device)
+    got = ref.column_sums(Q, K, q_pos, k_pos, cu_q, cu_k, G, scale, cap, sinks)
+    cq, ck = cu_q.tolist(), cu_k.tolist()
+    for r in range(len(cq) - 1):
+        q, k, kp = (
+            Q[cq[r] : cq[r + 1]].transpose(0, 1),
+            K[ck[r] : ck[r + 1]].transpose(0, 1),
+            k_pos[ck[r] : ck[r + 1]].T,
+        )
+        qp = q_pos[cq[r] : cq[r + 1]]
+        s = torch.einsum("hmd,hnd->hmn", q.float(), k.float().repeat_interleave(G, 0)) * scale
+        if cap:
+            s = cap * torch.tanh(s / cap)
+        s = s.masked_fill(kp.repeat_interleave(G, 0)[:, None, :] > qp[None, :, None], float("-inf"))
+        p = torch.exp(s - torch.logaddexp(torch.logsumexp(s, -1, keepdim=True), sinks[:, None, None]))
+        torch.testing.assert_close(got[ck[r] : ck[r + 1]], p.sum(dim=1).T, atol=1e-5, rtol=1e-5)
+    if any(m and n for m, n in ATTN_CASES[case][4]):
+        assert not torch.allclose(got, ref.column_sums(Q, K, q_pos, k_pos, cu_q, cu_k, G, scale, cap))
+
+
+@pytest.mark.parametrize("sinks", [False, True])
+@pytest.mark.parametrize("case", range(len(ATTN_CASES)))
+def test_triton_column_sums(tri, case, sinks):
+    """Every row in one launch per pass equals the reference's row-by-row matmuls (with attention
+    sinks too)."""
     args = ragged_attention_case(case)
+    if sinks:
+        args.append(torch.linspace(-2.0, 3.0, args[0].shape[1], device=args[0].device))
     want = ref.column_sums(*args)
     got = tri.column_sums(*args)
     torch.testing.assert_close(got, want, atol=2e-5, rtol=1e-4)

@@ -61,3 +61,28 @@ def test_the_full_attention_layers_evict_and_equal_the_reference(arch, tmp_path)
     if reference:
         hf = AutoModelForCausalLM.from_pretrained(model, dtype=torch.float32, attn_implementation="eager").eval()
         check_against_reference(hf, out, load_attempts(tmp_path / "dump"))
+
+
+def test_attention_scored_policies_count_gpt_oss_attention_sinks(tmp_path):
+    """gpt-oss's learned attention sinks take a share of every softmax; a policy that scores by
+    attention must see the attention the model computes: the engine's H2O and SnapKV, given the
+    layer's sinks (vLLM's ``impl.sinks``), keep what the reference recomputes from transformers'
+    tensors with the sinks (``PolicyCheck``). Without them H2O keeps other tokens here (the
+    checkpoint's sinks and its peaked attention are drawn so that they matter)."""
+    from transformers import AutoModelForCausalLM
+
+    from vllm_kvevict.config import parse_config
+
+    model = arch_path("gpt-oss")
+    args = server_args(
+        {"policy": "keydiff", "budget": 96}, "--max-model-len", "4096", "--max-num-batched-tokens", "128"
+    )
+    policies = ("h2o", "snapkv")
+    with VLLMServer(
+        model, args, log_path=tmp_path / "server.log", env={"KVEVICT_DUMP_DIR": str(tmp_path / "dump")}
+    ) as srv:
+        outs = [complete(srv, make_prompt(600, 3, 500), 16, {"kvevict_policy": p}) for p in policies]
+    hf = AutoModelForCausalLM.from_pretrained(model, dtype=torch.float32, attn_implementation="eager").eval()
+    attempts = load_attempts(tmp_path / "dump")
+    for policy, out in zip(policies, outs):
+        check_against_reference(hf, out, attempts, config=parse_config({"policy": policy, "budget": 96}))

@@ -430,6 +430,7 @@ class KVEvictImplMixin(RecallMixin):
             budget=plan.states[r].settings.budget,
             scale=self.scale,
             softcap=getattr(self, "logits_soft_cap", None) or None,
+            sinks=getattr(self, "sinks", None),  # vLLM's impl: this rank's query heads' sinks (gpt-oss)
             Q=Q_sel,
             q_pos=q_pos,
             W_O=self._w_o(layer) if needs.w_o and compacts else None,

@@ -40,6 +40,7 @@ class RowInputs:
     budget: int | None = None
     scale: float | None = None
     softcap: float | None = None
+    sinks: torch.Tensor | None = None
     Q: torch.Tensor | None = None
     q_pos: torch.Tensor | None = None
     W_O: torch.Tensor | None = None
@@ -190,6 +191,7 @@ def evict_step(
                     budget=w.inputs.budget,
                     scale=w.inputs.scale,
                     softcap=w.inputs.softcap,
+                    sinks=w.inputs.sinks,
                     Q=w.inputs.Q,
                     q_pos=w.inputs.q_pos,
                     W_O=w.inputs.W_O,
@@ -291,7 +293,7 @@ def _attention(
     tok, cu_k = _packed(bounds, [i for i, _, _ in need], dev)
     K, pos = K_all[tok], pos_all[tok]
     v0 = need[0][1]
-    A = ops.column_sums(Q, K, q_pos, pos.long(), cu_q, cu_k, G, v0.attn_scale, v0.softcap)  # [N, H_q]
+    A = ops.column_sums(Q, K, q_pos, pos.long(), cu_q, cu_k, G, v0.attn_scale, v0.softcap, v0.sinks)  # [N, H_q]
     ck = cu_k.tolist()
     for j, (_, view, _) in enumerate(need):
         view.attn = A[ck[j] : ck[j + 1]].T

@@ -225,16 +225,18 @@ def recall_scores(
     scale: float,
     softcap: float | None,
     kernel: int,
+    sinks: torch.Tensor | None = None,
 ) -> torch.Tensor:
     """``[n, H]`` float32: what the queries ``Q [H_q, w, d]`` (at ``q_pos [w]``) pay each candidate
     ``K [n, H, d]`` (at ``pos [n, H]``), softmax over the candidates, causal by position, summed
     over the queries and averaged over each KV head's query group, then max-pooled over the
-    ``kernel`` nearest candidates in position order (SnapKV's pooling). One ragged
+    ``kernel`` nearest candidates in position order (SnapKV's pooling); ``sinks`` ``[H_q]``: the
+    model's learned attention sinks in each softmax. One ragged
     :func:`~vllm_kvevict.kernels.ops.column_sums` (never ``[H, w, n]`` at once)."""
     dev = K.device
     one = lambda n: torch.tensor([0, n], device=dev)  # noqa: E731 - a single row
     A = ops.column_sums(
-        Q.transpose(0, 1), K, q_pos.to(dev), pos, one(Q.shape[1]), one(K.shape[0]), G, scale, softcap
+        Q.transpose(0, 1), K, q_pos.to(dev), pos, one(Q.shape[1]), one(K.shape[0]), G, scale, softcap, sinks
     )  # [n, H_q]
     s = A.view(A.shape[0], -1, G).mean(-1)  # [n, H]
     if kernel > 1 and s.shape[0] > 1:
@@ -463,6 +465,7 @@ class RecallMixin:
                 self.scale,
                 getattr(self, "logits_soft_cap", None) or None,
                 cfg.recall.kernel,
+                getattr(self, "sinks", None),
             )
             # the recall's own queries and the policy's observation window (SnapKV's may be longer,
             # and its next compaction reads every position of it) are kept whatever their scores

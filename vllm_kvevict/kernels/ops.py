@@ -128,8 +128,8 @@ def scatter_paged(dst, src, idx, cu, cu_keep, block_table, rows, dst_start):
     return backend_for(dst, "scatter_paged").scatter_paged(dst, src, idx, cu, cu_keep, block_table, rows, dst_start)
 
 
-def column_sums(Q, K, q_pos, k_pos, cu_q, cu_k, G, scale, softcap=None):
-    return backend_for(K, "column_sums").column_sums(Q, K, q_pos, k_pos, cu_q, cu_k, G, scale, softcap)
+def column_sums(Q, K, q_pos, k_pos, cu_q, cu_k, G, scale, softcap=None, sinks=None):
+    return backend_for(K, "column_sums").column_sums(Q, K, q_pos, k_pos, cu_q, cu_k, G, scale, softcap, sinks)
 
 
 def lshe_victims(dist, pos, victim, q_pos, budget, sinks, recent):

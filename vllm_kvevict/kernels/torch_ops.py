@@ -149,11 +149,14 @@ def attention_probs(
     G: int,
     scale: float,
     softcap: float | None = None,
+    sinks: torch.Tensor | None = None,
 ) -> torch.Tensor:
     """``[H_q, m, n]`` float32 probabilities of queries ``Q [H_q, m, d]`` at positions ``q_pos [m]``
     over keys ``K [H_kv, n, d]`` at ``k_pos [H_kv, n]``: scaled, soft-capped, causal by position;
     query head ``h`` reads KV head ``h // G`` (each KV head's G query heads in one matmul, K never
-    repeated); a query that sees no key has probabilities 0."""
+    repeated); a query that sees no key has probabilities 0. ``sinks`` ``[H_q]``: learned attention
+    sinks (gpt-oss), one more logit per query head in each softmax's denominator, whose share is
+    no key's."""
     Hq, m, d = Q.shape
     H, n = K.shape[:2]
     s = torch.matmul(Q.float().reshape(H, G * m, d), K.float().transpose(1, 2)).view(H, G, m, n)
@@ -163,6 +166,10 @@ def attention_probs(
     q_pos = q_pos.to(k_pos.device)
     hidden = k_pos[:, None, :] > q_pos[None, :, None]  # [H_kv, m, n], shared by the group
     s.masked_fill_(hidden[:, None], float("-inf"))
+    if sinks is not None:
+        sink = sinks.to(s.device, torch.float32).view(H, G, 1, 1).expand(H, G, m, 1)
+        p = torch.softmax(torch.cat([s, sink], dim=-1), dim=-1)[..., :n]
+        return p.reshape(Hq, m, n)
     p = torch.softmax(s, dim=-1)
     if n == 0 or bool((q_pos[None, :] < k_pos.min(dim=1, keepdim=True).values).any()):
         p = p.nan_to_num_(0.0)  # some query sees no key: its row is 0, not NaN
@@ -179,6 +186,7 @@ def column_sums(
     G: int,
     scale: float,
     softcap: float | None = None,
+    sinks: torch.Tensor | None = None,
 ) -> torch.Tensor:
     """``[N, H_q]`` float32: for every key of every row, the :func:`attention_probs` its row's queries
     give it, summed over those queries (query head ``h`` at column ``h``).
@@ -194,7 +202,7 @@ def column_sums(
         Kr, kp = K[k0:k1].transpose(0, 1), k_pos[k0:k1].transpose(0, 1)
         for i in range(cq[r], cq[r + 1], ROW_CHUNK):
             j = min(i + ROW_CHUNK, cq[r + 1])
-            p = attention_probs(Q[i:j].transpose(0, 1), Kr, q_pos[i:j], kp, G, scale, softcap)  # [H_q, rows, n]
+            p = attention_probs(Q[i:j].transpose(0, 1), Kr, q_pos[i:j], kp, G, scale, softcap, sinks)  # [H_q, rows, n]
             out[k0:k1] += p.sum(dim=1).T
     return out
 

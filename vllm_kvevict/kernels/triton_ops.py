@@ -487,12 +487,13 @@ def _colsum_kernel(
     tl.store(out_ptr + (k0 + ki) * HQ + hq, acc, mask=ki < n)
 
 
-def column_sums(Q, K, q_pos, k_pos, cu_q, cu_k, G: int, scale: float, softcap: float | None = None):
+def column_sums(Q, K, q_pos, k_pos, cu_q, cu_k, G: int, scale: float, softcap: float | None = None, sinks=None):
     """``[N, H_q]`` float32: for every key of every row, the softmax attention of its row's queries,
     causal by position, summed over the queries (the reference's semantics and layout). Every row
     in one launch per pass: grids (query head, row, tile); pass 1 writes each query's log-sum-exp,
     pass 2 sums ``exp(s - lse)`` per key tile, so at most a ``[BQ, BK]`` tile of probabilities
-    exists; a row's tiles beyond its length do nothing."""
+    exists; a row's tiles beyond its length do nothing. ``sinks`` ``[H_q]`` (learned attention
+    sinks) join each query's log-sum-exp between the passes."""
     M, Hq, D = Q.shape
     N, H = K.shape[:2]
     out = torch.zeros(N, Hq, dtype=torch.float32, device=K.device)
@@ -520,6 +521,8 @@ def column_sums(Q, K, q_pos, k_pos, cu_q, cu_k, G: int, scale: float, softcap: f
     if m_max == 0 or n_max == 0:
         return out
     _lse_kernel[(Hq, R, triton.cdiv(m_max, BQ))](Q, K, qp, kp, cu_q, cu_k, lse, **common)
+    if sinks is not None:
+        lse = torch.logaddexp(lse, sinks.to(lse.device, torch.float32)[None, :])
     _colsum_kernel[(Hq, R, triton.cdiv(n_max, BK))](Q, K, qp, kp, cu_q, cu_k, lse, out, **common)
     return out
 

@@ -105,7 +105,8 @@ class KVView:
     diverge after compaction). ``layer``: the layer's index. ``G``: query heads per KV head.
     ``L``: tokens computed so far (every position is ``< L``). ``Q``/``q_pos``: ``[H_q, m, d]``
     the queries (post-RoPE) the policy's :attr:`Needs.queries` names, and their positions ``[m]``.
-    ``scale``/``softcap``: the model's attention scaling. ``W_O``: ``[H_q, d, D]`` this layer's
+    ``scale``/``softcap``: the model's attention scaling; ``sinks``: ``[H_q]`` its learned attention
+    sinks (gpt-oss: a logit per query head in every softmax's denominator), if any. ``W_O``: ``[H_q, d, D]`` this layer's
     output projection per query head. ``budget``: the configured budget; ``keep``: the count kept
     at this compaction (at least the budget, less than a block more). ``state``: per-slot tensors
     ``[H_kv, n]`` named by :attr:`Needs.state`. ``attn``: ``[H_q, n]``, the attention of ``Q``
@@ -122,6 +123,7 @@ class KVView:
     q_pos: torch.Tensor | None = None
     scale: float | None = None
     softcap: float | None = None
+    sinks: torch.Tensor | None = None
     W_O: torch.Tensor | None = None
     budget: int | None = None
     keep: int | None = None
@@ -228,7 +230,8 @@ class Policy(Generic[P]):
 
     def attention(self, view: KVView) -> torch.Tensor:
         """``[H_q, n]`` float32: the softmax attention each slot receives from ``view.Q``, scaled
-        and soft-capped as the model does, causal by position, summed over the queries; query head
+        and soft-capped as the model does (its attention sinks in each softmax), causal by position,
+        summed over the queries; query head
         ``h`` reads KV head ``h // G``. ``view.attn`` when the engine has computed it (one ragged
         :func:`~vllm_kvevict.kernels.ops.column_sums` for every row of the step); computed here
         otherwise (the transformers reference, tests), never as ``[H_q, m, n]``."""
@@ -246,6 +249,7 @@ class Policy(Generic[P]):
             view.G,
             view.attn_scale,
             view.softcap,
+            view.sinks,
         ).T
 
     def evict(self, view: KVView, keep: int) -> tuple[torch.Tensor, tuple[torch.Tensor, torch.Tensor] | None]:

@@ -174,13 +174,14 @@ class PolicyCheck:
         self._hooks: list = []
 
     def __enter__(self):
-        from transformers.models.llama.modeling_llama import apply_rotary_pos_emb
+        import sys
 
         def hook(module, args, kwargs, _out):
             h = kwargs.get("hidden_states", args[0] if args else None)
             cos, sin = kwargs["position_embeddings"]
+            rope = sys.modules[type(module).__module__].apply_rotary_pos_emb  # the model's own RoPE
             q = module.q_proj(h).view(*h.shape[:-1], -1, module.head_dim).transpose(1, 2)
-            self.queries[module.layer_idx] = apply_rotary_pos_emb(q, q, cos, sin)[0][0]  # [H_q, m, d]
+            self.queries[module.layer_idx] = rope(q, q, cos, sin)[0][0]  # [H_q, m, d]
 
         for layer in self.model.model.layers:
             self._hooks.append(layer.self_attn.register_forward_hook(hook, with_kwargs=True))
@@ -211,6 +212,7 @@ class PolicyCheck:
             Q=Q,
             q_pos=q_sel,
             scale=attn.scaling,
+            sinks=attn.sinks.detach().float() if isinstance(getattr(attn, "sinks", None), torch.Tensor) else None,
             budget=self.budget,
             W_O=W.reshape(W.shape[0], -1, attn.head_dim).permute(1, 2, 0),
             state=self.state[i],

@@ -251,9 +251,12 @@ ARCHS: dict[str, dict] = {
     "gemma3-local": dict(
         model_type="gemma3_text", head_dim=64, sliding_window=256, layer_types=["sliding_attention"] * 2
     ),
-    # learned attention sinks, alternating sliding layers, a mixture of experts
+    # learned attention sinks (drawn as large as trained ones, so they change which tokens an
+    # attention-scored policy keeps), alternating sliding layers, a mixture of experts
     "gpt-oss": dict(
         model_type="gpt_oss",
+        attention_sinks_std=2.0,
+        initializer_range=0.1,  # peaked attention, as a trained model's, where a sink changes the ranks
         head_dim=64,
         sliding_window=128,
         num_hidden_layers=2,
@@ -310,6 +313,7 @@ def build_arch(path: Path, params: dict) -> Path:
 
     tok = _train_tokenizer(512)
     params = dict(params)
+    sinks_std = params.pop("attention_sinks_std", None)
     cfg = AutoConfig.for_model(
         params.pop("model_type"),
         vocab_size=len(tok),
@@ -321,6 +325,11 @@ def build_arch(path: Path, params: dict) -> Path:
     )
     torch.manual_seed(0)
     model = AutoModelForCausalLM.from_config(cfg).float()
+    if sinks_std is not None:
+        with torch.no_grad():
+            for module in model.modules():
+                if isinstance(getattr(module, "sinks", None), torch.nn.Parameter):
+                    module.sinks.normal_(0.0, sinks_std)
     with _building(path) as out:
         model.save_pretrained(out)
         tok.save_pretrained(out)
