@@ -113,6 +113,12 @@ def _refuse_models_without_evictable_layers(vllm_config) -> None:
             "its latent KV cache has no per-head keys and values to score; set VLLM_MLA_DISABLE=1 to run it as "
             f"multi-head attention, which evicts, or {NO_EVICTION}",
         )
+    if getattr(model, "runner_type", "generate") == "pooling":
+        _refuse(
+            "a pooling model (--runner pooling: embeddings, classification, scores)",
+            "its output is a representation of the whole prompt, which eviction would change, and it generates "
+            f"nothing to bound memory for; {NO_EVICTION}",
+        )
     window = getattr(vllm_config.cache_config, "sliding_window", None)
     if window is not None:
         _refuse(

@@ -102,6 +102,14 @@ CASES = {  # name: (--additional-config, KVEVICT_CONFIG, extra vllm args, the on
         "with eviction (its latent KV cache has no per-head keys and values to score; set VLLM_MLA_DISABLE=1 to run "
         "it as multi-head attention, which evicts, or serve it without --attention-backend kvevict)",
     ),
+    "pooling": (
+        {"kvevict": {"policy": "keydiff", "budget": 64}},
+        None,
+        ["--runner", "pooling", "--convert", "embed"],
+        "invalid kvevict configuration: a pooling model (--runner pooling: embeddings, classification, scores) is "
+        "not supported with eviction (its output is a representation of the whole prompt, which eviction would "
+        "change, and it generates nothing to bound memory for; serve it without --attention-backend kvevict)",
+    ),
     "model_runner_v2": (
         {"kvevict": {"policy": "keydiff", "budget": 64}},
         None,

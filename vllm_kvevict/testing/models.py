@@ -338,6 +338,66 @@ def build_arch(path: Path, params: dict) -> Path:
     return path
 
 
+LORA_TARGETS = ("q_proj", "v_proj")
+
+
+def lora_path(base: Path, rank: int = 8, alpha: int = 16, seed: int = 0) -> Path:
+    """A random LoRA adapter (PEFT's files: ``adapter_config.json``, ``adapter_model.safetensors``)
+    of ``rank`` on the query and value projections of every layer of the Llama at ``base``, built on
+    first use; large enough to change the model's output. :func:`merge_lora` applies it to a
+    transformers model."""
+    import torch
+    from safetensors.torch import save_file
+
+    params = {"base": str(base), "rank": rank, "alpha": alpha, "seed": seed}
+    digest = hashlib.sha256(json.dumps(params, sort_keys=True).encode()).hexdigest()[:10]
+    path = cache_dir() / f"lora-{digest}"
+    if (path / "adapter_model.safetensors").is_file():
+        return path
+    cfg = json.loads((base / "config.json").read_text())
+    d, hq, hkv = cfg["hidden_size"], cfg["num_attention_heads"], cfg["num_key_value_heads"]
+    head = cfg.get("head_dim") or d // hq
+    g = torch.Generator().manual_seed(seed)
+    tensors = {}
+    for i in range(cfg["num_hidden_layers"]):
+        for name, out in (("q_proj", hq * head), ("v_proj", hkv * head)):
+            key = f"base_model.model.model.layers.{i}.self_attn.{name}"
+            tensors[f"{key}.lora_A.weight"] = 0.2 * torch.randn(rank, d, generator=g)
+            tensors[f"{key}.lora_B.weight"] = 0.2 * torch.randn(out, rank, generator=g)
+    adapter = {
+        "peft_type": "LORA",
+        "task_type": "CAUSAL_LM",
+        "r": rank,
+        "lora_alpha": alpha,
+        "lora_dropout": 0.0,
+        "bias": "none",
+        "target_modules": list(LORA_TARGETS),
+        "base_model_name_or_path": str(base),
+        "fan_in_fan_out": False,
+        "inference_mode": True,
+    }
+    with _building(path) as out_dir:
+        save_file(tensors, str(out_dir / "adapter_model.safetensors"))
+        (out_dir / "adapter_config.json").write_text(json.dumps(adapter))
+    return path
+
+
+def merge_lora(model, adapter: Path) -> None:
+    """Add the LoRA adapter's ``alpha / r * B @ A`` to the transformers model's weights, in place."""
+    import torch
+    from safetensors.torch import load_file
+
+    cfg = json.loads((adapter / "adapter_config.json").read_text())
+    w = load_file(str(adapter / "adapter_model.safetensors"))
+    scale = cfg["lora_alpha"] / cfg["r"]
+    with torch.no_grad():
+        for i, layer in enumerate(model.model.layers):
+            for name in cfg["target_modules"]:
+                key = f"base_model.model.model.layers.{i}.self_attn.{name}"
+                delta = w[f"{key}.lora_B.weight"] @ w[f"{key}.lora_A.weight"]
+                getattr(layer.self_attn, name).weight += scale * delta.to(torch.float32)
+
+
 def main(argv: list[str] | None = None) -> int:
     ap = argparse.ArgumentParser(prog="python -m vllm_kvevict.testing.models", description=__doc__.split("\n\n")[0])
     ap.add_argument("model", choices=["smollm2", "tiny", *sorted(ARCHS)])
