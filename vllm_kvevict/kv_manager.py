@@ -42,6 +42,7 @@ from vllm_kvevict.vllm_compat.kv_cache import FullAttentionManager, FullAttentio
 from vllm_kvevict.window import (
     WindowConfig,
     copy_range,
+    draft_cut,
     evicted_tokens,
     first_boundary,
     last_boundary,
@@ -61,6 +62,7 @@ class KVEvictSpec(FullAttentionSpec):
     evict_max_in_flight: int = 0  # tokens scheduled but not yet processed (vLLM's max_in_flight_tokens)
     evict_max_chunk: int = 0  # tokens one step schedules at most (vLLM's max_num_batched_tokens)
     evict_hash_algo: str = "sha256"  # vLLM's prefix_caching_hash_algo (the keys of cached windows)
+    evict_spec_tokens: int = 0  # speculative decoding: draft tokens per step (vLLM's num_speculative_tokens)
 
     @property
     def config(self) -> KVEvictConfig:
@@ -79,6 +81,7 @@ class KVEvictSpec(FullAttentionSpec):
         max_in_flight: int,
         max_chunk: int = 0,
         hash_algo: str = "sha256",
+        spec_tokens: int = 0,
     ) -> Self:
         base = {f.name: getattr(spec, f.name) for f in fields(FullAttentionSpec) if f.init}
         return cls(
@@ -87,6 +90,7 @@ class KVEvictSpec(FullAttentionSpec):
             evict_max_in_flight=max_in_flight,
             evict_max_chunk=max_chunk,
             evict_hash_algo=hash_algo,
+            evict_spec_tokens=spec_tokens,
         )
 
     @property
@@ -118,11 +122,16 @@ class KVEvictSpec(FullAttentionSpec):
         # vLLM's merge on the base class: it checks the common fields
         merged = FullAttentionSpec.merge.__func__(FullAttentionSpec, specs)  # type: ignore[attr-defined]
         first = specs[0]
-        extra = ("evict_config", "evict_max_in_flight", "evict_max_chunk", "evict_hash_algo")
+        extra = ("evict_config", "evict_max_in_flight", "evict_max_chunk", "evict_hash_algo", "evict_spec_tokens")
         for s in specs:
             assert all(getattr(s, k) == getattr(first, k) for k in extra), "kvevict layers disagree on the window"
         return cls.from_spec(
-            merged, first.config, first.evict_max_in_flight, first.evict_max_chunk, first.evict_hash_algo
+            merged,
+            first.config,
+            first.evict_max_in_flight,
+            first.evict_max_chunk,
+            first.evict_hash_algo,
+            first.evict_spec_tokens,
         )
 
 
@@ -689,8 +698,12 @@ class KVEvictManager(FullAttentionManager):
                             break
                         blocks.append(blk)
                         t += bs
-                st.window_hit = t
-                return [self.block_pool.null_block] * (e // bs) + blocks, t
+                while t > b and self._padded_and_cut(request, t):  # (speculative decoding)
+                    blocks.pop()
+                    t -= bs
+                if not self._padded_and_cut(request, t):
+                    st.window_hit = t
+                    return [self.block_pool.null_block] * (e // bs) + blocks, t
             b -= window.step
         return None
 
@@ -727,6 +740,37 @@ class KVEvictManager(FullAttentionManager):
                 return True
         return False
 
+    def step_tokens(self, request, start: int, n: int) -> int:
+        """How many of the ``n`` tokens the scheduler offers a step of the request from ``start`` it
+        may compute: none past its next compaction point (nor past the blocks copied aside before
+        it), none past what a ``once`` window's in-flight compaction leaves room for, and, with
+        speculative drafts, not up to a compaction point with drafts in the step (``window``'s
+        ``step_limit``, ``settle_limit``, ``draft_cut``)."""
+        settings = self.state_of(request).settings
+        saves = settings.policy.needs.window if self.copies and settings.shares_tails else None
+        prompt = request.num_prompt_tokens
+        for limit in (
+            step_limit(start, prompt, settings.window, saves),
+            settle_limit(start, vllm_kv_cache.processed_tokens(request), prompt, settings.window),
+        ):
+            if limit is not None:
+                n = min(n, limit)
+        return draft_cut(start, n, request.num_tokens, prompt, settings.window)
+
+    def pads_step(self, request, start: int, n: int) -> bool:
+        """Whether vLLM's speculative decoding padded this step of a waiting request: one token to
+        compute and ``k`` placeholder drafts, a step it requires to run whole."""
+        k = self.kv_cache_spec.evict_spec_tokens
+        return k > 0 and n == 1 + k and request.num_tokens - start == 1
+
+    def _padded_and_cut(self, request, hit: int) -> bool:
+        """Whether a request starting on ``hit`` tokens would have one token left to compute, which
+        vLLM's speculative decoding pads with placeholder drafts to a step of ``1 + k`` tokens that
+        it requires to run whole, and that :meth:`step_tokens` would cut (a compaction point in
+        it): such a hit is shortened, so that the first step is an ordinary prefill chunk."""
+        k = self.kv_cache_spec.evict_spec_tokens
+        return k > 0 and request.num_tokens - hit == 1 and self.step_tokens(request, hit, 1 + k) < 1 + k
+
     def usable_hit(self, request, num_tokens: int) -> int:
         """How many of ``num_tokens`` prefix-cache hit tokens (pure blocks) the request may use: all
         of them when its window never evicts; none when its policy keeps per-slot state (the state
@@ -755,7 +799,10 @@ class KVEvictManager(FullAttentionManager):
             and self._copies_fit(settings, (num_tokens - limit) // self.block_size)
         ):
             num_tokens = limit
-        return self._not_fresh(request, limit, num_tokens)
+        num_tokens = self._not_fresh(request, limit, num_tokens)
+        while num_tokens > 0 and self._padded_and_cut(request, num_tokens):
+            num_tokens -= self.block_size
+        return num_tokens
 
     def _copies_fit(self, settings: RequestSettings, copies: int) -> bool:
         """Whether a request's first step, which holds the copies of its hit beside its window
@@ -835,17 +882,13 @@ def install_scheduler_hooks() -> None:
 
     def on_chunk(request, start: int, num_tokens: int, managers: list) -> int:
         for m in ours(managers):
-            if request.status != RequestStatus.RUNNING and m.waits_for_window(request):
+            waiting = request.status != RequestStatus.RUNNING
+            if waiting and m.waits_for_window(request):
                 return 0
-            settings = m.state_of(request).settings
-            saves = settings.policy.needs.window if m.copies and settings.shares_tails else None
-            prompt = request.num_prompt_tokens
-            for limit in (
-                step_limit(start, prompt, settings.window, saves),
-                settle_limit(start, vllm_kv_cache.processed_tokens(request), prompt, settings.window),
-            ):
-                if limit is not None:
-                    num_tokens = min(num_tokens, limit)
+            cut = m.step_tokens(request, start, num_tokens)
+            if waiting and cut < num_tokens and m.pads_step(request, start, num_tokens):
+                return 0  # vLLM runs a padded step whole or not at all: not in this step
+            num_tokens = cut
         return num_tokens
 
     vllm_kv_cache.install_request_hooks(

@@ -75,7 +75,7 @@ def _refuse_unsafe_combinations(vllm_config, cfg) -> None:
     """Stop at start-up, with one line, on what eviction cannot run beside (any request of the
     server may evict: by default, or through a per-request override)."""
     if getattr(vllm_config, "speculative_config", None) is not None:
-        _refuse("speculative decoding (--speculative-config)", "draft and verified tokens would need their own windows")
+        _check_speculation(vllm_config, cfg)
     if getattr(getattr(vllm_config, "parallel_config", None), "pipeline_parallel_size", 1) > 1:
         _refuse(
             "pipeline parallelism (--pipeline-parallel-size)",
@@ -157,6 +157,27 @@ def check_layers(vllm_config, specs: dict) -> None:
     )
 
 
+SPECULATION_POLICIES = "a policy without per-slot state (docs/compatibility.md)"
+
+
+def _check_speculation(vllm_config, cfg) -> None:
+    """Speculative decoding beside eviction: each compaction must see verified tokens only
+    (``window.draft_cut``, decided by the engine core from the schedule), which asynchronous
+    scheduling would decide before the previous step's drafts are verified; and the server's
+    policy must not count rejected drafts in per-slot state (``RequestSettings.drafts_safe``)."""
+    if getattr(vllm_config.scheduler_config, "async_scheduling", False):
+        _refuse(
+            "speculative decoding with asynchronous scheduling",
+            "a step would be scheduled before the previous step's drafts are verified; pass --no-async-scheduling",
+        )
+    if not resolve(cfg, None, vllm_config.cache_config.block_size or 1).drafts_safe:
+        _refuse(
+            f"speculative decoding with the policy {cfg.policy} compacting while decoding",
+            f"it counts every query in per-slot state, rejected drafts' too; choose {SPECULATION_POLICIES}, or "
+            "trigger once",
+        )
+
+
 def check_request(vllm_config, params):
     """Resolve a request's ``kvevict_*`` keys once (:func:`vllm_kvevict.request.resolve`), before
     vLLM processes its inputs: a bad key is refused (HTTP 400 naming it, a
@@ -172,6 +193,16 @@ def check_request(vllm_config, params):
     # vLLM 0.33 on CPU sets the block size in the worker; until the engine reports it here,
     # check_fits_pool does not run and the window's block size is unused.
     settings = resolve(config_from_vllm(vllm_config), extra, vllm_config.cache_config.block_size or 1)
+    if getattr(vllm_config, "speculative_config", None) is not None and not settings.drafts_safe:
+        key = next(
+            (k for k in ("kvevict_policy", "kvevict_params", "kvevict_trigger") if k in settings.keys), "kvevict_policy"
+        )
+        raise RequestConfigError(
+            f"{key}: the policy {settings.policy_name} compacting while decoding is not supported with this server's "
+            f"speculative decoding (it counts every query in per-slot state, rejected drafts' too); choose "
+            f"{SPECULATION_POLICIES}, or trigger once",
+            key,
+        )
     max_len = vllm_config.model_config.max_model_len
     if "kvevict_budget" in settings.keys and settings.budget > max_len:
         raise RequestConfigError(

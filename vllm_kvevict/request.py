@@ -109,6 +109,16 @@ class RequestSettings:
         are; those its next compaction rewrites, up to ``window.hit_end``, are copied aside first."""
         return self.shares_windows and not self.policy.needs.state
 
+    @property
+    def drafts_safe(self) -> bool:
+        """Whether the request may decode with speculative drafts: its compactions while decoding,
+        if any, read no per-slot state (H2O's accumulator, LSH-E's victims, KVMerger's: every
+        query's contribution, and a rejected draft's would have counted). Compactions themselves
+        never see a draft (``window.draft_cut``), and query windows drop rejected drafts' queries."""
+        w = self.window
+        compacts_while_decoding = w.enabled and w.trigger == "chunked" and w.decode
+        return not (compacts_while_decoding and (self.policy.needs.observes or self.decode_policy.needs.observes))
+
     def tail_end(self, b: int) -> int:
         """The end of the tail of this request's window at compaction point ``b``."""
         return tail_end(b, self.window, self.policy.needs.window)
@@ -162,6 +172,7 @@ class LayerState:
     """What a worker keeps of one request in one attention layer."""
 
     queries: torch.Tensor | None = None  # the request's latest queries [H_q, w, d] (query-window policies)
+    queries_end: int = 0  # the position after the last of them (speculative decoding: drafts rejected since go)
     recall_queries: torch.Tensor | None = None  # recall: the prompt's latest queries [H_q, window, d]
     tier: Any = None  # recall: the tokens its compactions evicted (backends/recall.Tier, made by the backend)
     #: per-slot policy state of the cached window the attempt started on, its own copy, until its

@@ -168,8 +168,8 @@ def step_limit(L: int, prompt_len: int, cfg: WindowConfig, saves: int | None = N
     point, when the blocks before it are copied aside."""
     if not cfg.enabled or (not cfg.decode and L >= prompt_len):
         return None
-    if cfg.trigger != "chunked":
-        return prompt_len - L if L < prompt_len else None
+    if cfg.trigger != "chunked":  # the prompt's end, where it compacts (if anything is evicted there)
+        return prompt_len - L if L < prompt_len and _floor_evict(prompt_len, cfg) > 0 else None
     limit = cfg.step - L % cfg.step
     if saves is not None:
         p = L + limit
@@ -177,6 +177,19 @@ def step_limit(L: int, prompt_len: int, cfg: WindowConfig, saves: int | None = N
         if L < cut and evicted_tokens(L, prompt_len, cfg) < evicted_tokens(p, prompt_len, cfg) < cut:
             limit = cut - L
     return limit
+
+
+def draft_cut(L: int, n: int, known: int, prompt_len: int, cfg: WindowConfig) -> int:
+    """Speculative decoding: ``n``, the tokens of a step from ``L`` (cut at compaction points
+    already), or one fewer when the step would end at a compaction point with unverified draft
+    tokens in it (those past the ``known`` tokens). A compaction runs in the step's forward, before
+    its drafts are verified: one that kept a draft the sampler then rejects would leave it in the
+    window. Such a step stops one short of the point; the step that reaches it holds only the
+    verified token sampled last (``n = 1``), so a request compacts at the same points, on the same
+    tokens, with speculation or without."""
+    if n > 1 and L + n > known and step_window(L, L + n, prompt_len, cfg).compacts:
+        return n - 1
+    return n
 
 
 def settle_limit(L: int, processed: int, prompt_len: int, cfg: WindowConfig) -> int | None:

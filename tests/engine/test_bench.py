@@ -137,3 +137,18 @@ def test_prefix_smoke(smollm2_model, tmp_path):
         c["answer"] for c in needle["kvevict"]["conversations"]
     ]
     assert needle["kvevict"]["compressed_hit_tokens"] > 0
+
+
+@pytest.mark.slow
+def test_speculative_smoke(smollm2_model, tmp_path):
+    """vllm bench serve against four servers: drafts are accepted on the repetitive workload with and
+    without eviction (how many is reported: a small budget leaves the model less of the text it
+    repeats), and the kvevict servers evict."""
+    r = _bench(tmp_path, "speculative")
+    assert set(r["results"]) == {"stock", "stock+ngram", "kvevict", "kvevict+ngram"}
+    for name, res in r["results"].items():
+        assert res["completed"] == r["num_prompts"] and res["output_tok_per_s"] > 0
+        assert (res["acceptance"] is not None) == name.endswith("+ngram")
+        assert (res["blocks_freed"] > 0) == name.startswith("kvevict"), name
+    assert all(res["acceptance"] > 0 for name, res in r["results"].items() if name.endswith("+ngram"))
+    assert set(r["ngram_speedup"]) == {"stock", "kvevict"}

@@ -55,12 +55,25 @@ CASES = {  # name: (--additional-config, KVEVICT_CONFIG, extra vllm args, the on
         ["--kv-cache-dtype", "fp8"],
         "invalid kvevict configuration: --kv-cache-dtype fp8 is not supported with eviction; allowed: auto",
     ),
-    "speculative_decoding": (
+    "speculative_decoding_async": (
         {"kvevict": {"policy": "keydiff", "budget": 64}},
         None,
+        [
+            "--speculative-config",  # a draft model (vLLM runs n-gram drafts synchronously only)
+            json.dumps({"method": "draft_model", "model": "{model}", "num_speculative_tokens": 2}),
+            "--async-scheduling",
+        ],
+        "invalid kvevict configuration: speculative decoding with asynchronous scheduling is not supported with "
+        "eviction (a step would be scheduled before the previous step's drafts are verified; pass "
+        "--no-async-scheduling)",
+    ),
+    "speculative_decoding_h2o": (
+        {"kvevict": {"policy": "h2o", "budget": 64}},
+        None,
         ["--speculative-config", json.dumps({"method": "ngram", "num_speculative_tokens": 2, "prompt_lookup_max": 3})],
-        "invalid kvevict configuration: speculative decoding (--speculative-config) is not supported with eviction "
-        "(draft and verified tokens would need their own windows)",
+        "invalid kvevict configuration: speculative decoding with the policy h2o compacting while decoding is not "
+        "supported with eviction (it counts every query in per-slot state, rejected drafts' too; choose a policy "
+        "without per-slot state (docs/compatibility.md), or trigger once)",
     ),
     "kv_connector": (
         {"kvevict": {"policy": "keydiff", "budget": 64}},
@@ -124,6 +137,7 @@ CASES = {  # name: (--additional-config, KVEVICT_CONFIG, extra vllm args, the on
 def test_bad_config_fails_fast_with_one_line(case, tiny_model, server_log):
     additional, env_cfg, extra, expected = CASES[case]
     extra_env = dict(a.removeprefix("ENV:").split("=", 1) for a in extra if a.startswith("ENV:"))
+    extra = [a.replace('"{model}"', json.dumps(str(tiny_model))) for a in extra]
     models = [a.removeprefix("MODEL:") for a in extra if a.startswith("MODEL:")]
     extra = [a for a in extra if not a.startswith(("ENV:", "MODEL:"))]
     if models:

@@ -116,6 +116,7 @@ class KVEvictBackendMixin:
                 vllm_config.max_in_flight_tokens,
                 vllm_config.scheduler_config.max_num_batched_tokens,
                 vllm_config.cache_config.prefix_caching_hash_algo,
+                vllm_kv_cache.spec_tokens(vllm_config),
             )
         return spec
 
@@ -401,10 +402,16 @@ class KVEvictImplMixin(RecallMixin):
         return plan.states[r].layer(self._layer_key(layer))
 
     def _query_window(self, plan, r: int, Q: torch.Tensor, w: int, layer=None) -> torch.Tensor:
-        """The request's last ``w`` queries ``[H_q, <=w, d]``, this step's included."""
+        """The request's last ``w`` queries ``[H_q, <=w, d]``, this step's included. Queries kept from
+        an earlier step at positions this step computes again go first: speculative decoding's
+        draft tokens that the sampler rejected (their positions are now other tokens')."""
         st = self._layer_state(plan, r, layer)
-        buf = Q if st.queries is None else torch.cat([st.queries, Q], dim=1)
+        prev = st.queries
+        if prev is not None and st.queries_end > plan.L_prev[r]:
+            prev = prev[:, : max(0, prev.shape[1] - (st.queries_end - plan.L_prev[r]))]
+        buf = Q if prev is None else torch.cat([prev, Q], dim=1)
         st.queries = buf = buf[:, -w:].clone()
+        st.queries_end = plan.seq_lens[r]
         return buf
 
     def _row_work(self, plan, r: int, policy, compacts: bool, query, layer) -> RowWork | None:

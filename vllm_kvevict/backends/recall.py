@@ -368,6 +368,7 @@ class RecallMixin:
         if settings.decode_policy is not settings.policy and Qw is not None:
             if ls.queries is None or ls.queries.shape[1] < Qw.shape[1]:
                 ls.queries = Qw  # recall's score compacts from now on: from the prompt's last queries
+                ls.queries_end = plan.seq_lens[r]
         if tier_of is None or Qw is None:
             return None
         got = self._reselect(layer, kv_cache, plan, r, G, tier_of, Qw, plan.e_new[r], plan.seq_lens[r])

@@ -203,6 +203,25 @@ PRESETS = {
             "needle_user_len": 500,
         },
     },
+    "speculative": {
+        "smoke": {
+            "num_prompts": 4,
+            "output_len": 48,
+            "budget": 96,
+            "policy": "keydiff",
+            "num_spec_tokens": 4,
+            "concurrency": 2,
+        },
+        # answers several times the budget: the window compacts while the drafts run
+        "full": {
+            "num_prompts": 16,
+            "output_len": 512,
+            "budget": 256,
+            "policy": "keydiff",
+            "num_spec_tokens": 4,
+            "concurrency": 4,
+        },
+    },
     "memory": {
         "smoke": {"prompt_len": 1024, "output_len": 64, "budget": 256, "policy": "keydiff", "chunk": 256},
         "full": {"prompt_len": 4000, "output_len": 256, "budget": 512, "policy": "keydiff", "chunk": 256},
@@ -330,6 +349,23 @@ def cmd_overhead(args) -> int:
     return _finish(args, "overhead", overhead, report)
 
 
+def cmd_speculative(args) -> int:
+    from vllm_kvevict.bench import speculative
+
+    _fill(args, "speculative")
+    report = speculative.run_speculative(
+        _model_path(args),
+        args.num_prompts,
+        args.output_len,
+        args.budget,
+        args.policy,
+        args.num_spec_tokens,
+        args.concurrency,
+        log_dir=args.out,
+    )
+    return _finish(args, "speculative", speculative, report)
+
+
 def cmd_prefix(args) -> int:
     from vllm_kvevict.bench import prefix
 
@@ -444,6 +480,21 @@ def build_parser() -> argparse.ArgumentParser:
     x.add_argument("--stride", type=int, default=None, help="kvevict's compaction stride (default: the budget)")
     x.add_argument("--servers", default=None, help="which servers besides stock (default: all four)")
     x.set_defaults(func=cmd_prefix)
+
+    s = sub.add_parser(
+        "speculative", help="n-gram speculative decoding with and without eviction, through vllm bench serve"
+    )
+    common(s, "speculative")
+    for name, typ in (
+        ("num-prompts", int),
+        ("output-len", int),
+        ("budget", int),
+        ("policy", str),
+        ("num-spec-tokens", int),
+        ("concurrency", int),
+    ):
+        s.add_argument(f"--{name}", type=typ, default=None)
+    s.set_defaults(func=cmd_speculative)
     return ap
 
 

@@ -47,6 +47,7 @@ __all__ = [
     "pure_block_key",
     "register_spec",
     "request_extra_args",
+    "spec_tokens",
     "uncache_blocks",
     "window_block_keys",
 ]
@@ -141,6 +142,12 @@ def uncache_blocks(block_pool, blocks) -> None:
 def cached_block(block_pool, key):
     """The block cached under ``key``, or None."""
     return block_pool.cached_block_hash_to_block.get_one_block(key)
+
+
+def spec_tokens(vllm_config) -> int:
+    """Draft tokens per step with speculative decoding (0 without): ``SpeculativeConfig.num_speculative_tokens``."""
+    spec = getattr(vllm_config, "speculative_config", None)
+    return int(getattr(spec, "num_speculative_tokens", 0) or 0) if spec is not None else 0
 
 
 def processed_tokens(request) -> int:
