@@ -253,3 +253,31 @@ def test_the_workers_say_which_layers_evict_and_refuse_a_model_where_none_does(r
         "--attention-backend kvevict"
     )
     plugin.check_layers(VllmConfig(), {"l0": sliding})  # another backend selected: not the plugin's to check
+
+
+def test_speculative_decoding_refusals(registered, tiny_model):
+    """What ``plugin._check_speculation`` refuses (the engine tests cover what vLLM lets start on a
+    CPU: n-gram drafts run, a draft model is refused): asynchronous scheduling with drafts (vLLM
+    allows it for GPU n-gram drafts, ``ngram_gpu``), a drafter with its own KV cache, a policy that
+    counts drafts in per-slot state."""
+    from vllm.config import ModelConfig, SchedulerConfig, SpeculativeConfig, VllmConfig
+
+    from vllm_kvevict.config import KVEvictConfigError, parse_config
+
+    model = ModelConfig(model=str(tiny_model), skip_tokenizer_init=True, max_model_len=1024, dtype="float32")
+    sched = SchedulerConfig(max_num_batched_tokens=256, max_model_len=1024, is_encoder_decoder=False)
+    spec = SpeculativeConfig(method="ngram", num_speculative_tokens=3, prompt_lookup_max=3)
+    cfg = VllmConfig(model_config=model, scheduler_config=sched, speculative_config=spec)
+    assert not cfg.scheduler_config.async_scheduling  # vLLM: n-gram drafts run synchronously
+    plugin._check_speculation(cfg, parse_config({"policy": "keydiff"}))  # supported
+    plugin._check_speculation(
+        cfg, parse_config({"policy": "h2o", "trigger": "once"})
+    )  # nothing compacts while decoding
+    with pytest.raises(KVEvictConfigError, match="speculative decoding with the policy h2o compacting while decoding"):
+        plugin._check_speculation(cfg, parse_config({"policy": "h2o"}))
+    cfg.scheduler_config.async_scheduling = True
+    with pytest.raises(KVEvictConfigError, match="speculative decoding with asynchronous scheduling"):
+        plugin._check_speculation(cfg, parse_config({"policy": "keydiff"}))
+    cfg.speculative_config.method = "eagle"
+    with pytest.raises(KVEvictConfigError, match="speculative decoding with the method eagle"):
+        plugin._check_speculation(cfg, parse_config({"policy": "keydiff"}))

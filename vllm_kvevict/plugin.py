@@ -158,6 +158,8 @@ def check_layers(vllm_config, specs: dict) -> None:
 
 
 SPECULATION_POLICIES = "a policy without per-slot state (docs/compatibility.md)"
+#: speculative methods whose drafts come from the tokens alone (no drafter model, no KV of their own)
+DRAFTS_WITHOUT_KV = ("ngram", "ngram_gpu", "suffix")
 
 
 def _check_speculation(vllm_config, cfg) -> None:
@@ -165,6 +167,12 @@ def _check_speculation(vllm_config, cfg) -> None:
     (``window.draft_cut``, decided by the engine core from the schedule), which asynchronous
     scheduling would decide before the previous step's drafts are verified; and the server's
     policy must not count rejected drafts in per-slot state (``RequestSettings.drafts_safe``)."""
+    method = getattr(vllm_config.speculative_config, "method", None)
+    if method not in DRAFTS_WITHOUT_KV:
+        _refuse(
+            f"speculative decoding with the method {method}",
+            "its drafter keeps a KV cache of its own beside the evicted one; n-gram and suffix drafts are supported",
+        )
     if getattr(vllm_config.scheduler_config, "async_scheduling", False):
         _refuse(
             "speculative decoding with asynchronous scheduling",

@@ -55,17 +55,17 @@ CASES = {  # name: (--additional-config, KVEVICT_CONFIG, extra vllm args, the on
         ["--kv-cache-dtype", "fp8"],
         "invalid kvevict configuration: --kv-cache-dtype fp8 is not supported with eviction; allowed: auto",
     ),
-    "speculative_decoding_async": (
+    "speculative_decoding_draft_model": (
         {"kvevict": {"policy": "keydiff", "budget": 64}},
         None,
         [
-            "--speculative-config",  # a draft model (vLLM runs n-gram drafts synchronously only)
+            "--speculative-config",
             json.dumps({"method": "draft_model", "model": "{model}", "num_speculative_tokens": 2}),
-            "--async-scheduling",
+            "--no-async-scheduling",
         ],
-        "invalid kvevict configuration: speculative decoding with asynchronous scheduling is not supported with "
-        "eviction (a step would be scheduled before the previous step's drafts are verified; pass "
-        "--no-async-scheduling)",
+        "invalid kvevict configuration: speculative decoding with the method draft_model is not supported with "
+        "eviction (its drafter keeps a KV cache of its own beside the evicted one; n-gram and suffix drafts are "
+        "supported)",
     ),
     "speculative_decoding_h2o": (
         {"kvevict": {"policy": "h2o", "budget": 64}},
