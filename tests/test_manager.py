@@ -443,3 +443,15 @@ def test_steps_vllm_pads_for_drafts_are_run_whole_or_not_at_all():
     # a step with drafts (past the 400 known tokens) that would end at the point at 416 ends short of it
     assert m.step_tokens(long, 399, 17) == 16 and m.step_tokens(long, 415, 1) == 1
     ENGINE.clear()
+
+
+def test_layers_with_and_without_the_plugins_spec_are_not_one_kind():
+    """vLLM decides whether a model's layers share one KV cache spec by merging them and catching
+    an AssertionError; a full-attention layer some other backend built (a drafter's, say) beside the
+    plugin's is another kind of layer, not a crash of the engine core."""
+    from vllm.v1.core.kv_cache_utils import is_kv_cache_spec_uniform
+
+    base = FullAttentionSpec(block_size=BS, num_kv_heads=2, head_size=64, dtype=torch.float32)
+    ours = mgr.KVEvictSpec.from_spec(base, parse_config({"policy": "keydiff", "budget": BUDGET}), CHUNK)
+    assert is_kv_cache_spec_uniform({"a": ours, "b": ours})
+    assert not is_kv_cache_spec_uniform({"a": ours, "b": base})

@@ -119,6 +119,9 @@ class KVEvictSpec(FullAttentionSpec):
 
     @classmethod
     def merge(cls, specs: list[Self]) -> Self:
+        # vLLM tells uniform layers from others by an AssertionError here: a layer without the
+        # plugin's spec (another backend's full attention) is another kind, never an error
+        assert all(isinstance(s, KVEvictSpec) for s in specs), "full attention with and without kvevict"
         # vLLM's merge on the base class: it checks the common fields
         merged = FullAttentionSpec.merge.__func__(FullAttentionSpec, specs)  # type: ignore[attr-defined]
         first = specs[0]
