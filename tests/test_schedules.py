@@ -46,7 +46,12 @@ from vllm.utils.hashing import get_hash_fn_by_name  # noqa: E402
 from vllm.v1.core.kv_cache_utils import get_block_hash, get_request_block_hasher, init_none_hash  # noqa: E402
 from vllm.v1.core.sched.async_scheduler import AsyncScheduler  # noqa: E402
 from vllm.v1.core.sched.scheduler import Scheduler  # noqa: E402
-from vllm.v1.kv_cache_interface import FullAttentionSpec, KVCacheConfig, KVCacheGroupSpec  # noqa: E402
+from vllm.v1.kv_cache_interface import (  # noqa: E402
+    FullAttentionSpec,
+    KVCacheConfig,
+    KVCacheGroupSpec,
+    SlidingWindowSpec,
+)
 from vllm.v1.outputs import DraftTokenIds, ModelRunnerOutput  # noqa: E402
 from vllm.v1.request import Request, RequestStatus  # noqa: E402
 
@@ -150,15 +155,22 @@ class Attempt:
     expected: dict[int, object] = field(default_factory=dict)  # logical slot -> the label it must hold
     evicted: bool = False  # a compaction has run in this attempt
     window: tuple | None = None  # (prefix digest, salt) of the window its computed tokens attend to
+    sliding: list[int] = field(default_factory=list)  # its blocks in the sliding-window group (hybrid mixes)
 
 
 class StandInWorker:
     """Runs scheduled steps as a worker would, writing labels instead of KV, and checks every read."""
 
     def __init__(
-        self, server_config, eos_rates: dict[str, float], prompts: dict[str, list[int]], fallback_rate: float = 0.0
+        self,
+        server_config,
+        eos_rates: dict[str, float],
+        prompts: dict[str, list[int]],
+        fallback_rate: float = 0.0,
+        sliding: int = 0,
     ):
         self.server_config = server_config
+        self.sliding = sliding  # a second KV cache group of sliding-window layers, this window (0: none)
         self.fallback_rate = fallback_rate
         self.fails: set[str] = set()  # requests whose policy fails at their first compaction
         self.fallbacks = 0  # requests whose policy failed
@@ -206,6 +218,8 @@ class StandInWorker:
         for new in out.scheduled_new_reqs:
             self.uids += 1
             self.attempts[new.req_id] = Attempt(self.uids, list(new.block_ids[0]), list(new.prompt_token_ids))
+            if self.sliding:
+                self.attempts[new.req_id].sliding = list(new.block_ids[1])
             starts.add(new.req_id)
             self.compacted_in[new.req_id], self.compacted_at[new.req_id] = [], []
             self.seen_by_core.discard(new.req_id)
@@ -216,11 +230,15 @@ class StandInWorker:
                 self.uids += 1
                 tokens = list(cached.all_token_ids.get(rid) or self.prompts[rid])
                 self.attempts[rid] = Attempt(self.uids, list(ids[0]) if ids else [], tokens)
+                if self.sliding and ids:
+                    self.attempts[rid].sliding = list(ids[1])
                 starts.add(rid)
                 self.compacted_in[rid], self.compacted_at[rid] = [], []
                 self.seen_by_core.discard(rid)
             elif ids is not None:
                 self.attempts[rid].blocks.extend(ids[0])
+                if self.sliding:
+                    self.attempts[rid].sliding.extend(ids[1])
         # vLLM's block copies, before the step's forward (every source computed in an earlier step)
         copies = [(c.src_block_id, c.dst_block_id) for c in out.kv_cache_block_copies or ()]
         labels = [[self.slots.get((src, o)) for o in range(BS)] for src, _ in copies]
@@ -297,6 +315,8 @@ class StandInWorker:
                 label = ("after", *att.window, digests[p]) if att.evicted else ("pure", digests[p])
                 self._write(att.blocks[p // BS], p % BS, label)
                 att.expected[p] = label
+                if self.sliding:  # a sliding-window layer keeps every token's own KV
+                    self._write(att.sliding[p // BS], p % BS, ("pure", digests[p]))
         for r, rid in enumerate(rids):  # attention reads the window
             att = self.attempts[rid]
             for q in range(plan.e_prev[r], L_prev[r]):
@@ -304,6 +324,13 @@ class StandInWorker:
                 if got != att.expected.get(q):
                     self._fail(f"{rid} reads slot {q} (block {att.blocks[q // BS]}): {got} != {att.expected.get(q)}")
                     break
+            if self.sliding:  # and the sliding-window layer its last ``sliding - 1`` tokens
+                pure = _prefix_digests(att.tokens[: L_prev[r]])
+                for q in range(max(0, L_prev[r] - self.sliding + 1), L_prev[r]):
+                    got = self.slots.get((att.sliding[q // BS], q % BS))
+                    if got != ("pure", pure[q]):
+                        self._fail(f"{rid} reads sliding slot {q} (block {att.sliding[q // BS]}): {got}")
+                        break
         sampled: list[list[int]] = []
         for r, rid in enumerate(rids):
             att = self.attempts[rid]
@@ -386,13 +413,15 @@ class StandInWorker:
         (the same hash again when the same tokens are recomputed into them)."""
         fresh: list[int] = []
         for new in out.scheduled_new_reqs:
-            fresh += new.block_ids[0][new.num_computed_tokens // BS :]
+            for group in new.block_ids:
+                fresh += group[new.num_computed_tokens // BS :]
         cached = out.scheduled_cached_reqs
         for i, rid in enumerate(cached.req_ids):
             ids = cached.new_block_ids[i]
             if ids is not None:
                 skip = cached.num_computed_tokens[i] // BS if rid in cached.resumed_req_ids else 0
-                fresh += ids[0][skip:]
+                for group in ids:
+                    fresh += group[skip:]
         fresh += [c.dst_block_id for c in out.kv_cache_block_copies or ()]
         for block in fresh:
             self.hash_stamp.pop(block, None)
@@ -503,6 +532,7 @@ class Mix:
     priority: bool = False  # vLLM's priority scheduling (else FCFS)
     drafts: int = 0  # speculative decoding: n-gram draft tokens per step (0: none; synchronous only)
     fallbacks: float = 0.0  # chance that an evicting request's policy fails on the worker in a step
+    sliding: int = 0  # a hybrid model: a second KV cache group of sliding-window layers, this window
 
 
 @st.composite
@@ -535,6 +565,7 @@ def mixes(draw):
         priority=draw(st.booleans()),
         fallbacks=draw(st.sampled_from([0.0, 0.0, 0.02, 0.1, 0.3])),
         drafts=draw(st.sampled_from([0, 0, 0, 2, 4])),
+        sliding=draw(st.sampled_from([0, 0, 40, 64])),
     )
 
 
@@ -557,9 +588,16 @@ def run_mix(make_config, mix: Mix) -> StandInWorker:
         mix.max_batched,
         spec_tokens=mix.drafts,
     )
-    kv_config = KVCacheConfig(
-        num_blocks=mix.pool_blocks, kv_cache_tensors=[], kv_cache_groups=[KVCacheGroupSpec(["layer.0"], spec)]
-    )
+    groups = [KVCacheGroupSpec(["layer.0"], spec)]
+    if mix.sliding:
+        sliding = SlidingWindowSpec(
+            block_size=BS, num_kv_heads=2, head_size=8, dtype=torch.float32, sliding_window=mix.sliding
+        )
+        groups.append(KVCacheGroupSpec(["layer.1"], sliding))
+    kv_config = KVCacheConfig(num_blocks=mix.pool_blocks, kv_cache_tensors=[], kv_cache_groups=groups)
+    # as vLLM resolves it for a server (``--prefix-cache-retention-interval``, 0 by default):
+    # sliding-window groups keep only the blocks a hit at a prompt's end reads
+    kv_config.prefix_cache_retention_interval = config.cache_config.prefix_cache_retention_interval
     from vllm.v1.structured_output import StructuredOutputManager
 
     cls = AsyncScheduler if mix.async_scheduling else Scheduler
@@ -569,7 +607,7 @@ def run_mix(make_config, mix: Mix) -> StandInWorker:
     docs = {f"doc{i}": [rng.randrange(3, VOCAB) for _ in range(400)] for i in range(2)}
     eos_rates: dict[str, float] = {}
     prompts: dict[str, list[int]] = {}
-    worker = StandInWorker(server, eos_rates, prompts, mix.fallbacks)
+    worker = StandInWorker(server, eos_rates, prompts, mix.fallbacks, mix.sliding)
     worker.extra_args = {}
     worker.async_scheduling = mix.async_scheduling
     digests: dict = {}
@@ -608,6 +646,10 @@ def run_mix(make_config, mix: Mix) -> StandInWorker:
     def fits(prompt: list[int], max_tokens: int, xargs) -> bool:
         window = resolve(server, xargs, BS).window
         peak = peak_blocks(len(prompt), len(prompt) + max_tokens, window, in_flight, mix.max_batched)
+        if mix.sliding:  # and the sliding-window group's blocks (vLLM's own bound)
+            peak += min(
+                -(-(len(prompt) + max_tokens) // BS), sliding.max_admission_blocks_per_request(in_flight, MAX_LEN)
+            )
         return peak <= mix.pool_blocks - 1
 
     def add(i: int, r: Req) -> None:
@@ -639,7 +681,7 @@ def run_mix(make_config, mix: Mix) -> StandInWorker:
     # allocations set their attempt's fence over blocks that step would compute
     scheduled_now: set[str] = set()
     fenced_now: set[str] = set()
-    (manager,) = sched.kv_cache_manager.coordinator.single_type_managers
+    manager = sched.kv_cache_manager.coordinator.single_type_managers[0]
 
     def spy(request, start: int, num_tokens: int, scheduled=manager.scheduled) -> None:
         att = manager._attempts.get(request.request_id)
@@ -1020,6 +1062,19 @@ def test_requests_start_on_cached_windows(vllm_config, name):
     """Each mix starts some request on a cached compacted window, and every slot every request
     reads (window hits included) holds what that request would have computed itself."""
     worker = run_mix(vllm_config, WINDOW_MIXES[name])
+    assert not worker.violations, "\n".join(worker.violations[:10])
+    assert worker.window_reads > 0, "no request started on a cached window"
+
+
+@pytest.mark.parametrize("sliding", [40, 64])
+@pytest.mark.parametrize("name", sorted(WINDOW_MIXES) + [f"tail: {n}" for n in sorted(TAIL_MIXES)])
+def test_hybrid_models_start_on_cached_windows(vllm_config, name, sliding):
+    """A model with sliding-window layers beside the evicting ones (Gemma 2 and 3, gpt-oss: a
+    second KV cache group, which keeps by default only the blocks a hit at a prompt's end reads):
+    requests start on cached windows and tails with the sliding-window group's blocks of the same
+    tokens, and every slot each layer reads holds what the request would have computed itself."""
+    mix = TAIL_MIXES[name.removeprefix("tail: ")] if name.startswith("tail: ") else WINDOW_MIXES[name]
+    worker = run_mix(vllm_config, dataclasses.replace(mix, sliding=sliding))
     assert not worker.violations, "\n".join(worker.violations[:10])
     assert worker.window_reads > 0, "no request started on a cached window"
 

@@ -660,12 +660,13 @@ class KVEvictManager(FullAttentionManager):
             spec.evict_hash_algo, prefix_hash, settings.window_salt, n, self.kv_cache_group_id
         )
 
-    def window_hit(self, request, num_tokens: int) -> tuple[list, int] | None:
+    def window_hit(self, request, num_tokens: int, others_hold=lambda t: True) -> tuple[list, int] | None:
         """The cached window the request may start on, beyond its pure hit of ``num_tokens``:
         the one at its last compaction point ``b`` below its known tokens whose every block is
         still cached under the request's own prefix and configuration, with the blocks of its
         tail cached since (up to ``t``), as ``(blocks, t)`` (the blocks: null for ``[0, E(b))``,
-        then the window's, then the tail's). None when there is none."""
+        then the window's, then the tail's). None when there is none. ``others_hold(t)``: whether
+        the model's other KV cache groups (sliding-window layers) hit exactly ``t`` too."""
         st = self.state_of(request)
         st.window_hit = 0
         settings = st.settings
@@ -701,10 +702,10 @@ class KVEvictManager(FullAttentionManager):
                             break
                         blocks.append(blk)
                         t += bs
-                while t > b and self._padded_and_cut(request, t):  # (speculative decoding)
+                while t > b and (self._padded_and_cut(request, t) or not others_hold(t)):
                     blocks.pop()
                     t -= bs
-                if not self._padded_and_cut(request, t):
+                if not self._padded_and_cut(request, t) and others_hold(t):
                     st.window_hit = t
                     return [self.block_pool.null_block] * (e // bs) + blocks, t
             b -= window.step
@@ -879,9 +880,23 @@ def install_scheduler_hooks() -> None:
             for m in ours(managers):
                 m.fell_back(rid)
 
-    def on_window(request, num_tokens: int, managers: list) -> tuple[list, int] | None:
-        (m,) = managers
-        return m.window_hit(request, num_tokens) if isinstance(m, KVEvictManager) else None
+    def on_window(request, num_tokens: int, managers: list, per_group) -> tuple[tuple, int] | None:
+        mine = [i for i, m in enumerate(managers) if isinstance(m, KVEvictManager)]
+        others = [i for i in range(len(managers)) if i not in mine]
+
+        def others_hold(t: int) -> bool:  # the groups that do not evict: vLLM's own hit, exactly t
+            return not others or all(per_group(t)[1][i] == t for i in others)
+
+        hits = [managers[i].window_hit(request, num_tokens, others_hold) for i in mine]
+        if not hits or None in hits or len({t for _, t in hits}) != 1:
+            if hits and (st := ENGINE.get(request.request_id)) is not None:
+                st.window_hit = 0
+            return None
+        t = hits[0][1]
+        groups = list(per_group(t)[0]) if others else [[] for _ in managers]
+        for i, (blocks, _) in zip(mine, hits):
+            groups[i] = blocks
+        return tuple(groups), t
 
     def on_chunk(request, start: int, num_tokens: int, managers: list) -> int:
         for m in ours(managers):
@@ -894,8 +909,12 @@ def install_scheduler_hooks() -> None:
             num_tokens = cut
         return num_tokens
 
+    def keeps_every_block(request) -> bool:
+        st = ENGINE.get(request.request_id)
+        return st is not None and st.settings.window.enabled
+
     vllm_kv_cache.install_request_hooks(
-        on_allocate, on_end, on_prefix_hit, on_scheduled, on_hit, on_chunk, on_window, on_fallbacks
+        on_allocate, on_end, on_prefix_hit, on_scheduled, on_hit, on_chunk, on_window, on_fallbacks, keeps_every_block
     )
 
 

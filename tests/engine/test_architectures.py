@@ -20,7 +20,7 @@ import pytest
 import torch
 
 from tests.engine.evict_common import check_against_reference, complete, make_prompt, server_args
-from vllm_kvevict.testing.hf_reference import load_attempts
+from vllm_kvevict.testing.hf_reference import attempts_for, load_attempts
 from vllm_kvevict.testing.models import arch_path
 from vllm_kvevict.testing.server import VLLMServer
 
@@ -86,3 +86,72 @@ def test_attention_scored_policies_count_gpt_oss_attention_sinks(tmp_path):
     attempts = load_attempts(tmp_path / "dump")
     for policy, out in zip(policies, outs):
         check_against_reference(hf, out, attempts, config=parse_config({"policy": policy, "budget": 96}))
+
+
+def _released_line(srv: VLLMServer, request_id: str) -> bool:
+    from tests.engine.test_memory import RELEASED
+
+    return any(m.group(1).startswith(request_id + "-") for m in RELEASED.finditer(srv.log()))
+
+
+#: the pure hit a prompt sharing 150 tokens gets: up to E of its first compaction (96); a model
+#: with one KV cache group copies the blocks that compaction rewrites and starts past them
+PURE_HIT = {"gemma2": 96, "gpt-oss": 96, "qwen3": 128}
+
+
+@pytest.mark.parametrize("arch", sorted(PURE_HIT))
+def test_windows_prefix_hits_and_recall_on_other_architectures(arch, tmp_path):
+    """What Llama has, on a hybrid model (Gemma 2: sliding-window layers in their own KV cache
+    group beside the evicting ones), one with sinks and MoE (gpt-oss) and one with q/k norms
+    (Qwen 3): a shared document starts on the compressed window another request cached and
+    computes what it computes alone; an exact prefix hit below the first compaction point too; a
+    request with recall equals the transformers replay of what it kept (recalled tokens included)."""
+    import math
+
+    from transformers import AutoModelForCausalLM
+
+    from tests.engine.evict_common import TOL
+    from vllm_kvevict.testing.server import wait_until
+    from vllm_kvevict.window import WindowConfig, last_boundary
+
+    model = arch_path(arch)
+    budget = 96
+    args = server_args(
+        {"policy": "keydiff", "budget": budget, "copy_rewritten": "always", "recall": {"cap": 200, "window": 16}},
+        "--max-model-len", "4096", "--max-num-batched-tokens", "512", "--max-num-seqs", "4",
+        "--enable-prompt-tokens-details", "--enable-log-requests",
+    )  # fmt: skip
+    env = {"KVEVICT_DUMP_DIR": str(tmp_path / "dump"), "VLLM_SERVER_DEV_MODE": "1"}
+    vocab = 500
+    doc = make_prompt(700, 1, vocab)
+    mine = doc + make_prompt(40, 2, vocab)
+
+    def same(out, alone):
+        assert out["tokens"] == alone["tokens"], (out["tokens"], alone["tokens"])
+        for j, (a, b) in enumerate(zip(out["logprobs"], alone["logprobs"])):
+            assert math.isclose(a, b, abs_tol=TOL), f"token {j}: logprob {a} vs {b} alone"
+
+    with VLLMServer(model, args, log_path=tmp_path / "server.log", env=env) as srv:
+        alone = complete(srv, mine, 16)
+        assert alone["cached_tokens"] == 0
+        wait_until(lambda: _released_line(srv, alone["id"]), 60, "the release line")
+        assert srv.post("/reset_prefix_cache") == 200
+        first = complete(srv, doc + make_prompt(60, 3, vocab), 16)
+        wait_until(lambda: _released_line(srv, first["id"]), 60, "the first request's release line")
+        out = complete(srv, mine, 16)
+        short = make_prompt(150, 4, vocab)
+        pure = [complete(srv, short + make_prompt(n, 5 + n, vocab), 8) for n in (20, 40)]
+        recalled = complete(srv, make_prompt(900, 9, vocab), 16, {"kvevict_recall": True})
+        hits = srv.metrics().get("kvevict:compressed_hits_total", 0.0)
+    assert out["cached_tokens"] == last_boundary(len(doc), WindowConfig(budget, 32))
+    assert hits >= 1
+    same(out, alone)
+    assert pure[1]["cached_tokens"] == PURE_HIT[arch]
+    hf = AutoModelForCausalLM.from_pretrained(model, dtype=torch.float32, attn_implementation="eager").eval()
+    attempts = load_attempts(tmp_path / "dump")
+    from tests.engine.test_recall import _recalled
+
+    assert max(_recalled(att, 900) for att in attempts_for(attempts, recalled["id"])) > 0
+    check_against_reference(hf, pure[0], attempts, expect_compaction=False)  # 178 tokens: below 192
+    for o in (out, pure[1], recalled):
+        check_against_reference(hf, o, attempts)

@@ -160,6 +160,17 @@ def request_extra_args(request) -> dict | None:
     return getattr(getattr(request, "sampling_params", None), "extra_args", None)
 
 
+def hit_per_group(coordinator, request, num_tokens: int) -> tuple[tuple[list, ...], tuple[int, ...]]:
+    """vLLM's prefix-cache hit of at most ``num_tokens`` in each KV cache group on its own: the
+    blocks and the length, per group. vLLM 0.32/0.33: ``find_longest_cache_hit_per_group`` (hybrid
+    coordinators); a coordinator with one group answers with ``find_longest_cache_hit``."""
+    if hasattr(coordinator, "find_longest_cache_hit_per_group"):
+        blocks, lengths = coordinator.find_longest_cache_hit_per_group(request.block_hashes, num_tokens)
+        return tuple(blocks), tuple(lengths)
+    blocks, length, _ = coordinator.find_longest_cache_hit(request.block_hashes, num_tokens)
+    return tuple(blocks), (length,) * len(blocks)
+
+
 def install_request_hooks(
     on_allocate: Callable[[object, list], None],
     on_end: Callable[[object], None],
@@ -167,8 +178,9 @@ def install_request_hooks(
     on_scheduled: Callable[[object, int, int, list], None],
     on_hit: Callable[[object, int], None],
     on_chunk: Callable[[object, int, int, list], int],
-    on_window: Callable[[object, int, list], tuple[list, int] | None],
+    on_window: Callable[[object, int, list, Callable[[int], tuple]], tuple[tuple, int] | None],
     on_fallbacks: Callable[[frozenset[str], list], None],
+    keeps_every_block: Callable[[object], bool],
 ) -> None:
     """The single-type managers only see request ids; ``KVCacheManager`` sees the request.
 
@@ -196,10 +208,17 @@ def install_request_hooks(
     ``schedule``'s loops, 0.32 and 0.33) and returns how many of those tokens it may compute (at
     least one; 0 for a waiting request: not in this step, which makes 0.32's scheduler stop
     admitting waiting requests for the step and 0.33's requeue it behind the others);
-    ``on_window(request, num_tokens, single_type_managers)`` sees every lookup after the pure hit
-    is decided (``num_tokens``), on a model with one KV cache group, and returns a
-    cached compacted window the request may start on instead, ``(blocks, tokens)`` (the group's
-    block list: null blocks for the evicted prefix, then the window's), or None;
+    ``on_window(request, num_tokens, single_type_managers, per_group)`` sees every lookup after the
+    pure hit is decided (``num_tokens``) and returns a cached compacted window the request may
+    start on instead, ``(blocks, tokens)`` (``blocks``: one list per KV cache group, the evicting
+    groups' null blocks for the evicted prefix, then the window's), or None; ``per_group(tokens)``
+    is vLLM's own hit of at most ``tokens`` in each group (:func:`hit_per_group`), which the
+    other groups must have whole (a sliding-window group: the blocks of its window
+    ending there); ``keeps_every_block(request)``: whether the request's blocks in the groups
+    that cache sparsely (sliding-window groups keep by default only the blocks a hit at a prompt's
+    end reads: vLLM's ``prefix_cache_retention_interval`` 0) are all kept reachable instead
+    (``retention_interval=None``), so that a hit at any block boundary, a window's included, finds
+    them;
     ``on_fallbacks(request_ids, single_type_managers)`` gets the requests whose policy a worker
     replaced by the safe policy in a step (``runner.output_fallbacks``), first thing in
     ``Scheduler.update_from_output`` for that step: before vLLM advances anything from the step's
@@ -249,15 +268,32 @@ def install_request_hooks(
                     blocks, boundary = self.create_kv_cache_blocks(hit), (num_tokens + uncached if uncached else 0)
                 else:
                     blocks, num_tokens, boundary = self.empty_kv_cache_blocks, 0, 0
-            if len(managers) == 1 and self.prefix_cache_lookup_enabled(request):
-                window = on_window(request, num_tokens, managers)
+            if self.prefix_cache_lookup_enabled(request):
+                window = on_window(request, num_tokens, managers, lambda t: hit_per_group(self.coordinator, request, t))
                 if window is not None:
                     group_blocks, num_tokens = window
-                    blocks, boundary = self.create_kv_cache_blocks((group_blocks,)), 0
+                    blocks, boundary = self.create_kv_cache_blocks(group_blocks), 0
             on_hit(request, num_tokens)
             return blocks, num_tokens, boundary
 
         return get_computed_blocks
+
+    from vllm.v1.core.single_type_kv_cache_manager import SingleTypeKVCacheManager
+
+    def make_cache(orig):
+        def cache_blocks(self, request, num_tokens, retention_interval=None, **kwargs):
+            if retention_interval is not None and keeps_every_block(request):
+                retention_interval = None
+            return orig(self, request, num_tokens, retention_interval, **kwargs)
+
+        return cache_blocks
+
+    wrap_method(
+        SingleTypeKVCacheManager,
+        "cache_blocks",
+        make_cache,
+        "kvevict: a request whose window evicts keeps every block of its sliding-window groups reachable",
+    )
 
     from vllm.v1.core.sched.scheduler import Scheduler
 
