@@ -281,3 +281,55 @@ def test_speculative_decoding_refusals(registered, tiny_model):
     cfg.speculative_config.method = "eagle"
     with pytest.raises(KVEvictConfigError, match="speculative decoding with the method eagle"):
         plugin._check_speculation(cfg, parse_config({"policy": "keydiff"}))
+
+
+def _text_config(**kw):
+    from types import SimpleNamespace
+
+    return SimpleNamespace(hf_text_config=SimpleNamespace(**kw))
+
+
+@pytest.mark.parametrize(
+    "types, want",
+    [
+        (["sliding_attention", "full_attention"] * 2, (1, 1, 64)),  # Gemma 2, gpt-oss: 1:1
+        ((["sliding_attention"] * 5 + ["full_attention"]) * 10 + ["sliding_attention"] * 2, (1, 6, 64)),  # Gemma 3
+        (["full_attention"] * 13 + ["sliding_attention"] * 12, (1, 1, 64)),  # within 1.5x: groups of 13
+        (["full_attention"] * 4, (1, 0, None)),
+        (["sliding_attention", "linear_attention", "full_attention"], (1, 0, None)),  # another kind
+    ],
+)
+def test_kv_cache_groups_as_vllm_makes_them(types, want):
+    """The admission check counts every KV cache group's blocks of a request (a hybrid model's
+    sliding-window groups hold theirs beside the evicting ones') as vLLM groups the layers."""
+    assert plugin.kv_cache_groups(_text_config(layer_types=types, sliding_window=64)) == want
+
+
+def test_a_request_is_refused_when_its_blocks_in_every_group_exceed_the_pool():
+    """One evicting and one sliding-window group (window 64) in a pool of 20 blocks of 32: with
+    eviction off, a 576-token request holds 18 blocks in the evicting group and 4 in the sliding
+    one (vLLM's bound: the window's 63 tokens and a 32-token step, one block more): refused, where
+    counting the evicting group alone admitted it (and it could never run); 480 tokens fit."""
+    from types import SimpleNamespace
+
+    from vllm_kvevict.config import parse_config
+    from vllm_kvevict.request import resolve
+
+    model = SimpleNamespace(
+        max_model_len=4096,
+        hf_text_config=SimpleNamespace(layer_types=["sliding_attention", "full_attention"], sliding_window=64),
+    )
+    config = SimpleNamespace(
+        cache_config=SimpleNamespace(num_gpu_blocks=21, block_size=32),
+        model_config=model,
+        parallel_config=SimpleNamespace(data_parallel_size=1),
+        scheduler_config=SimpleNamespace(max_num_batched_tokens=32),
+        max_in_flight_tokens=32,
+    )
+    off = resolve(parse_config({"policy": "keydiff", "budget": 96}), {"kvevict_enabled": False}, 32)
+    with pytest.raises(plugin.RequestConfigError, match="could hold 22 KV blocks"):
+        plugin.check_fits_pool(config, off, 560, 16, "kvevict_enabled")
+    plugin.check_fits_pool(config, off, 464, 16, "kvevict_enabled")
+    config.parallel_config.data_parallel_size = 2  # vLLM reports the sum of both engines' pools
+    with pytest.raises(plugin.RequestConfigError, match="but the KV cache has 9"):
+        plugin.check_fits_pool(config, off, 464, 16, "kvevict_enabled")

@@ -263,13 +263,19 @@ def check_fits_pool(
     num_blocks = getattr(cache, "num_gpu_blocks", None)
     if not num_blocks or not cache.block_size:
         return  # the engine has not reported its pool (not in a serving process)
-    usable = num_blocks - 1  # block 0 is vLLM's null block
+    # vLLM reports the sum of every data-parallel engine's pool here; a request runs on one
+    usable = num_blocks // max(1, vllm_config.parallel_config.data_parallel_size) - 1  # less the null block
     max_len = vllm_config.model_config.max_model_len
     total = min(prompt_len + (max_tokens if max_tokens is not None else max_len), max_len)
     window = settings.window
-    peak = peak_blocks(
-        prompt_len, total, window, vllm_config.max_in_flight_tokens, vllm_config.scheduler_config.max_num_batched_tokens
+    in_flight = vllm_config.max_in_flight_tokens
+    evicting, sliding, sliding_window = kv_cache_groups(vllm_config.model_config)
+    peak = evicting * peak_blocks(
+        prompt_len, total, window, in_flight, vllm_config.scheduler_config.max_num_batched_tokens
     )
+    if sliding:  # vLLM's own bound on a sliding-window group's blocks (SlidingWindowSpec)
+        bs = cache.block_size
+        peak += sliding * min(-(-total // bs), -(-min(sliding_window - 1 + in_flight, max_len) // bs) + 1)
     if peak > usable:
         why = (
             "with eviction off"
@@ -284,6 +290,22 @@ def check_fits_pool(
             f"max_tokens, or keep eviction on with a smaller budget",
             key or "max_tokens",
         )
+
+
+def kv_cache_groups(model_config) -> tuple[int, int, int | None]:
+    """``(evicting groups, sliding-window groups, window)``: the KV cache groups vLLM makes of a
+    model's layers, each holding its own blocks of a request in one pool, from the model's
+    ``layer_types`` (full and sliding-window attention; any other kind: one group assumed). vLLM
+    0.32/0.33 (``kv_cache_utils._get_kv_cache_groups_uniform_page_size``): every kind is split into
+    groups of the smallest kind's layer count, or of the largest's when it is within 1.5 times."""
+    text = getattr(model_config, "hf_text_config", None)
+    types = list(getattr(text, "layer_types", None) or ())
+    window = getattr(text, "sliding_window", None)
+    full, sliding = types.count("full_attention"), types.count("sliding_attention")
+    if not window or not full or not sliding or full + sliding != len(types):
+        return 1, 0, None
+    size = max(full, sliding) if max(full, sliding) < 1.5 * min(full, sliding) else min(full, sliding)
+    return -(-full // size), -(-sliding // size), int(window)
 
 
 def _choose_cuda_base(device_capability, attn_selector_config) -> str:
