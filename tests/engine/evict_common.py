@@ -35,12 +35,18 @@ def make_prompt(n: int, seed: int, vocab: int) -> list[int]:
 
 
 def complete(
-    srv: VLLMServer, prompt: list[int], max_tokens: int, xargs: dict | None = None, extra: dict | None = None
+    srv: VLLMServer,
+    prompt: list[int],
+    max_tokens: int,
+    xargs: dict | None = None,
+    extra: dict | None = None,
+    headers: dict | None = None,
 ) -> dict:
     """A greedy completion of token ids, with the chosen tokens' ids and logprobs.
 
     ``xargs``: the request's ``vllm_xargs`` (per-request kvevict overrides); ``extra``: more
-    fields of vLLM's request body (e.g. ``stop_token_ids``).
+    fields of vLLM's request body (e.g. ``stop_token_ids``); ``headers``: HTTP headers (e.g.
+    vLLM's ``X-data-parallel-rank``).
     """
     client = OpenAI(base_url=srv.base_url + "/v1", api_key="unused", max_retries=0)
     body = {"ignore_eos": True, "return_tokens_as_token_ids": True, **(extra or {})}
@@ -53,6 +59,7 @@ def complete(
         temperature=0,
         logprobs=1,
         extra_body=body,
+        extra_headers=headers,
     )
     lp = r.choices[0].logprobs
     details = getattr(r.usage, "prompt_tokens_details", None)  # with --enable-prompt-tokens-details

@@ -185,3 +185,35 @@ def test_without_chunked_prefill_and_one_sequence_at_a_time(server, gqa_model, t
         assert srv.metrics().get("kvevict:blocks_freed_total", 0.0) > 0
     assert got["tokens"] == want["tokens"]
     assert max(abs(a - b) for a, b in zip(got["logprobs"], want["logprobs"])) <= TOL
+
+
+def test_data_parallel_engines_each_evict_and_report(gqa_model, hf_model, tmp_path):
+    """``--data-parallel-size 2``: two engine cores, each with its own pool and scheduler (and two
+    API servers, which serve ``/metrics`` from every process's records): requests sent to each
+    engine (vLLM's ``X-data-parallel-rank``) evict and equal the reference, and the counters add up
+    both engines' blocks (with several API servers vLLM serves a registry made afresh at each
+    scrape: before, the plugin's metrics were missing from it)."""
+    args = server_args(
+        {"policy": "keydiff", "budget": BUDGET},
+        *("--max-model-len", "4096", "--max-num-batched-tokens", "128", "--data-parallel-size", "2"),
+    )
+    dump = tmp_path / "dump"
+    with VLLMServer(gqa_model, args, log_path=tmp_path / "server.log", env={"KVEVICT_DUMP_DIR": str(dump)}) as srv:
+        outs = [
+            complete(
+                srv,
+                make_prompt(600, 40 + i, hf_model.config.vocab_size),
+                8,
+                headers={"X-data-parallel-rank": str(i % 2)},
+            )
+            for i in range(4)
+        ]
+        released = re.compile(r"\((EngineCore_DP\d)[^)]*\).*kvevict: request \S+ released: (\d+) blocks freed")
+        wait_until(lambda: len(released.findall(srv.log())) == 4, 60, "every request's release line")
+        engines = {engine for engine, _ in released.findall(srv.log())}
+        freed = sum(int(n) for _, n in released.findall(srv.log()))
+        assert srv.metrics().get("kvevict:blocks_freed_total") == freed > 0
+    assert engines == {"EngineCore_DP0", "EngineCore_DP1"}, engines
+    attempts = load_attempts(dump)
+    for out in outs:
+        check_against_reference(hf_model, out, attempts)

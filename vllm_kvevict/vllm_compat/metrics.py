@@ -5,23 +5,27 @@ Written against vLLM 0.32.0 (``v1/metrics/prometheus.py`` ``get_prometheus_regis
 ``entrypoints/serve/instrumentator/metrics.py``, which imports it by name and mounts
 ``make_asgi_app(registry=get_prometheus_registry())``); the same in 0.33.0. With one API server
 (the default) that registry is prometheus_client's global ``REGISTRY``; with several
-(``--api-server-count``, ``PROMETHEUS_MULTIPROC_DIR`` set) it is a new registry made at mount time,
-so the function is wrapped to add the collector to whichever registry it returns.
+(``--api-server-count``, data parallelism; ``PROMETHEUS_MULTIPROC_DIR`` set) it is a new registry
+made at mount time, so the function is wrapped to add the collector to whichever registry it
+returns; and the route that serves it (prometheus-fastapi-instrumentator 7's ``expose``) then
+ignores that registry and makes a new one at every scrape, holding prometheus_client's
+``MultiProcessCollector``: so every registry such a collector is made for gets the plugin's too.
 """
 
 from __future__ import annotations
 
 import sys
+import weakref
 
 from vllm_kvevict.vllm_compat.patching import wrap_method
 
-_registries: set[int] = set()
+_registries: weakref.WeakSet = weakref.WeakSet()  # those holding the collector (a scrape's: short-lived)
 
 
 def _register(registry, collector) -> None:
-    if id(registry) not in _registries:
+    if registry not in _registries:
         registry.register(collector)
-        _registries.add(id(registry))
+        _registries.add(registry)
 
 
 def install_collector(collector) -> None:
@@ -42,3 +46,17 @@ def install_collector(collector) -> None:
     for module in (prometheus, sys.modules.get("vllm.entrypoints.serve.instrumentator.metrics")):
         if module is not None:
             wrap_method(module, "get_prometheus_registry", make, "kvevict: serve the plugin's metrics")
+
+    from prometheus_client.multiprocess import MultiProcessCollector
+
+    def make_multiprocess(orig):
+        def __init__(self, registry, *args, **kwargs):
+            orig(self, registry, *args, **kwargs)
+            if registry is not None:
+                _register(registry, collector)
+
+        return __init__
+
+    wrap_method(
+        MultiProcessCollector, "__init__", make_multiprocess, "kvevict: the plugin's metrics beside every process's"
+    )
