@@ -273,7 +273,7 @@ def check_fits_pool(
     peak = evicting * peak_blocks(
         prompt_len, total, window, in_flight, vllm_config.scheduler_config.max_num_batched_tokens
     )
-    if sliding:  # vLLM's own bound on a sliding-window group's blocks (SlidingWindowSpec)
+    if sliding and sliding_window:  # vLLM's own bound on a sliding-window group's blocks (SlidingWindowSpec)
         bs = cache.block_size
         peak += sliding * min(-(-total // bs), -(-min(sliding_window - 1 + in_flight, max_len) // bs) + 1)
     if peak > usable:

@@ -96,14 +96,14 @@ def _released_line(srv: VLLMServer, request_id: str) -> bool:
 
 #: the pure hit a prompt sharing 150 tokens gets: up to E of its first compaction (96); a model
 #: with one KV cache group copies the blocks that compaction rewrites and starts past them
-PURE_HIT = {"gemma2": 96, "gpt-oss": 96, "qwen3": 128}
+PURE_HIT = {"gemma2": 96, "gpt-oss": 96, "qwen2": 128, "qwen3": 128, "phi3": 128}
 
 
 @pytest.mark.parametrize("arch", sorted(PURE_HIT))
 def test_windows_prefix_hits_and_recall_on_other_architectures(arch, tmp_path):
-    """What Llama has, on a hybrid model (Gemma 2: sliding-window layers in their own KV cache
-    group beside the evicting ones), one with sinks and MoE (gpt-oss) and one with q/k norms
-    (Qwen 3): a shared document starts on the compressed window another request cached and
+    """What Llama has, on hybrid models (Gemma 2; gpt-oss, with sinks and MoE: sliding-window
+    layers in their own KV cache group beside the evicting ones) and on Qwen 2 and 3 and Phi-3
+    (QKV bias, q/k norms, a fused QKV): a shared document starts on the compressed window another request cached and
     computes what it computes alone; an exact prefix hit below the first compaction point too; a
     request with recall equals the transformers replay of what it kept (recalled tokens included)."""
     import math
