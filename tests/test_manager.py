@@ -449,7 +449,10 @@ def test_layers_with_and_without_the_plugins_spec_are_not_one_kind():
     """vLLM decides whether a model's layers share one KV cache spec by merging them and catching
     an AssertionError; a full-attention layer some other backend built (a drafter's, say) beside the
     plugin's is another kind of layer, not a crash of the engine core."""
-    from vllm.v1.core.kv_cache_utils import is_kv_cache_spec_uniform
+    try:  # vLLM 0.33
+        from vllm.v1.core.kv_cache_planning import is_kv_cache_spec_uniform
+    except ImportError:  # vLLM 0.32
+        from vllm.v1.core.kv_cache_utils import is_kv_cache_spec_uniform
 
     base = FullAttentionSpec(block_size=BS, num_kv_heads=2, head_size=64, dtype=torch.float32)
     ours = mgr.KVEvictSpec.from_spec(base, parse_config({"policy": "keydiff", "budget": BUDGET}), CHUNK)
