@@ -20,6 +20,7 @@ from vllm.v1.request import Request, RequestStatus  # noqa: E402
 from vllm_kvevict import kv_manager as mgr  # noqa: E402
 from vllm_kvevict.config import parse_config  # noqa: E402
 from vllm_kvevict.request import ENGINE  # noqa: E402
+from vllm_kvevict.spec import KVEvictSpec  # noqa: E402
 from vllm_kvevict.vllm_compat import kv_cache as vllm_kv_cache  # noqa: E402
 from vllm_kvevict.window import WindowConfig, evicted_tokens, window_bound_blocks  # noqa: E402
 
@@ -31,7 +32,7 @@ def kv():
     mgr.register_spec()
     mgr.install_scheduler_hooks()
     base = FullAttentionSpec(block_size=BS, num_kv_heads=2, head_size=64, dtype=torch.float32)
-    spec = mgr.KVEvictSpec.from_spec(base, parse_config({"policy": "keydiff", "budget": BUDGET}), CHUNK)
+    spec = KVEvictSpec.from_spec(base, parse_config({"policy": "keydiff", "budget": BUDGET}), CHUNK)
     config = KVCacheConfig(
         num_blocks=NUM_BLOCKS, kv_cache_tensors=[], kv_cache_groups=[KVCacheGroupSpec(["layer.0"], spec)]
     )
@@ -145,11 +146,11 @@ def test_spec_keeps_every_field_of_vllms_spec():
     fields = [f.name for f in dataclasses.fields(FullAttentionSpec) if f.init]
     if "is_draft" in fields:  # vLLM 0.33
         base = dataclasses.replace(base, is_draft=True)
-    spec = mgr.KVEvictSpec.from_spec(base, parse_config({"policy": "keydiff", "budget": BUDGET}), CHUNK)
+    spec = KVEvictSpec.from_spec(base, parse_config({"policy": "keydiff", "budget": BUDGET}), CHUNK)
     assert all(getattr(spec, f) == getattr(base, f) for f in fields)
     assert spec.page_size_bytes == base.page_size_bytes
-    merged = mgr.KVEvictSpec.merge([spec, spec])
-    assert isinstance(merged, mgr.KVEvictSpec) and merged.evict_config == spec.evict_config
+    merged = KVEvictSpec.merge([spec, spec])
+    assert isinstance(merged, KVEvictSpec) and merged.evict_config == spec.evict_config
 
 
 def test_metrics_follow_the_windows(tmp_path, monkeypatch):
@@ -161,7 +162,7 @@ def test_metrics_follow_the_windows(tmp_path, monkeypatch):
     monkeypatch.setattr(metrics, "_recorder", None)
     monkeypatch.setattr(mgr, "_metrics_owner", None)
     base = FullAttentionSpec(block_size=BS, num_kv_heads=2, head_size=64, dtype=torch.float32)
-    spec = mgr.KVEvictSpec.from_spec(base, parse_config({"policy": "keydiff", "budget": BUDGET}), CHUNK)
+    spec = KVEvictSpec.from_spec(base, parse_config({"policy": "keydiff", "budget": BUDGET}), CHUNK)
     config = KVCacheConfig(
         num_blocks=NUM_BLOCKS, kv_cache_tensors=[], kv_cache_groups=[KVCacheGroupSpec(["layer.0"], spec)]
     )
@@ -211,7 +212,7 @@ def test_a_cut_hit_stays_consistent_across_kv_cache_groups():
     init_none_hash(get_hash_fn_by_name("sha256"))
     hasher = get_request_block_hasher(BS, get_hash_fn_by_name("sha256"))
     budget, window, num_blocks = 1000, 128, 100
-    full = mgr.KVEvictSpec.from_spec(
+    full = KVEvictSpec.from_spec(
         FullAttentionSpec(block_size=BS, num_kv_heads=2, head_size=64, dtype=torch.float32),
         parse_config({"policy": "keydiff", "budget": budget}),
         CHUNK,
@@ -265,7 +266,7 @@ def _caching_manager(
     mgr.register_spec()
     mgr.install_scheduler_hooks()
     init_none_hash(get_hash_fn_by_name("sha256"))
-    spec = mgr.KVEvictSpec.from_spec(
+    spec = KVEvictSpec.from_spec(
         FullAttentionSpec(block_size=BS, num_kv_heads=2, head_size=64, dtype=torch.float32),
         parse_config(server),
         in_flight,
@@ -455,6 +456,6 @@ def test_layers_with_and_without_the_plugins_spec_are_not_one_kind():
         from vllm.v1.core.kv_cache_utils import is_kv_cache_spec_uniform
 
     base = FullAttentionSpec(block_size=BS, num_kv_heads=2, head_size=64, dtype=torch.float32)
-    ours = mgr.KVEvictSpec.from_spec(base, parse_config({"policy": "keydiff", "budget": BUDGET}), CHUNK)
+    ours = KVEvictSpec.from_spec(base, parse_config({"policy": "keydiff", "budget": BUDGET}), CHUNK)
     assert is_kv_cache_spec_uniform({"a": ours, "b": ours})
     assert not is_kv_cache_spec_uniform({"a": ours, "b": base})

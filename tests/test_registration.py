@@ -231,7 +231,7 @@ def test_the_workers_say_which_layers_evict_and_refuse_a_model_where_none_does(r
 
     from vllm_kvevict import _logging
     from vllm_kvevict.config import KVEvictConfigError, parse_config
-    from vllm_kvevict.kv_manager import KVEvictSpec
+    from vllm_kvevict.spec import KVEvictSpec
 
     cfg = VllmConfig(attention_config=AttentionConfig(backend=AttentionBackendEnum.CUSTOM))
     kw = dict(block_size=32, num_kv_heads=2, head_size=64, dtype=torch.float32)

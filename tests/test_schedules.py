@@ -60,6 +60,7 @@ from vllm_kvevict.backends import fault  # noqa: E402
 from vllm_kvevict.backends import plan as worker_plan  # noqa: E402
 from vllm_kvevict.config import parse_config  # noqa: E402
 from vllm_kvevict.request import ENGINE, WORKER, resolve  # noqa: E402
+from vllm_kvevict.spec import KVEvictSpec  # noqa: E402
 from vllm_kvevict.vllm_compat.kv_cache import tail_block_key, window_block_keys  # noqa: E402
 from vllm_kvevict.vllm_compat.runner import RunnerStep, attach_fallbacks  # noqa: E402
 from vllm_kvevict.window import evicted_tokens, last_boundary, peak_blocks, step_window  # noqa: E402
@@ -581,7 +582,7 @@ def run_mix(make_config, mix: Mix) -> StandInWorker:
     server = parse_config(
         {**SERVER, "copy_rewritten": mix.copy_rewritten, **({"stride": mix.stride} if mix.stride else {})}
     )
-    spec = mgr.KVEvictSpec.from_spec(
+    spec = KVEvictSpec.from_spec(
         FullAttentionSpec(block_size=BS, num_kv_heads=2, head_size=8, dtype=torch.float32),
         server,
         in_flight,

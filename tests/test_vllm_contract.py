@@ -89,7 +89,7 @@ def test_scheduler_side_methods():
 
 
 def test_what_compacted_windows_use():
-    """The scheduler's last cap on a step (kv_cache.install_request_hooks, on_chunk), vLLM's block
+    """The scheduler's last cap on a step (kv_cache.RequestHooks.chunk), vLLM's block
     hash, its cache map and its insertion of a block under a hash (window_block_keys, cache_block,
     cached_block), the lookup switch and the in-flight count (processed_tokens)."""
     from vllm.v1.core.block_pool import BlockHashToBlockMap, BlockPool

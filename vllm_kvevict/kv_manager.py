@@ -1,5 +1,5 @@
 # SPDX-License-Identifier: Apache-2.0
-"""``KVEvictSpec`` and its manager: free the leading blocks the window has left behind.
+"""The manager of :class:`~vllm_kvevict.spec.KVEvictSpec` layers: free the leading blocks the window has left behind.
 
 vLLM's classes come through :mod:`vllm_kvevict.vllm_compat.kv_cache`. The worker's backend turns each plain ``FullAttentionSpec`` into a
 ``KVEvictSpec`` (``AttentionBackend.customize_spec``); the spec is pickled to the engine core,
@@ -30,15 +30,14 @@ that starts on such blocks gets its own copies (vLLM's copy-on-write, ``kv_cache
 from __future__ import annotations
 
 from collections.abc import Iterator
-from dataclasses import dataclass, field, fields
-from typing import Self
+from dataclasses import dataclass, field
 
 from vllm_kvevict import metrics
 from vllm_kvevict._logging import logger
-from vllm_kvevict.config import KVEvictConfig, config_from_json
 from vllm_kvevict.request import ENGINE, RequestSettings, RequestState, resolve
+from vllm_kvevict.spec import KVEvictSpec
 from vllm_kvevict.vllm_compat import kv_cache as vllm_kv_cache
-from vllm_kvevict.vllm_compat.kv_cache import FullAttentionManager, FullAttentionSpec, KVCacheBlock, RequestStatus
+from vllm_kvevict.vllm_compat.kv_cache import FullAttentionManager, KVCacheBlock, RequestStatus
 from vllm_kvevict.window import (
     WindowConfig,
     copy_range,
@@ -52,90 +51,6 @@ from vllm_kvevict.window import (
     step_limit,
     window_bound_blocks,
 )
-
-
-@dataclass(frozen=True, kw_only=True)
-class KVEvictSpec(FullAttentionSpec):
-    """A full-attention layer whose per-request KV is bounded by the kvevict window."""
-
-    evict_config: str  # the server's kvevict configuration, as JSON (the spec is pickled to the engine core)
-    evict_max_in_flight: int = 0  # tokens scheduled but not yet processed (vLLM's max_in_flight_tokens)
-    evict_max_chunk: int = 0  # tokens one step schedules at most (vLLM's max_num_batched_tokens)
-    evict_hash_algo: str = "sha256"  # vLLM's prefix_caching_hash_algo (the keys of cached windows)
-    evict_spec_tokens: int = 0  # speculative decoding: draft tokens per step (vLLM's num_speculative_tokens)
-
-    @property
-    def config(self) -> KVEvictConfig:
-        return config_from_json(self.evict_config)
-
-    @property
-    def window(self) -> WindowConfig:
-        """The server's window; a request's own is ``request_config(...).window(block_size)``."""
-        return self.config.window(self.block_size)
-
-    @classmethod
-    def from_spec(
-        cls,
-        spec: FullAttentionSpec,
-        config: KVEvictConfig,
-        max_in_flight: int,
-        max_chunk: int = 0,
-        hash_algo: str = "sha256",
-        spec_tokens: int = 0,
-    ) -> Self:
-        base = {f.name: getattr(spec, f.name) for f in fields(FullAttentionSpec) if f.init}
-        return cls(
-            **base,
-            evict_config=config.model_dump_json(),
-            evict_max_in_flight=max_in_flight,
-            evict_max_chunk=max_chunk,
-            evict_hash_algo=hash_algo,
-            evict_spec_tokens=spec_tokens,
-        )
-
-    @property
-    def in_flight(self) -> tuple[int, int]:
-        """``(max_in_flight, max_chunk)``: what the window bound adds for steps not yet processed."""
-        return self.evict_max_in_flight, self.evict_max_chunk
-
-    def max_admission_blocks_per_request(self, max_model_len: int | None = None) -> int | None:
-        """Most blocks one request ever holds: the window bound in ``chunked`` mode, else ``None``.
-
-        The single source for the start-up memory check and the scheduler's admission gate, as for
-        vLLM's sliding-window specs: a prompt longer than the whole KV cache is admitted, because its
-        blocks are recycled as the window moves.
-        """
-        window = self.window
-        if window.trigger != "chunked" or not window.enabled:  # unbounded before/without eviction
-            return None
-        bound = window_bound_blocks(window, *self.in_flight)
-        return bound if max_model_len is None else min(bound, -(-max_model_len // self.block_size))
-
-    def max_memory_usage_bytes(self, vllm_config) -> int:
-        cap = self.max_admission_blocks_per_request(vllm_config.model_config.max_model_len)
-        if cap is None:
-            return super().max_memory_usage_bytes(vllm_config)
-        return cap * self.page_size_bytes
-
-    @classmethod
-    def merge(cls, specs: list[Self]) -> Self:
-        # vLLM tells uniform layers from others by an AssertionError here: a layer without the
-        # plugin's spec (another backend's full attention) is another kind, never an error
-        assert all(isinstance(s, KVEvictSpec) for s in specs), "full attention with and without kvevict"
-        # vLLM's merge on the base class: it checks the common fields
-        merged = FullAttentionSpec.merge.__func__(FullAttentionSpec, specs)  # type: ignore[attr-defined]
-        first = specs[0]
-        extra = ("evict_config", "evict_max_in_flight", "evict_max_chunk", "evict_hash_algo", "evict_spec_tokens")
-        for s in specs:
-            assert all(getattr(s, k) == getattr(first, k) for k in extra), "kvevict layers disagree on the window"
-        return cls.from_spec(
-            merged,
-            first.config,
-            first.evict_max_in_flight,
-            first.evict_max_chunk,
-            first.evict_hash_algo,
-            first.evict_spec_tokens,
-        )
 
 
 @dataclass
@@ -283,23 +198,25 @@ class KVEvictManager(FullAttentionManager):
         turns eviction off, chooses a ``once`` policy or a larger budget. (The API refuses a
         request whose peak exceeds the whole pool, so every admitted request can finish alone.)
         At an attempt's first allocation, plus the copies of its hit (:meth:`_hit_copies`)."""
-        a = (request_id, num_tokens, new_computed_blocks, total_computed_tokens, *args)
         copies = 0
         if request_id not in self._attempts:
             lo, hi = self._hit_copies(request_id, total_computed_tokens)
             copies = (hi - lo) // self.block_size
-        if not apply_admission_cap:
-            return super().get_num_blocks_to_allocate(*a, **kwargs) + copies
-        server_cap = self.max_admission_blocks_per_request
         st = ENGINE.get(request_id)
-        if st is not None:
-            self.max_admission_blocks_per_request = st.settings.admission_blocks(*self.kv_cache_spec.in_flight)
-        try:
-            # vLLM passes the cap by keyword (kv_cache_coordinator.py), so ``*a`` never holds it
-            capped = super().get_num_blocks_to_allocate(*a, apply_admission_cap=True, **kwargs)  # type: ignore[misc]
-            return capped + copies
-        finally:
-            self.max_admission_blocks_per_request = server_cap
+        cap = (
+            st.settings.admission_blocks(*self.kv_cache_spec.in_flight)
+            if st is not None
+            else self.max_admission_blocks_per_request
+        )
+        if apply_admission_cap and cap is not None:
+            # vLLM 0.32/0.33 cap the blocks a request reserves at min(cdiv(num_tokens, block), cap):
+            # the same count from tokens capped at the request's own cap, with vLLM's server-wide
+            # cap left out
+            num_tokens = min(num_tokens, cap * self.block_size)
+        blocks = super().get_num_blocks_to_allocate(
+            request_id, num_tokens, new_computed_blocks, total_computed_tokens, *args, **kwargs
+        )
+        return blocks + copies
 
     def scheduled(self, request, start: int, num_tokens: int) -> None:
         """The scheduler has scheduled a step after which the workers will have computed
@@ -830,46 +747,48 @@ class KVEvictManager(FullAttentionManager):
 _metrics_owner: KVEvictManager | None = None
 
 
-def install_scheduler_hooks() -> None:
-    """Resolve each request's settings the first time the scheduler looks at it (a prefix-cache
-    lookup, a step's size or an allocation), record the request and the prefix-cache hit its
-    attempt starts on, cut every step at the request's next compaction point (and a block short
-    of it when the blocks it rewrites are copied aside), let a waiting request wait for a running
-    one that computes its prefix (:meth:`KVEvictManager.waits_for_window`), and end both on vLLM's
-    free paths: the attempt when the request is preempted, everything when it has finished.
-    Idempotent."""
+def _ours(managers: list) -> list[KVEvictManager]:
+    """The plugin's managers among a coordinator's (one per evicting KV cache group)."""
+    found = [m for m in managers if isinstance(m, KVEvictManager)]
+    for m in found:  # copies need one KV cache group whose hash blocks are its blocks
+        m.copies = m.enable_caching and len(managers) == 1 and m.block_pool.hash_block_size == m.block_size
+    return found
 
-    def ours(managers: list) -> list[KVEvictManager]:
-        found = [m for m in managers if isinstance(m, KVEvictManager)]
-        for m in found:  # copies need one KV cache group whose hash blocks are its blocks
-            m.copies = m.enable_caching and len(managers) == 1 and m.block_pool.hash_block_size == m.block_size
-        return found
 
-    def on_allocate(request, managers: list) -> None:
-        for m in ours(managers):
+class SchedulerHooks:
+    """The plugin's answers to vLLM's scheduler (``vllm_compat.kv_cache.RequestHooks``): resolve
+    each request's settings the first time the scheduler looks at it (a prefix-cache lookup, a
+    step's size or an allocation), record the request and the prefix-cache hit its attempt starts
+    on, cut every step at the request's next compaction point (and a block short of it when the
+    blocks it rewrites are copied aside), let a waiting request wait for a running one that
+    computes its prefix (:meth:`KVEvictManager.waits_for_window`), and end both on vLLM's free
+    paths: the attempt when the request is preempted, everything when it has finished."""
+
+    def allocate(self, request, managers: list) -> None:
+        for m in _ours(managers):
             m.state_of(request).request = request
             return
 
-    def on_end(request) -> None:
+    def end(self, request) -> None:
         if request.is_finished():
             ENGINE.end(request.request_id)
         elif (st := ENGINE.get(request.request_id)) is not None:  # preempted: it starts again later
             st.request = None
             st.restart(0)
 
-    def on_prefix_hit(request, num_tokens: int, managers: list) -> int:
-        return min([m.usable_hit(request, num_tokens) for m in ours(managers)], default=num_tokens)
+    def prefix_hit(self, request, num_tokens: int, managers: list) -> int:
+        return min([m.usable_hit(request, num_tokens) for m in _ours(managers)], default=num_tokens)
 
-    def on_hit(request, num_tokens: int) -> None:
+    def hit(self, request, num_tokens: int) -> None:
         st = ENGINE.get(request.request_id)
         if st is not None:
             st.shared = num_tokens
 
-    def on_scheduled(request, start: int, num_tokens: int, managers: list) -> None:
-        for m in ours(managers):
+    def scheduled(self, request, start: int, num_tokens: int, managers: list) -> None:
+        for m in _ours(managers):
             m.scheduled(request, start, num_tokens)
 
-    def on_fallbacks(request_ids: frozenset[str], managers: list) -> None:
+    def fallbacks(self, request_ids: frozenset[str], managers: list) -> None:
         for rid in request_ids:
             st = ENGINE.get(rid)
             if st is None:  # finished or aborted before this step's results arrived
@@ -877,14 +796,16 @@ def install_scheduler_hooks() -> None:
             if st.fell_back_from is None:
                 st.fell_back_from = "a worker"
                 logger.debug("kvevict: request %s fell back on a worker: nothing of it is cached", rid)
-            for m in ours(managers):
+            for m in _ours(managers):
                 m.fell_back(rid)
 
-    def on_window(request, num_tokens: int, managers: list, per_group) -> tuple[tuple, int] | None:
+    def window(self, request, num_tokens: int, managers: list, per_group) -> tuple[tuple, int] | None:
+        """A window every evicting group has at the same point, with the other groups' (sliding
+        windows) own hit of exactly its tokens."""
         mine = [i for i, m in enumerate(managers) if isinstance(m, KVEvictManager)]
         others = [i for i in range(len(managers)) if i not in mine]
 
-        def others_hold(t: int) -> bool:  # the groups that do not evict: vLLM's own hit, exactly t
+        def others_hold(t: int) -> bool:
             return not others or all(per_group(t)[1][i] == t for i in others)
 
         hits = [managers[i].window_hit(request, num_tokens, others_hold) for i in mine]
@@ -898,8 +819,8 @@ def install_scheduler_hooks() -> None:
             groups[i] = blocks
         return tuple(groups), t
 
-    def on_chunk(request, start: int, num_tokens: int, managers: list) -> int:
-        for m in ours(managers):
+    def chunk(self, request, start: int, num_tokens: int, managers: list) -> int:
+        for m in _ours(managers):
             waiting = request.status != RequestStatus.RUNNING
             if waiting and m.waits_for_window(request):
                 return 0
@@ -909,13 +830,14 @@ def install_scheduler_hooks() -> None:
             num_tokens = cut
         return num_tokens
 
-    def keeps_every_block(request) -> bool:
+    def keeps_every_block(self, request) -> bool:
         st = ENGINE.get(request.request_id)
         return st is not None and st.settings.window.enabled
 
-    vllm_kv_cache.install_request_hooks(
-        on_allocate, on_end, on_prefix_hit, on_scheduled, on_hit, on_chunk, on_window, on_fallbacks, keeps_every_block
-    )
+
+def install_scheduler_hooks() -> None:
+    """Wire vLLM's scheduler to :class:`SchedulerHooks` (idempotent)."""
+    vllm_kv_cache.install_request_hooks(SchedulerHooks())
 
 
 def register_spec() -> None:

@@ -130,10 +130,10 @@ def _refuse_models_without_evictable_layers(vllm_config) -> None:
 
 def check_layers(vllm_config, specs: dict) -> None:
     """A worker's KV cache specs (layer name -> vLLM's spec), once its model is built: refused when
-    no layer evicts (a kvevict layer is a :class:`~vllm_kvevict.kv_manager.KVEvictSpec`: full
+    no layer evicts (a kvevict layer is a :class:`~vllm_kvevict.spec.KVEvictSpec`: full
     attention; sliding-window, MLA, Mamba and other layers are left to vLLM), else one INFO line
     saying which layers evict and which do not."""
-    from vllm_kvevict.kv_manager import KVEvictSpec
+    from vllm_kvevict.spec import KVEvictSpec
 
     if not vllm_attention.custom_selected(vllm_config):
         return

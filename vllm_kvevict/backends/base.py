@@ -8,7 +8,7 @@ class last, the layout mixin that reads and writes tokens of that backend's cach
 
 * :class:`KVEvictBackendMixin`: ``get_name()`` is ``"CUSTOM"`` (the plugin registers on vLLM's
   CUSTOM backend, :mod:`vllm_kvevict.vllm_compat.attention`); ``customize_spec`` turns a plain
-  full-attention layer's spec into a :class:`~vllm_kvevict.kv_manager.KVEvictSpec`, so the engine
+  full-attention layer's spec into a :class:`~vllm_kvevict.spec.KVEvictSpec`, so the engine
   core frees evicted blocks;
 * :class:`KVEvictBuilderMixin`: plans the step's windows, hands the kernel the shifted view and
   returns the backend's metadata with the plan (:class:`KVEvictMetadata`);
@@ -100,7 +100,7 @@ class KVEvictBackendMixin:
 
     @classmethod
     def customize_spec(cls, spec):
-        from vllm_kvevict.kv_manager import KVEvictSpec
+        from vllm_kvevict.spec import KVEvictSpec
 
         spec = super().customize_spec(spec)  # type: ignore[misc]  # vLLM's backend, mixed in after this class
         vllm_config = vllm_attention.current_vllm_config(or_none=True) or _worker_vllm_config
@@ -146,7 +146,7 @@ class KVEvictBuilderMixin:
         self._kvevict_builder_init(kv_cache_spec, vllm_config)
 
     def _kvevict_builder_init(self, kv_cache_spec, vllm_config) -> None:
-        from vllm_kvevict.kv_manager import KVEvictSpec
+        from vllm_kvevict.spec import KVEvictSpec
 
         self.kvevict_block_size = kv_cache_spec.block_size
         # Only the layers whose KV the engine core bounds by the window (not sliding-window ones).

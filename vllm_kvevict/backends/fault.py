@@ -26,7 +26,7 @@ the safe policy compacted, cached under the request's configuration, would be re
 request with that prefix as if its policy had made it. :func:`fall_back` notes the request for the
 step; once the step's forward has run, :func:`step_fallbacks` hands the step's fallbacks of every
 tensor-parallel rank to the model runner's output (``vllm_compat/runner.py``), which the engine core
-reads before it looks at the step's results (``kv_manager.py``, ``on_fallbacks``).
+reads before it looks at the step's results (``kv_manager.SchedulerHooks.fallbacks``).
 
 Testing: :mod:`vllm_kvevict.testing.hooks` makes policies raise on demand (``KVEVICT_TEST_FAULT``),
 outside this module and the forward path.

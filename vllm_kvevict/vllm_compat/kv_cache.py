@@ -24,7 +24,8 @@ KV cache planning moved from ``v1/core/kv_cache_utils.py`` to a new module,
 
 from __future__ import annotations
 
-from collections.abc import Callable, Iterator
+from collections.abc import Iterator
+from typing import Protocol
 
 from vllm.v1.core.kv_cache_utils import KVCacheBlock
 from vllm.v1.core.single_type_kv_cache_manager import FullAttentionManager
@@ -42,6 +43,7 @@ __all__ = [
     "cached_block",
     "copy_aside",
     "copy_on_write",
+    "RequestHooks",
     "install_request_hooks",
     "processed_tokens",
     "pure_block_key",
@@ -171,63 +173,69 @@ def hit_per_group(coordinator, request, num_tokens: int) -> tuple[tuple[list, ..
     return tuple(blocks), (length,) * len(blocks)
 
 
-def install_request_hooks(
-    on_allocate: Callable[[object, list], None],
-    on_end: Callable[[object], None],
-    on_prefix_hit: Callable[[object, int, list], int],
-    on_scheduled: Callable[[object, int, int, list], None],
-    on_hit: Callable[[object, int], None],
-    on_chunk: Callable[[object, int, int, list], int],
-    on_window: Callable[[object, int, list, Callable[[int], tuple]], tuple[tuple, int] | None],
-    on_fallbacks: Callable[[frozenset[str], list], None],
-    keeps_every_block: Callable[[object], bool],
-) -> None:
-    """The single-type managers only see request ids; ``KVCacheManager`` sees the request.
+class RequestHooks(Protocol):
+    """What the engine core's scheduler tells the plugin about requests, and asks it. vLLM's
+    single-type managers only see request ids; ``KVCacheManager`` and the scheduler see the request.
+    ``managers`` is always the coordinator's single-type managers, one per KV cache group. vLLM
+    0.32/0.33: ``get_computed_blocks`` returns ``(KVCacheBlocks, num_tokens, shared_prefix_boundary)``
+    (0.33 adds an optional ``max_cache_hit_length``, passed on); ``find_longest_cache_hit(block_hashes,
+    max_length)`` returns ``(blocks, num_tokens, num_uncached)``."""
 
-    ``on_allocate(request, single_type_managers)`` runs before every ``allocate_slots``;
-    ``on_scheduled(request, start, L,
-    single_type_managers)`` after every ``allocate_slots`` that succeeded, i.e. for every step the
-    scheduler schedules the request in, with ``L`` the tokens whose KV the workers will have
-    computed once that step has run (the request's computed tokens, the hit it adopts in this
-    step, and the step's new tokens: vLLM's own sum in ``allocate_slots``) and ``start`` those
-    computed before it; ``on_end(request)`` after ``free`` and after ``pop_blocks_for_free`` (the deferred-free path of
-    ``Scheduler._free_request_blocks``), so per-request state ends on both of vLLM's free paths
-    (``request.is_finished()`` tells a finished request from a preempted one: vLLM frees a
-    preempted request's blocks before it sets its status to ``PREEMPTED``, a finished one's after
-    it sets ``FINISHED_*``);
-    ``on_prefix_hit(request, num_tokens, single_type_managers)`` sees every prefix-cache lookup
-    (``get_computed_blocks``, run when a request is scheduled from the waiting queue: new or
-    preempted) and returns how many of the hit tokens the request may use (a multiple of the block
-    size, at most ``num_tokens``); a hit that must be cut is looked up again through vLLM's
-    coordinator with that maximum length (``find_longest_cache_hit``, which keeps every KV cache
-    group consistent: a sliding-window group's blocks at the end of the shorter hit, groups of
-    other block sizes aligned), and ``on_hit(request, num_tokens)`` gets the hit the lookup
-    returns; ``on_chunk(request, start, num_new_tokens, single_type_managers)`` sees every step
-    the scheduler is about to give a request (running or waiting, after every cap of its own:
-    ``Scheduler._reserve_prefill_lookahead``, the last one before the allocation in both of
-    ``schedule``'s loops, 0.32 and 0.33) and returns how many of those tokens it may compute (at
-    least one; 0 for a waiting request: not in this step, which makes 0.32's scheduler stop
-    admitting waiting requests for the step and 0.33's requeue it behind the others);
-    ``on_window(request, num_tokens, single_type_managers, per_group)`` sees every lookup after the
-    pure hit is decided (``num_tokens``) and returns a cached compacted window the request may
-    start on instead, ``(blocks, tokens)`` (``blocks``: one list per KV cache group, the evicting
-    groups' null blocks for the evicted prefix, then the window's), or None; ``per_group(tokens)``
-    is vLLM's own hit of at most ``tokens`` in each group (:func:`hit_per_group`), which the
-    other groups must have whole (a sliding-window group: the blocks of its window
-    ending there); ``keeps_every_block(request)``: whether the request's blocks in the groups
-    that cache sparsely (sliding-window groups keep by default only the blocks a hit at a prompt's
-    end reads: vLLM's ``prefix_cache_retention_interval`` 0) are all kept reachable instead
-    (``retention_interval=None``), so that a hit at any block boundary, a window's included, finds
-    them;
-    ``on_fallbacks(request_ids, single_type_managers)`` gets the requests whose policy a worker
-    replaced by the safe policy in a step (``runner.output_fallbacks``), first thing in
-    ``Scheduler.update_from_output`` for that step: before vLLM advances anything from the step's
-    results, so before the core frees, finishes or schedules on them. vLLM 0.32/0.33:
-    ``get_computed_blocks`` returns ``(KVCacheBlocks, num_tokens,
-    shared_prefix_boundary)`` (0.33 adds an optional ``max_cache_hit_length``, passed on);
-    ``find_longest_cache_hit(block_hashes, max_length)`` returns ``(blocks, num_tokens,
-    num_uncached)``.
-    """
+    def allocate(self, request, managers: list) -> None:
+        """Before every ``allocate_slots``."""
+
+    def scheduled(self, request, start: int, num_tokens: int, managers: list) -> None:
+        """After every ``allocate_slots`` that succeeded, i.e. for every step the scheduler
+        schedules the request in: ``num_tokens`` the tokens whose KV the workers will have computed
+        once that step has run (the request's computed tokens, the hit it adopts in this step and
+        the step's new tokens: vLLM's own sum in ``allocate_slots``), ``start`` those before it."""
+
+    def end(self, request) -> None:
+        """After ``free`` and after ``pop_blocks_for_free`` (the deferred-free path of
+        ``Scheduler._free_request_blocks``), so per-request state ends on both of vLLM's free paths
+        (``request.is_finished()`` tells a finished request from a preempted one: vLLM frees a
+        preempted request's blocks before it sets ``PREEMPTED``, a finished one's after ``FINISHED_*``)."""
+
+    def prefix_hit(self, request, num_tokens: int, managers: list) -> int:
+        """Every prefix-cache lookup (``get_computed_blocks``, when a request is scheduled from the
+        waiting queue: new or preempted): how many of the hit tokens the request may use (a
+        multiple of the block size, at most ``num_tokens``). A hit that must be cut is looked up
+        again through vLLM's coordinator with that maximum length (``find_longest_cache_hit``,
+        which keeps every KV cache group consistent)."""
+        ...
+
+    def window(self, request, num_tokens: int, managers: list, per_group) -> tuple[tuple, int] | None:
+        """Every lookup, after the pure hit (``num_tokens``) is decided: a cached compacted window
+        the request may start on instead, ``(blocks, tokens)`` (one block list per KV cache
+        group), or None. ``per_group(tokens)`` is vLLM's own hit of at most ``tokens`` in each
+        group (:func:`hit_per_group`)."""
+        ...
+
+    def hit(self, request, num_tokens: int) -> None:
+        """The hit the lookup returns."""
+
+    def chunk(self, request, start: int, num_tokens: int, managers: list) -> int:
+        """Every step the scheduler is about to give a request (running or waiting, after every cap
+        of its own: ``Scheduler._reserve_prefill_lookahead``, the last one before the allocation in
+        both of ``schedule``'s loops, 0.32 and 0.33): how many of those tokens it may compute (at
+        least one; 0 for a waiting request: not in this step, which makes 0.32's scheduler stop
+        admitting waiting requests for the step and 0.33's requeue it behind the others)."""
+        ...
+
+    def fallbacks(self, request_ids: frozenset[str], managers: list) -> None:
+        """The requests whose policy a worker replaced by the safe policy in a step
+        (``runner.output_fallbacks``), first thing in ``Scheduler.update_from_output`` for that
+        step: before vLLM advances anything from the step's results."""
+
+    def keeps_every_block(self, request) -> bool:
+        """Whether the request's blocks in the KV cache groups that cache sparsely are all kept
+        reachable (``retention_interval=None``): vLLM keeps a sliding-window group's blocks
+        reachable only for a hit at a prompt's end (``prefix_cache_retention_interval`` 0)."""
+        ...
+
+
+def install_request_hooks(hooks: RequestHooks) -> None:
+    """Wire vLLM's scheduler and KV cache manager to ``hooks`` (:class:`RequestHooks`)."""
     import inspect
 
     from vllm.v1.core.kv_cache_manager import KVCacheManager
@@ -236,14 +244,16 @@ def install_request_hooks(
         signature = inspect.signature(orig)
 
         def allocate_slots(self, request, *args, **kwargs):
-            on_allocate(request, list(self.coordinator.single_type_managers))
+            hooks.allocate(request, list(self.coordinator.single_type_managers))
             computed = request.num_computed_tokens  # before the call: vLLM advances it after scheduling
             blocks = orig(self, request, *args, **kwargs)
             if blocks is not None:
                 a = signature.bind(self, request, *args, **kwargs).arguments
                 hit = a.get("num_new_computed_tokens", 0) + a.get("num_external_computed_tokens", 0)
                 start = min(computed + hit, self.max_model_len)
-                on_scheduled(request, start, start + a["num_new_tokens"], list(self.coordinator.single_type_managers))
+                hooks.scheduled(
+                    request, start, start + a["num_new_tokens"], list(self.coordinator.single_type_managers)
+                )
             return blocks
 
         return allocate_slots
@@ -253,7 +263,7 @@ def install_request_hooks(
             try:
                 return orig(self, request, *args, **kwargs)
             finally:
-                on_end(request)
+                hooks.end(request)
 
         return end
 
@@ -261,7 +271,7 @@ def install_request_hooks(
         def get_computed_blocks(self, request, *args, **kwargs):  # 0.33: max_cache_hit_length=None
             blocks, num_tokens, boundary = orig(self, request, *args, **kwargs)
             managers = list(self.coordinator.single_type_managers)
-            allowed = on_prefix_hit(request, num_tokens, managers)
+            allowed = hooks.prefix_hit(request, num_tokens, managers)
             if allowed < num_tokens:
                 if allowed > 0:
                     hit, num_tokens, uncached = self.coordinator.find_longest_cache_hit(request.block_hashes, allowed)
@@ -269,11 +279,13 @@ def install_request_hooks(
                 else:
                     blocks, num_tokens, boundary = self.empty_kv_cache_blocks, 0, 0
             if self.prefix_cache_lookup_enabled(request):
-                window = on_window(request, num_tokens, managers, lambda t: hit_per_group(self.coordinator, request, t))
+                window = hooks.window(
+                    request, num_tokens, managers, lambda t: hit_per_group(self.coordinator, request, t)
+                )
                 if window is not None:
                     group_blocks, num_tokens = window
                     blocks, boundary = self.create_kv_cache_blocks(group_blocks), 0
-            on_hit(request, num_tokens)
+            hooks.hit(request, num_tokens)
             return blocks, num_tokens, boundary
 
         return get_computed_blocks
@@ -282,7 +294,7 @@ def install_request_hooks(
 
     def make_cache(orig):
         def cache_blocks(self, request, num_tokens, retention_interval=None, **kwargs):
-            if retention_interval is not None and keeps_every_block(request):
+            if retention_interval is not None and hooks.keeps_every_block(request):
                 retention_interval = None
             return orig(self, request, num_tokens, retention_interval, **kwargs)
 
@@ -303,7 +315,7 @@ def install_request_hooks(
             if n <= 0:
                 return n
             managers = list(self.kv_cache_manager.coordinator.single_type_managers)
-            allowed = on_chunk(request, num_computed_tokens, n, managers)
+            allowed = hooks.chunk(request, num_computed_tokens, n, managers)
             if allowed <= 0 and request.status != RequestStatus.RUNNING:
                 return 0  # a waiting request: not in this step
             return max(1, min(n, allowed))
@@ -316,7 +328,7 @@ def install_request_hooks(
         def update_from_output(self, scheduler_output, model_runner_output, *args, **kwargs):
             fallbacks = output_fallbacks(model_runner_output)
             if fallbacks:
-                on_fallbacks(fallbacks, list(self.kv_cache_manager.coordinator.single_type_managers))
+                hooks.fallbacks(fallbacks, list(self.kv_cache_manager.coordinator.single_type_managers))
             return orig(self, scheduler_output, model_runner_output, *args, **kwargs)
 
         return update_from_output
