@@ -9,7 +9,7 @@ KVEVICT ?= {"kvevict": {"policy": "streamingllm", "budget": 256}}
 # The tests that exercise vLLM's Python side without its compiled ops, for the vLLM 0.33 check.
 VLLM033_TESTS ?= tests/test_vllm_contract.py tests/test_manager.py tests/test_registration.py tests/test_plan.py \
                  tests/test_config.py tests/test_request_validation.py tests/test_window.py tests/test_seam.py \
-                 tests/test_schedules.py
+                 tests/test_schedules.py tests/test_window_cache.py
 
 .PHONY: setup model serve lint test test-slow test-vllm033 clean-venv
 

@@ -400,7 +400,7 @@ def test_a_partly_cached_window_is_replaced_whole():
     ENGINE.end("probe")
 
     def window_blocks(req) -> list:
-        keys = m._window_keys(req.block_hashes[192 // BS - 1], settings, 3)
+        keys = m.window_cache.window_keys(req, settings, 192, 3)
         return [vllm_kv_cache.cached_block(kv.block_pool, k) for k in keys]
 
     def compute(rid: str) -> list:

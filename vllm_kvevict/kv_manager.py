@@ -29,7 +29,6 @@ that starts on such blocks gets its own copies (vLLM's copy-on-write, ``kv_cache
 
 from __future__ import annotations
 
-from collections.abc import Iterator
 from dataclasses import dataclass, field
 
 from vllm_kvevict import metrics
@@ -44,13 +43,13 @@ from vllm_kvevict.window import (
     draft_cut,
     evicted_tokens,
     first_boundary,
-    last_boundary,
     next_point,
     pure_hit_limit,
     settle_limit,
     step_limit,
     window_bound_blocks,
 )
+from vllm_kvevict.window_cache import WindowCache
 
 
 @dataclass
@@ -104,6 +103,9 @@ class KVEvictManager(FullAttentionManager):
         self._fresh: set[int] = set()
         #: requests that evict: request id -> (blocks held, window bound), for the gauges
         self._windows: dict[str, tuple[int, int]] = {}
+        self.window_cache = WindowCache(
+            self.block_pool, self.block_size, self.kv_cache_group_id, kv_cache_spec.evict_hash_algo
+        )
         # One manager per process records (a model with several kvevict KV cache groups has one
         # manager per group, all moving the same windows).
         global _metrics_owner
@@ -299,7 +301,7 @@ class KVEvictManager(FullAttentionManager):
             blk = blocks[i // bs]
             if blk.is_null or blk.block_hash is not None:
                 continue
-            key = self._save_key(request, settings, p, i)
+            key = self.window_cache.save_key(request, settings, p, i)
             if key is not None and vllm_kv_cache.cached_block(pool, key) is not None:
                 continue
             todo.append((i, blk))
@@ -307,18 +309,6 @@ class KVEvictManager(FullAttentionManager):
             return
         for i, blk in todo:
             att.saves.append((p, i, vllm_kv_cache.copy_aside(self, blk)))
-
-    def _save_key(self, request, settings: RequestSettings, p: int, i: int):
-        """The key of the request's block at token ``i``, before its compaction point ``p``: a tail
-        of the window at the point before, or a pure block before the first compaction (None while
-        the core does not know its tokens)."""
-        bs, hbs = self.block_size, self.block_pool.hash_block_size
-        if len(request.block_hashes) * hbs < i + bs:
-            return None
-        b = p - settings.window.step
-        if evicted_tokens(b, request.num_prompt_tokens, settings.window) == 0:
-            return vllm_kv_cache.pure_block_key(request.block_hashes[(i + bs) // hbs - 1], self.kv_cache_group_id)
-        return self._tail_key(request, settings, b, i)
 
     def _cache_saves(self, request, settings: RequestSettings, att: _Attempt, processed: int) -> None:
         """Cache the copies whose step has run (``processed`` tokens) and let go of them: the pool's
@@ -328,7 +318,7 @@ class KVEvictManager(FullAttentionManager):
             return
         att.saves = [s for s in att.saves if s[0] > processed]
         for p, i, blk in ready:
-            key = self._save_key(request, settings, p, i)
+            key = self.window_cache.save_key(request, settings, p, i)
             if key is not None:
                 vllm_kv_cache.cache_block(self.block_pool, key, blk)
         self.block_pool.free_blocks([blk for *_, blk in ready])
@@ -463,7 +453,7 @@ class KVEvictManager(FullAttentionManager):
         """When a request with an evicting window is freed (finished, aborted, preempted), every
         step it will ever run has been scheduled: its blocks below the fence (all of them when no
         scheduled step compacted) were computed without eviction and are never written again;
-        so are those after its last scheduled compaction point (:meth:`_cache_last_tail`)."""
+        so are those after its last scheduled compaction point (``WindowCache.cache_last_tail``)."""
         att = self._attempts.get(request_id)
         st = ENGINE.get(request_id)
         if st is None or st.request is None or att is None or not st.settings.evicts:
@@ -474,23 +464,9 @@ class KVEvictManager(FullAttentionManager):
         if self._caches_windows(st):
             processed = vllm_kv_cache.processed_tokens(request)
             self._cache_windows(request_id, att, processed)
-            if self.copies and st.settings.shares_tails:
-                self._cache_last_tail(request, st.settings, att, processed)
-
-    def _cache_last_tail(self, request, settings: RequestSettings, att: _Attempt, processed: int) -> None:
-        """Cache, as the tail of the window at the request's last scheduled compaction point ``b``,
-        its blocks after ``b`` whose step has run: no compaction will rewrite them (the request is
-        freed), and their KV is a function of the window and the tokens up to them. The next turn
-        of a chat, whose prompt repeats this one's prompt and answer, starts past the window on
-        them (with its own copies of those its next compaction rewrites)."""
-        window, bs, hbs = settings.window, self.block_size, self.block_pool.hash_block_size
-        prompt, L = request.num_prompt_tokens, request.num_computed_tokens
-        b = last_boundary(L if window.decode else min(L, prompt), window)
-        if evicted_tokens(b, prompt, window) == 0 or processed < b:
-            return  # it never compacted (its blocks are pure), or the step reaching b has not run
-        held = len(self.req_to_blocks.get(request.request_id, ())) * bs
-        known = min(processed, len(request.block_hashes) * hbs, held)
-        self._cache_tail_blocks(request, settings, b, b, known // bs * bs)
+            if self.copies and st.settings.shares_tails:  # no compaction will rewrite them now
+                blocks = self.req_to_blocks.get(request_id, [])
+                self.window_cache.cache_last_tail(request, st.settings, processed, blocks)
 
     def _cache_windows(self, request_id: str, att: _Attempt, processed: int) -> None:
         """Cache the windows of the compaction points whose step has run (``processed`` tokens):
@@ -498,135 +474,49 @@ class KVEvictManager(FullAttentionManager):
         ``[E(b) + stride, b + stride)``, above ``b`` since the stride is at least ``W``), and a
         request hitting them reads them in a later step. A window whose last tokens are not yet
         known to the core (async scheduling) is dropped, as is one whose blocks are going back.
-        Then the tails computed since (:meth:`_cache_tails`)."""
+        Then the tails computed since (``WindowCache.cache_tails``)."""
         st = ENGINE.get(request_id)
         if st is None or st.request is None or not self._caches_windows(st):
             return
+        blocks = self.req_to_blocks.get(request_id, [])
         ready = [b for b in att.windows if b <= processed]
         if ready:
             att.windows = [b for b in att.windows if b > processed]
             for b in ready:
-                self._cache_window(st.request, st.settings, b)
+                self.window_cache.cache_window(st.request, st.settings, b, blocks)
         if att.saves:
             self._cache_saves(st.request, st.settings, att, processed)
-        if st.settings.shares_tails:
-            self._cache_tails(st.request, st.settings, att, processed)
-
-    def _cache_tails(self, request, settings: RequestSettings, att: _Attempt, processed: int) -> None:
-        """Cache the request's own blocks computed after a compaction point ``b``, below its tail
-        end (``RequestSettings.tail_end``: no later compaction rewrites them), once their step has
-        run: their KV is a function of the window at ``b`` and the tokens up to them, keyed so
-        (``vllm_compat.kv_cache.tail_block_key``); a later request with that prefix and
-        configuration starts past the window on them (:meth:`window_hit`). Blocks it holds as a
-        hit are cached already."""
-        window, bs, hbs = settings.window, self.block_size, self.block_pool.hash_block_size
-        blocks = self.req_to_blocks.get(request.request_id, [])
-        known = min(processed, len(request.block_hashes) * hbs, len(blocks) * bs)
-        prompt = request.num_prompt_tokens
-        i = max(att.tails_done, first_boundary(window))
-        while i + bs <= known:
-            b = last_boundary(i if window.decode else min(i, prompt), window)
-            end = settings.tail_end(b)
-            if i + bs > end:  # rewritten by the next compaction: on to its point
-                i = max(i + bs, b + window.step)
-                continue
-            j = min(end, known // bs * bs)
-            self._cache_tail_blocks(request, settings, b, i, j)
-            i = j
-        att.tails_done = max(att.tails_done, i)
-
-    def _cache_tail_blocks(self, request, settings: RequestSettings, b: int, lo: int, hi: int) -> None:
-        """Cache the request's own blocks in ``[lo, hi)`` (whole blocks) as the tail of its window
-        at ``b``; blocks it holds as a hit are cached already."""
-        blocks = self.req_to_blocks.get(request.request_id, [])
-        for i in range(lo, hi, self.block_size):
-            blk = blocks[i // self.block_size]
-            if not blk.is_null and blk.block_hash is None:
-                vllm_kv_cache.cache_block(self.block_pool, self._tail_key(request, settings, b, i), blk)
-
-    def _tail_key(self, request, settings: RequestSettings, b: int, i: int):
-        """The key of the request's block starting at token ``i``, in the tail of its window at ``b``."""
-        block_hash = request.block_hashes[(i + self.block_size) // self.block_pool.hash_block_size - 1]
-        spec = self.kv_cache_spec
-        return vllm_kv_cache.tail_block_key(
-            spec.evict_hash_algo, block_hash, b, settings.window_salt, self.kv_cache_group_id
-        )
-
-    def _cache_window(self, request, settings: RequestSettings, b: int) -> None:
-        bs, hbs = self.block_size, self.block_pool.hash_block_size
-        if len(request.block_hashes) < b // hbs:
-            return  # the tokens before b are not all known here yet
-        e = evicted_tokens(b, request.num_prompt_tokens, settings.window)
-        blocks = self.req_to_blocks.get(request.request_id, [])[e // bs : b // bs]
-        if len(blocks) * bs != b - e or any(blk.is_null or blk.block_hash is not None for blk in blocks):
-            return  # pragma: no cover - a window's blocks are the request's own, never hashed
-        keys = list(self._window_keys(request.block_hashes[b // hbs - 1], settings, len(blocks)))
-        cached = [c for c in (vllm_kv_cache.cached_block(self.block_pool, key) for key in keys) if c is not None]
-        if len(cached) == len(keys):
-            return  # the same window is cached already (another request with this prefix)
-        # Part of another computation of this window (the rest left with vLLM's LRU): replaced
-        # whole, never mixed with this one's blocks (two computations may keep different tokens:
-        # numerics that depend on the batch).
-        vllm_kv_cache.uncache_blocks(self.block_pool, cached)
-        for key, blk in zip(keys, blocks):
-            vllm_kv_cache.cache_block(self.block_pool, key, blk)
-
-    def _window_keys(self, prefix_hash, settings: RequestSettings, n: int) -> Iterator:
-        spec = self.kv_cache_spec
-        return vllm_kv_cache.window_block_keys(
-            spec.evict_hash_algo, prefix_hash, settings.window_salt, n, self.kv_cache_group_id
-        )
+        if st.settings.shares_tails:  # the blocks computed after a compaction point (window_cache)
+            att.tails_done = self.window_cache.cache_tails(st.request, st.settings, att.tails_done, processed, blocks)
 
     def window_hit(self, request, num_tokens: int, others_hold=lambda t: True) -> tuple[list, int] | None:
-        """The cached window the request may start on, beyond its pure hit of ``num_tokens``:
-        the one at its last compaction point ``b`` below its known tokens whose every block is
-        still cached under the request's own prefix and configuration, with the blocks of its
-        tail cached since (up to ``t``), as ``(blocks, t)`` (the blocks: null for ``[0, E(b))``,
-        then the window's, then the tail's). None when there is none. ``others_hold(t)``: whether
-        the model's other KV cache groups (sliding-window layers) hit exactly ``t`` too."""
+        """The cached window the request may start on, beyond its pure hit of ``num_tokens``
+        (:meth:`WindowCache.find`), with the tail cached since, up to ``hit_end`` of the next point
+        with copies (its own copies of what that compaction rewrites, if they fit the pool), else
+        up to ``tail_end``; cut where a speculative step would be padded and cut, or where the
+        model's other KV cache groups (sliding-window layers) do not hit exactly as many tokens
+        (``others_hold``). None when there is none."""
         st = self.state_of(request)
         st.window_hit = 0
         settings = st.settings
         if not self.enable_caching or not settings.shares_windows:
             return None
-        window, bs, hbs = settings.window, self.block_size, self.block_pool.hash_block_size
-        prompt = request.num_prompt_tokens
-        top = min(request.num_tokens - 1, len(request.block_hashes) * hbs)
-        if not window.decode:
-            top = min(top, prompt)  # no compaction point after the prompt
-        b = last_boundary(top, window)
-        while b > num_tokens and b >= first_boundary(window):
-            e = evicted_tokens(b, prompt, window)
-            blocks = []
-            for key in self._window_keys(request.block_hashes[b // hbs - 1], settings, (b - e) // bs):
-                blk = vllm_kv_cache.cached_block(self.block_pool, key)
-                if blk is None:
-                    break  # this window is not (wholly) cached: try the point before
-                blocks.append(blk)
-            else:
-                t = b
-                if settings.shares_tails:
-                    end = min(
-                        settings.hit_end(b + window.step) if self.copies else settings.tail_end(b), top // bs * bs
-                    )
-                    p = b + window.step
-                    e_p = evicted_tokens(p, prompt, window)
-                    if end > e_p and not self._copies_fit(settings, (end - e_p) // bs):
-                        end = max(b, min(end, e_p))
-                    while t + bs <= end:
-                        blk = vllm_kv_cache.cached_block(self.block_pool, self._tail_key(request, settings, b, t))
-                        if blk is None:
-                            break
-                        blocks.append(blk)
-                        t += bs
-                while t > b and (self._padded_and_cut(request, t) or not others_hold(t)):
-                    blocks.pop()
-                    t -= bs
-                if not self._padded_and_cut(request, t) and others_hold(t):
-                    st.window_hit = t
-                    return [self.block_pool.null_block] * (e // bs) + blocks, t
-            b -= window.step
-        return None
+        window, bs, prompt = settings.window, self.block_size, request.num_prompt_tokens
+
+        def tail_end(b: int, top: int) -> int:
+            end = min(settings.hit_end(b + window.step) if self.copies else settings.tail_end(b), top // bs * bs)
+            e_p = evicted_tokens(b + window.step, prompt, window)
+            if end > e_p and not self._copies_fit(settings, (end - e_p) // bs):
+                end = max(b, min(end, e_p))
+            return end
+
+        def usable(t: int) -> bool:
+            return not self._padded_and_cut(request, t) and others_hold(t)
+
+        hit = self.window_cache.find(request, settings, num_tokens, tail_end if settings.shares_tails else None, usable)
+        if hit is not None:
+            st.window_hit = hit[1]
+        return hit
 
     def waits_for_window(self, request) -> bool:
         """Whether a waiting request waits a step rather than start now: when a running request
