@@ -445,13 +445,42 @@ class KVEvictImplMixin(RecallMixin):
         return RowWork(r, policy, compacts, inputs)
 
     def _kvevict_after_attention(self, layer, query, kv_cache, plan) -> None:
+        """A layer's eviction once its attention has run: record the step's slot positions, take
+        each row's policy (the safe one where it cannot run), run the step over the rows with work
+        (a failing policy isolated to its request), keep what recall needs, re-select at a
+        prompt's end, report."""
         if not plan.states:  # a dummy batch: no request behind its rows
             return
+        recorded = self._record_positions(kv_cache, plan)
+        if recorded is None:
+            return
+        slot_pos, written = recorded
+        policies = self._policies(kv_cache, plan, written)
+        recall_rows = self._recall_rows(plan, policies, query, layer)
+        work = self._work(plan, policies, query, layer, recall_rows)
+        if not work and not recall_rows:
+            return
+        evicted: dict = {}
+        kept_by_row = self._run(layer, kv_cache, plan, work, slot_pos, evicted if recall_rows else None)
+        self._stash(layer, plan, evicted)
+        G = self.num_heads // self.num_kv_heads
+        for r in sorted(recall_rows):
+            if plan.completes_prompt(r):
+                with profiling.timed("recall_s", kv_cache.device):
+                    got = self._recall(layer, kv_cache, plan, r, G)
+                if got is not None:
+                    kept_by_row[r] = got
+        self._report(layer, kv_cache, plan, kept_by_row)
+
+    def _record_positions(self, kv_cache, plan) -> tuple[torch.Tensor, tuple] | None:
+        """The slot positions with this step's written slots recorded (and, for requests starting
+        on a hit, their slots in logical order): ``(slot_pos, (slots, positions))``; None when the
+        positions cannot be had (their rows fall back, windows left as they are)."""
         try:
             slot_pos = self._slot_pos(kv_cache)
         except Exception as err:  # noqa: BLE001 - no positions to score by: windows left as they are
             fault.fall_back_rows(plan, err)
-            return
+            return None
         written = plan.memo.get("written")
         if written is None:  # the same in every layer of the step
             valid = plan.slot_mapping >= 0
@@ -460,15 +489,18 @@ class KVEvictImplMixin(RecallMixin):
         in_order = _in_order(plan, kv_cache.shape[2]) if plan.starts else None
         if in_order is not None:
             slot_pos[in_order[0]] = in_order[1].to(slot_pos)[:, None]
-        compact = set(plan.compact_rows)
+        return slot_pos, written
+
+    def _policies(self, kv_cache, plan, written) -> list:
+        """Each row's policy (None: it does not evict), its per-slot state for this step's slots
+        reset to the policy's initial value; the state is allocated the first time a policy needs
+        it, and a request whose policy's state cannot be had (out of memory) falls back to the
+        safe policy, which keeps none."""
         done = plan.prompt_lens  # a row decoding: its prompt was complete before this step
         policies = [
             fault.policy_of(st, done is not None and plan.L_prev[r] >= done[r]) if st.settings.evicts else None
             for r, st in enumerate(plan.states)
         ]
-        # Per-slot state: this step's slots start from the policy's initial value. The state is
-        # allocated the first time a policy needs it; a request whose policy's state cannot be
-        # had (out of memory) falls back to the safe policy, which keeps none.
         for p in {id(p): p for p in policies if p is not None}.values():
             try:
                 for name, (dtype, init) in p.needs.state.items():
@@ -478,7 +510,12 @@ class KVEvictImplMixin(RecallMixin):
                     if q is p:
                         fault.fall_back(plan.states[r], plan.req_ids[r] if plan.req_ids else None, p, err)
                         policies[r] = fault.SAFE_POLICY
-        recall_rows = self._recall_rows(plan, policies, query, layer)
+        return policies
+
+    def _work(self, plan, policies: list, query, layer, recall_rows) -> list[RowWork]:
+        """The rows with something to do in this step, each with what its policy reads; a row whose
+        inputs cannot be prepared (e.g. no W_O on this model) falls back to the safe policy."""
+        compact = set(plan.compact_rows)
         work = []
         for r, policy in enumerate(policies):
             if policy is None:
@@ -495,13 +532,13 @@ class KVEvictImplMixin(RecallMixin):
                 if r in recall_rows:
                     item.keep_evicted = True
                 work.append(item)
-        if not work and not recall_rows:
-            return
-        bs, G = kv_cache.shape[2], self.num_heads // self.num_kv_heads
-        layer_idx = self._layer_index(layer)
-        views = self._kvevict_views(layer, kv_cache)
+        return work
 
-        evicted: dict = {}
+    def _run(self, layer, kv_cache, plan, work: list[RowWork], slot_pos, evicted: dict | None) -> dict:
+        """Run the eviction step over ``work`` (one request's failure isolated: fault.isolate),
+        keep the windows' per-slot state for requests that share them; returns each compacted
+        row's kept positions. ``evicted`` gathers what recall keeps of the dropped tokens."""
+        bs = kv_cache.shape[2]
         overlays = self._window_overlays(plan, work, kv_cache, layer) if self._kvevict_slot_state else None
 
         def step(items: list[RowWork]) -> list[torch.Tensor]:
@@ -513,10 +550,10 @@ class KVEvictImplMixin(RecallMixin):
                 write=lambda s, K, V: self._kvevict_write(layer, kv_cache, s, K, V),
                 slot_pos=slot_pos,
                 slot_state=self._kvevict_slot_state,
-                layer=layer_idx,
-                G=G,
-                views=views,
-                evicted=evicted if recall_rows else None,
+                layer=self._layer_index(layer),
+                G=self.num_heads // self.num_kv_heads,
+                views=self._kvevict_views(layer, kv_cache),
+                evicted=evicted,
                 overlays=overlays,
             )
 
@@ -525,16 +562,20 @@ class KVEvictImplMixin(RecallMixin):
             e = plan.e_new[r]
             return slot_pos[logical_slots(plan.block_table, r, e, plan.seq_lens[r] - e, bs)].long()
 
-        kept: list[torch.Tensor] = []
-        if work:
-            try:
-                kept = step(work)
-            except Exception as err:  # noqa: BLE001 - one request's policy must never kill the engine
-                work, kept = fault.isolate(plan, work, step, err, in_place)
-            if self._kvevict_slot_state:
-                self._snapshot_windows(plan, work, kv_cache, layer)
-        rows = [w.row for w in work if w.compact]
-        kept_by_row = dict(zip(rows, kept))
+        if not work:
+            return {}
+        try:
+            kept = step(work)
+        except Exception as err:  # noqa: BLE001 - one request's policy must never kill the engine
+            work, kept = fault.isolate(plan, work, step, err, in_place)
+        if self._kvevict_slot_state:
+            self._snapshot_windows(plan, work, kv_cache, layer)
+        return dict(zip([w.row for w in work if w.compact], kept))
+
+    def _stash(self, layer, plan, evicted: dict) -> None:
+        """Hand the tokens this step dropped to their requests' recall tiers (a tier that cannot
+        take them, e.g. out of host memory, is dropped: that layer recalls nothing), bound the
+        tiers' memory, and record their size at its fullest."""
         for r, (K, V, pos, score, state) in evicted.items():
             ls = self._layer_state(plan, r, layer)
             try:
@@ -555,15 +596,13 @@ class KVEvictImplMixin(RecallMixin):
                     if key in st.layers and st.layers[key].tier is not None
                 )
             )
-        for r in sorted(recall_rows):
-            if plan.completes_prompt(r):
-                with profiling.timed("recall_s", kv_cache.device):
-                    got = self._recall(layer, kv_cache, plan, r, G)
-                if got is not None:
-                    kept_by_row[r] = got
+
+    def _report(self, layer, kv_cache, plan, kept_by_row: dict) -> None:
+        """The kept positions to the dump (``KVEVICT_DUMP_DIR``) and, at DEBUG, each compaction."""
         rows = sorted(kept_by_row)
+        layer_idx = self._layer_index(layer)
         if envs.KVEVICT_DUMP_DIR and rows:
-            dump_kept(plan, rows, layer_idx, [kept_by_row[r] for r in rows], self._model_kv_heads(), bs)
+            dump_kept(plan, rows, layer_idx, [kept_by_row[r] for r in rows], self._model_kv_heads(), kv_cache.shape[2])
         if layer_idx == 0:
             for r in rows:
                 rid = plan.req_ids[r] if plan.req_ids else f"row {r}"
