@@ -17,7 +17,7 @@ selection is selected in one call (:mod:`vllm_kvevict.kernels.ops`).
 from __future__ import annotations
 
 from collections.abc import Callable
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 
 import torch
 
@@ -150,57 +150,109 @@ def evict_step(
     """
     if not work:
         return []
-    batched = envs.KVEVICT_BATCHED  # 0: every row through its policy one by one (A/B timing, debugging)
+    batched = bool(envs.KVEVICT_BATCHED)  # 0: every row through its policy one by one (A/B timing, debugging)
     geo = step_geometry(plan, work, block_size)
-    slots_all, bounds = geo.slots, geo.bounds
+    t = _read(plan, geo, work, gather, views, slot_pos, slot_state, overlays or {})
+    sel = _Selection()
+    groups, row_views = _row_views(work, t, layer, G, batched)
+    if batched:  # every row's attention rows in one call (view.attn)
+        _attention(work, row_views, t.bounds, t.K, t.pos, G)
+    observed = _score_rows(plan, work, row_views, t, sel, batched)
+    for idxs in groups.values():  # policies that score from keys and positions: all their rows at once
+        policy = work[idxs[0]].policy
+        tok, g_cu = _packed(t.bounds, idxs, t.K.device)
+        L = torch.tensor([plan.seq_lens[work[i].row] for i in idxs])
+        scores = policy.score_ragged(t.K[tok], t.pos[tok].long(), g_cu, L, layer)
+        sel.to_select += zip(idxs, scores.split([t.bounds[i + 1] - t.bounds[i] for i in idxs]))
+    _select(plan, work, t, sel)
+    # Nothing is written before every row is scored and selected: a policy that raises leaves the
+    # cache and the per-slot state as they were, so the step can be retried row by row.
+    _write_observed(work, t, observed, slot_state, overlays or {})
+    if evicted is not None:  # read before anything is written (the window's slots are rewritten)
+        row_scores = {work[i].row: sc for i, sc in sel.to_select}
+        for i, w in enumerate(work):
+            if w.compact and w.keep_evicted and w.row in sel.kept_tok:
+                evicted[w.row] = _dropped(w.row, i, t.bounds, sel.kept_tok, row_scores, t.K, t.V, t.pos, t.state)
+    if geo.out:
+        src = (t.K, t.V, t.pos, t.state)
+        _write_kept(plan, geo, sel.kept_tok, sel.merged, src, (block_size, write, slot_pos, slot_state, views))
+    return [torch_ops.per_head(t.pos, sel.kept_tok[r]) for r in geo.out]
+
+
+@dataclass
+class _Tokens:
+    """Every token of the step's rows, packed row after row (``bounds``: each row's first)."""
+
+    K: torch.Tensor  # [N, H, D]
+    V: torch.Tensor
+    pos: torch.Tensor  # [N, H]
+    state: dict[str, torch.Tensor]  # [N, H] each, the rows' overlays applied
+    slots: torch.Tensor  # [N] physical slots
+    bounds: list[int]
+
+
+@dataclass
+class _Selection:
+    """What the step keeps: row -> kept indices into the packed tokens ``[keep, H]``; rows a
+    merging policy rewrote (row -> new K, V ``[keep, H, D]``); the rows still to select by their
+    scores (index into ``work``, scores ``[n, H]``: one selection for all)."""
+
+    kept_tok: dict[int, torch.Tensor] = field(default_factory=dict)
+    merged: dict[int, tuple[torch.Tensor, torch.Tensor]] = field(default_factory=dict)
+    to_select: list[tuple[int, torch.Tensor]] = field(default_factory=list)
+
+
+def _read(plan, geo: Geometry, work, gather, views, slot_pos, slot_state, overlays) -> _Tokens:
+    """The rows' K, V, positions and per-slot state: through the block table where the layout has
+    views, else gathered at explicit slots."""
     if views is not None:  # one read for every row, through the block table
-        K_all, V_all, _ = ops.gather_paged(views[0], views[1], plan.block_table, geo.rows, geo.starts, geo.ends)
+        K, V, _ = ops.gather_paged(views[0], views[1], plan.block_table, geo.rows, geo.starts, geo.ends)
     else:
-        K_all, V_all = gather(geo.blocks, geo.offsets)  # [N, H, D]
-    pos_all = slot_pos[slots_all]  # [N, H]
-    overlays = overlays or {}
-    state_all = {k: s[slots_all] for k, s in slot_state.items()}  # [N, H] each, overlays applied
+        K, V = gather(geo.blocks, geo.offsets)  # [N, H, D]
+    state = {k: s[geo.slots] for k, s in slot_state.items()}
     for i, w in enumerate(work):
         for k, t in overlays.get(w.row, {}).items():
-            state_all[k][bounds[i] : bounds[i] + t.shape[0]] = t
-    kept_tok: dict[int, torch.Tensor] = {}  # row -> [keep, H] indices into the packed tokens
-    row_scores: dict[int, torch.Tensor] = {}  # row -> [n, H] the scores it was selected by
-    merged: dict[int, tuple[torch.Tensor, torch.Tensor]] = {}  # row -> new K, V [keep, H, D]
-    to_select: list[tuple[int, torch.Tensor]] = []  # (index into work, scores [n, H]): one selection for all
+            state[k][geo.bounds[i] : geo.bounds[i] + t.shape[0]] = t
+    return _Tokens(K, V, slot_pos[geo.slots], state, geo.slots, geo.bounds)
 
-    groups: dict[int, list[int]] = {}  # batched policy -> indices into work
-    row_views: list[tuple[int, KVView]] = []  # the rows scored (or observed) through their policy
+
+def _row_views(work, t: _Tokens, layer: int, G: int, batched: bool):
+    """The rows scored together by their ragged policy (policy -> indices into ``work``), and the
+    others' views, each scored (or observed) through its policy."""
+    groups: dict[int, list[int]] = {}
+    row_views: list[tuple[int, KVView]] = []
     for i, w in enumerate(work):
         if w.compact and batched and w.policy.ragged:
             groups.setdefault(id(w.policy), []).append(i)
             continue
-        sl = slice(bounds[i], bounds[i + 1])
-        K, V, pos = K_all[sl], V_all[sl], pos_all[sl]
-        state = {k: state_all[k][sl].transpose(0, 1).contiguous() for k in w.policy.needs.state}
-        row_views.append(
-            (
-                i,
-                KVView(
-                    K=K.transpose(0, 1),
-                    V=V.transpose(0, 1),
-                    pos=pos.transpose(0, 1).long(),
-                    layer=layer,
-                    G=G,
-                    state=state,
-                    L=w.inputs.L,
-                    budget=w.inputs.budget,
-                    scale=w.inputs.scale,
-                    softcap=w.inputs.softcap,
-                    sinks=w.inputs.sinks,
-                    Q=w.inputs.Q,
-                    q_pos=w.inputs.q_pos,
-                    W_O=w.inputs.W_O,
-                ),
-            )
+        sl = slice(t.bounds[i], t.bounds[i + 1])
+        state = {k: t.state[k][sl].transpose(0, 1).contiguous() for k in w.policy.needs.state}
+        inputs = w.inputs
+        view = KVView(
+            K=t.K[sl].transpose(0, 1),
+            V=t.V[sl].transpose(0, 1),
+            pos=t.pos[sl].transpose(0, 1).long(),
+            layer=layer,
+            G=G,
+            state=state,
+            L=inputs.L,
+            budget=inputs.budget,
+            scale=inputs.scale,
+            softcap=inputs.softcap,
+            sinks=inputs.sinks,
+            Q=inputs.Q,
+            q_pos=inputs.q_pos,
+            W_O=inputs.W_O,
         )
-    if batched:  # every row's attention rows in one call (view.attn)
-        _attention(work, row_views, bounds, K_all, pos_all, G)
-    observed: list[tuple[int, dict]] = []  # per-slot state to write back once every row is scored
+        row_views.append((i, view))
+    return groups, row_views
+
+
+def _score_rows(plan, work, row_views, t: _Tokens, sel: _Selection, batched: bool) -> list[tuple[int, dict]]:
+    """Each view's policy observes its queries and scores its row (selected with every other row
+    by :func:`_select`), or evicts it itself (merging policies, and every policy unbatched);
+    returns the per-slot state to write back once every row is scored."""
+    observed: list[tuple[int, dict]] = []
     for i, view in row_views:
         w = work[i]
         r = w.row
@@ -210,50 +262,41 @@ def evict_step(
         if not w.compact:
             continue
         keep = plan.seq_lens[r] - plan.e_new[r]
-        if batched and not w.policy.needs.merges:  # scored here, selected with every other row below
+        if batched and not w.policy.needs.merges:
             view.keep = keep
-            to_select.append((i, w.policy.score(view).transpose(0, 1)))
+            sel.to_select.append((i, w.policy.score(view).transpose(0, 1)))
             continue
         kept, new_kv = w.policy.evict(view, keep)  # [H, keep], ascending per head
-        kept_tok[r] = kept.transpose(0, 1) + bounds[i]
+        sel.kept_tok[r] = kept.transpose(0, 1) + t.bounds[i]
         if new_kv is not None:
-            merged[r] = (new_kv[0].transpose(0, 1).to(K_all.dtype), new_kv[1].transpose(0, 1).to(V_all.dtype))
-    for idxs in groups.values():  # policies that score from keys and positions: all their rows at once
-        policy = work[idxs[0]].policy
-        tok, g_cu = _packed(bounds, idxs, K_all.device)
-        L = torch.tensor([plan.seq_lens[work[i].row] for i in idxs])
-        scores = policy.score_ragged(K_all[tok], pos_all[tok].long(), g_cu, L, layer)
-        to_select += zip(idxs, scores.split([bounds[i + 1] - bounds[i] for i in idxs]))
-    if evicted is not None:
-        for i, sc in to_select:
-            row_scores[work[i].row] = sc
-    if to_select:  # one top-k for every row with the default selection, whatever its policy
-        sel_rows = [work[i].row for i, _ in to_select]
-        tok, s_cu = _packed(bounds, [i for i, _ in to_select], K_all.device)
-        keep = torch.tensor([plan.seq_lens[r] - plan.e_new[r] for r in sel_rows], device=K_all.device)
-        idx, cu_keep = ops.select_topk(torch.cat([s for _, s in to_select]), pos_all[tok].long(), s_cu, keep)
-        ck = cu_keep.tolist()
-        for j, ((i, _), r) in enumerate(zip(to_select, sel_rows)):
-            kept_tok[r] = idx[ck[j] : ck[j + 1]] + bounds[i]
-    # Nothing is written before every row is scored and selected: a policy that raises leaves the
-    # cache and the per-slot state as they were, so the step can be retried row by row.
-    for i, state in observed:  # before the compaction below, which moves the state from state_all
-        lo, hi = bounds[i], bounds[i + 1]
+            sel.merged[r] = (new_kv[0].transpose(0, 1).to(t.K.dtype), new_kv[1].transpose(0, 1).to(t.V.dtype))
+    return observed
+
+
+def _select(plan, work, t: _Tokens, sel: _Selection) -> None:
+    """One top-k for every row with the default selection, whatever its policy."""
+    if not sel.to_select:
+        return
+    sel_rows = [work[i].row for i, _ in sel.to_select]
+    tok, s_cu = _packed(t.bounds, [i for i, _ in sel.to_select], t.K.device)
+    keep = torch.tensor([plan.seq_lens[r] - plan.e_new[r] for r in sel_rows], device=t.K.device)
+    idx, cu_keep = ops.select_topk(torch.cat([s for _, s in sel.to_select]), t.pos[tok].long(), s_cu, keep)
+    ck = cu_keep.tolist()
+    for j, ((i, _), r) in enumerate(zip(sel.to_select, sel_rows)):
+        sel.kept_tok[r] = idx[ck[j] : ck[j + 1]] + t.bounds[i]
+
+
+def _write_observed(work, t: _Tokens, observed, slot_state, overlays) -> None:
+    """The per-slot state the policies observed, back to the slots (a row's overlay slots to its
+    own copy), before the compaction, which moves the state from the packed tokens."""
+    for i, state in observed:
+        lo, hi = t.bounds[i], t.bounds[i + 1]
         own = overlays.get(work[i].row, {})
         for k in state:
             new = state[k].transpose(0, 1).to(slot_state[k].dtype)
-            state_all[k][lo:hi] = new
+            t.state[k][lo:hi] = new
             n = own[k].copy_(new[: own[k].shape[0]]).shape[0] if k in own else 0
-            slot_state[k][slots_all[lo + n : hi]] = new[n:]
-    out = geo.out
-    if evicted is not None:  # read before anything is written (the window's slots are rewritten)
-        for i, w in enumerate(work):
-            if w.compact and w.keep_evicted and w.row in kept_tok:
-                evicted[w.row] = _dropped(w.row, i, bounds, kept_tok, row_scores, K_all, V_all, pos_all, state_all)
-    if out:
-        src = (K_all, V_all, pos_all, state_all)
-        _write_kept(plan, geo, kept_tok, merged, src, (block_size, write, slot_pos, slot_state, views))
-    return [torch_ops.per_head(pos_all, kept_tok[r]) for r in out]
+            slot_state[k][t.slots[lo + n : hi]] = new[n:]
 
 
 def _dropped(r, i, bounds, kept_tok, row_scores, K_all, V_all, pos_all, state_all):
