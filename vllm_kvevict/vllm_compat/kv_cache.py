@@ -234,31 +234,37 @@ class RequestHooks(Protocol):
         ...
 
 
-def install_request_hooks(hooks: RequestHooks) -> None:
-    """Wire vLLM's scheduler and KV cache manager to ``hooks`` (:class:`RequestHooks`)."""
+def _managers(kv_cache_manager) -> list:
+    return list(kv_cache_manager.coordinator.single_type_managers)
+
+
+def _wrap_allocate(hooks: RequestHooks):
+    """``KVCacheManager.allocate_slots``: ``allocate`` before, ``scheduled`` after a success."""
     import inspect
 
-    from vllm.v1.core.kv_cache_manager import KVCacheManager
-
-    def make_allocate(orig):
+    def make(orig):
         signature = inspect.signature(orig)
 
         def allocate_slots(self, request, *args, **kwargs):
-            hooks.allocate(request, list(self.coordinator.single_type_managers))
+            hooks.allocate(request, _managers(self))
             computed = request.num_computed_tokens  # before the call: vLLM advances it after scheduling
             blocks = orig(self, request, *args, **kwargs)
             if blocks is not None:
                 a = signature.bind(self, request, *args, **kwargs).arguments
                 hit = a.get("num_new_computed_tokens", 0) + a.get("num_external_computed_tokens", 0)
                 start = min(computed + hit, self.max_model_len)
-                hooks.scheduled(
-                    request, start, start + a["num_new_tokens"], list(self.coordinator.single_type_managers)
-                )
+                hooks.scheduled(request, start, start + a["num_new_tokens"], _managers(self))
             return blocks
 
         return allocate_slots
 
-    def make_end(orig):
+    return make
+
+
+def _wrap_end(hooks: RequestHooks):
+    """``KVCacheManager.free`` and ``pop_blocks_for_free``: ``end`` after either."""
+
+    def make(orig):
         def end(self, request, *args, **kwargs):
             try:
                 return orig(self, request, *args, **kwargs)
@@ -267,10 +273,17 @@ def install_request_hooks(hooks: RequestHooks) -> None:
 
         return end
 
-    def make_lookup(orig):
+    return make
+
+
+def _wrap_lookup(hooks: RequestHooks):
+    """``KVCacheManager.get_computed_blocks``: the pure hit cut to ``prefix_hit`` (looked up again
+    through the coordinator, every group consistent), then a ``window`` in its place."""
+
+    def make(orig):
         def get_computed_blocks(self, request, *args, **kwargs):  # 0.33: max_cache_hit_length=None
             blocks, num_tokens, boundary = orig(self, request, *args, **kwargs)
-            managers = list(self.coordinator.single_type_managers)
+            managers = _managers(self)
             allowed = hooks.prefix_hit(request, num_tokens, managers)
             if allowed < num_tokens:
                 if allowed > 0:
@@ -290,9 +303,13 @@ def install_request_hooks(hooks: RequestHooks) -> None:
 
         return get_computed_blocks
 
-    from vllm.v1.core.single_type_kv_cache_manager import SingleTypeKVCacheManager
+    return make
 
-    def make_cache(orig):
+
+def _wrap_cache(hooks: RequestHooks):
+    """``SingleTypeKVCacheManager.cache_blocks``: dense retention where ``keeps_every_block``."""
+
+    def make(orig):
         def cache_blocks(self, request, num_tokens, retention_interval=None, **kwargs):
             if retention_interval is not None and hooks.keeps_every_block(request):
                 retention_interval = None
@@ -300,59 +317,74 @@ def install_request_hooks(hooks: RequestHooks) -> None:
 
         return cache_blocks
 
-    wrap_method(
-        SingleTypeKVCacheManager,
-        "cache_blocks",
-        make_cache,
-        "kvevict: a request whose window evicts keeps every block of its sliding-window groups reachable",
-    )
+    return make
 
-    from vllm.v1.core.sched.scheduler import Scheduler
 
-    def make_chunk(orig):
+def _wrap_chunk(hooks: RequestHooks):
+    """``Scheduler._reserve_prefill_lookahead``: the step cut to ``chunk`` (a waiting request cut
+    to nothing is not in this step)."""
+
+    def make(orig):
         def reserve(self, request, num_computed_tokens, num_new_tokens, *args, **kwargs):
             n = orig(self, request, num_computed_tokens, num_new_tokens, *args, **kwargs)
             if n <= 0:
                 return n
-            managers = list(self.kv_cache_manager.coordinator.single_type_managers)
-            allowed = hooks.chunk(request, num_computed_tokens, n, managers)
+            allowed = hooks.chunk(request, num_computed_tokens, n, _managers(self.kv_cache_manager))
             if allowed <= 0 and request.status != RequestStatus.RUNNING:
                 return 0  # a waiting request: not in this step
             return max(1, min(n, allowed))
 
         return reserve
 
+    return make
+
+
+def _wrap_output(hooks: RequestHooks):
+    """``Scheduler.update_from_output``: ``fallbacks`` first."""
     from vllm_kvevict.vllm_compat.runner import output_fallbacks
 
-    def make_output(orig):
+    def make(orig):
         def update_from_output(self, scheduler_output, model_runner_output, *args, **kwargs):
             fallbacks = output_fallbacks(model_runner_output)
             if fallbacks:
-                hooks.fallbacks(fallbacks, list(self.kv_cache_manager.coordinator.single_type_managers))
+                hooks.fallbacks(fallbacks, _managers(self.kv_cache_manager))
             return orig(self, scheduler_output, model_runner_output, *args, **kwargs)
 
         return update_from_output
 
+    return make
+
+
+def install_request_hooks(hooks: RequestHooks) -> None:
+    """Wire vLLM's scheduler and KV cache manager to ``hooks`` (:class:`RequestHooks`)."""
+    from vllm.v1.core.kv_cache_manager import KVCacheManager
+    from vllm.v1.core.sched.scheduler import Scheduler
+    from vllm.v1.core.single_type_kv_cache_manager import SingleTypeKVCacheManager
+
     wrap_method(
-        Scheduler, "update_from_output", make_output, "kvevict: the workers' fallbacks, before a step's results"
+        SingleTypeKVCacheManager,
+        "cache_blocks",
+        _wrap_cache(hooks),
+        "kvevict: a request whose window evicts keeps every block of its sliding-window groups reachable",
+    )
+    wrap_method(
+        Scheduler, "update_from_output", _wrap_output(hooks), "kvevict: the workers' fallbacks, before a step's results"
     )
     wrap_method(
         Scheduler,
         "_reserve_prefill_lookahead",
-        make_chunk,
+        _wrap_chunk(hooks),
         "kvevict: no step crosses a request's compaction point",
     )
     wrap_method(
         KVCacheManager,
         "allocate_slots",
-        make_allocate,
+        _wrap_allocate(hooks),
         "kvevict: each request's settings; the window each scheduled step reaches",
     )
-    wrap_method(KVCacheManager, "free", make_end, "kvevict: end a request's attempt (or the request)")
+    end = _wrap_end(hooks)
+    wrap_method(KVCacheManager, "free", end, "kvevict: end a request's attempt (or the request)")
+    wrap_method(KVCacheManager, "pop_blocks_for_free", end, "kvevict: end a request's attempt (deferred free)")
     wrap_method(
-        KVCacheManager,
-        "pop_blocks_for_free",
-        make_end,
-        "kvevict: end a request's attempt (or the request; deferred free)",
+        KVCacheManager, "get_computed_blocks", _wrap_lookup(hooks), "kvevict: prefix-cache hits a window can use"
     )
-    wrap_method(KVCacheManager, "get_computed_blocks", make_lookup, "kvevict: prefix-cache hits a window can use")
