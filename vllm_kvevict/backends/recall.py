@@ -441,54 +441,52 @@ class RecallMixin:
         many came from the tier and, with ``losers``, the candidates not kept (scored by this
         recall) as a tier entry; None when the tier is empty or on a failure (logged once, the
         window as it was)."""
-        cfg = plan.states[r].settings.config
         q_end = end if q_end is None else q_end
         try:
-            tier = tier_of.take(kv_cache.device)
-            if tier is None:
-                return None
-            bs = kv_cache.shape[2]
-            slots = logical_slots(plan.block_table, r, start, end - start, bs)
-            K_w, V_w = self._kvevict_gather(layer, kv_cache, slots // bs, slots % bs)
-            h = torch.arange(K_w.shape[1], device=K_w.device)[None, :]
-            slot_pos = self._slot_pos(kv_cache)
-            pos_w = slot_pos[slots].long()
-            K = torch.cat([K_w, tier.K.to(K_w.dtype)])
-            V = torch.cat([V_w, tier.V.to(V_w.dtype)])
-            pos = torch.cat([pos_w, tier.pos])
-            q_pos = torch.arange(q_end - Qw.shape[1], q_end, device=K.device)
-            scores = recall_scores(
-                Qw.float(),
-                q_pos,
-                K.float(),
-                pos,
-                G,
-                self.scale,
-                getattr(self, "logits_soft_cap", None) or None,
-                cfg.recall.kernel,
-                getattr(self, "sinks", None),
-            )
-            # the recall's own queries and the policy's observation window (SnapKV's may be longer,
-            # and its next compaction reads every position of it) are kept whatever their scores
-            protect = max(Qw.shape[1], plan.states[r].settings.policy.needs.window)
-            idx = select_recalled(scores, pos, end - start, q_end - protect)  # [keep, H]
-            state_all = {}
-            for k, t in self._kvevict_slot_state.items():
-                old = tier.state.get(k, torch.zeros(tier.tokens, t.shape[1], dtype=t.dtype, device=t.device))
-                state_all[k] = torch.cat([t[slots], old.to(t.dtype)])
-            state = {k: v[idx, h] for k, v in state_all.items()}
-            K_sel, V_sel, pos_sel = K[idx, h], V[idx, h], pos[idx, h]
-            lost = None
-            if losers and K.shape[0] > idx.shape[0]:
-                lo = complement(K.shape[0], idx)
-                lost = TierEntry(
-                    K[lo, h], V[lo, h], pos[lo, h], scores[lo, h], {k: v[lo, h] for k, v in state_all.items()}
-                )
+            chosen = self._recall_choice(layer, kv_cache, plan, r, G, tier_of, Qw, start, end, q_end, losers)
         except Exception as err:  # noqa: BLE001 - recall must never kill the engine either
             self._recall_failed(plan, r, err)
             return None
+        if chosen is None:
+            return None
+        slots, K_sel, V_sel, pos_sel, state, recalled, lost = chosen
         self._kvevict_write(layer, kv_cache, slots, K_sel, V_sel)
-        slot_pos[slots] = pos_sel.to(torch.int32)
+        self._slot_pos(kv_cache)[slots] = pos_sel.to(torch.int32)
         for k, v in state.items():
             self._kvevict_slot_state[k][slots] = v
-        return pos_sel, int((idx >= K_w.shape[0]).sum()), lost
+        return pos_sel, recalled, lost
+
+    def _recall_choice(self, layer, kv_cache, plan, r, G, tier_of: Tier, Qw, start: int, end: int, q_end: int, losers):
+        """What :meth:`_reselect` writes, chosen among the window's slots ``[start, end)`` and the
+        tier by recall's score, nothing written yet: ``(slots, K, V, positions, per-slot state,
+        how many from the tier, the losers' entry)``; None when the tier is empty."""
+        cfg = plan.states[r].settings.config
+        tier = tier_of.take(kv_cache.device)
+        if tier is None:
+            return None
+        bs = kv_cache.shape[2]
+        slots = logical_slots(plan.block_table, r, start, end - start, bs)
+        K_w, V_w = self._kvevict_gather(layer, kv_cache, slots // bs, slots % bs)
+        h = torch.arange(K_w.shape[1], device=K_w.device)[None, :]
+        K = torch.cat([K_w, tier.K.to(K_w.dtype)])
+        V = torch.cat([V_w, tier.V.to(V_w.dtype)])
+        pos = torch.cat([self._slot_pos(kv_cache)[slots].long(), tier.pos])
+        q_pos = torch.arange(q_end - Qw.shape[1], q_end, device=K.device)
+        softcap = getattr(self, "logits_soft_cap", None) or None
+        sinks = getattr(self, "sinks", None)
+        scores = recall_scores(Qw.float(), q_pos, K.float(), pos, G, self.scale, softcap, cfg.recall.kernel, sinks)
+        # the recall's own queries and the policy's observation window (SnapKV's may be longer,
+        # and its next compaction reads every position of it) are kept whatever their scores
+        protect = max(Qw.shape[1], plan.states[r].settings.policy.needs.window)
+        idx = select_recalled(scores, pos, end - start, q_end - protect)  # [keep, H]
+        state_all = {}
+        for k, t in self._kvevict_slot_state.items():
+            old = tier.state.get(k, torch.zeros(tier.tokens, t.shape[1], dtype=t.dtype, device=t.device))
+            state_all[k] = torch.cat([t[slots], old.to(t.dtype)])
+        lost = None
+        if losers and K.shape[0] > idx.shape[0]:
+            lo = complement(K.shape[0], idx)
+            lost = TierEntry(K[lo, h], V[lo, h], pos[lo, h], scores[lo, h], {k: v[lo, h] for k, v in state_all.items()})
+        state = {k: v[idx, h] for k, v in state_all.items()}
+        recalled = int((idx >= K_w.shape[0]).sum())
+        return slots, K[idx, h], V[idx, h], pos[idx, h], state, recalled, lost
