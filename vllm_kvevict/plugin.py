@@ -16,6 +16,7 @@ core and every worker; it is idempotent. Everything it installs goes through the
 
 from __future__ import annotations
 
+import functools
 import sys
 
 from vllm_kvevict import envs, metrics, vllm_compat
@@ -219,35 +220,32 @@ def check_request(vllm_config, params):
             "kvevict_budget",
         )
 
-    def fits(request) -> None:
-        if getattr(request, "resumable", False) and settings.evicts:
-            # vLLM's streaming input (AsyncLLM.generate with an input stream, the realtime API)
-            # extends a live request's prompt while it keeps its blocks: the prompt's length, which
-            # a `once` window's compaction point and a window's caching depend on, would change
-            # under a compacted window.
-            raise RequestConfigError(
-                "kvevict_enabled: streaming input is not supported with eviction (the prompt would grow "
-                "under a compacted window); send each input as a request of its own, or set "
-                "kvevict_enabled to false for this one",
-                "kvevict_enabled",
-            )
-        sp = getattr(request, "sampling_params", None)
-        if sp is None:
-            return
-        tokens = request.prompt_token_ids
-        prompt_len = len(tokens) if tokens is not None else int(request.prompt_embeds.shape[0])
-        # The key that made the window unbounded or large: the one a 400 names.
-        key = next(
-            (
-                k
-                for k in ("kvevict_enabled", "kvevict_policy", "kvevict_params", "kvevict_budget")
-                if k in settings.keys
-            ),
-            None,
-        )
-        check_fits_pool(vllm_config, settings, prompt_len, sp.max_tokens, key)
+    return functools.partial(_check_processed, vllm_config, settings)
 
-    return fits
+
+def _check_processed(vllm_config, settings: RequestSettings, request) -> None:
+    """The processed request (its prompt tokenized): streaming input refused with eviction, and
+    :func:`check_fits_pool`."""
+    if getattr(request, "resumable", False) and settings.evicts:
+        # vLLM's streaming input (AsyncLLM.generate with an input stream, the realtime API)
+        # extends a live request's prompt while it keeps its blocks: the prompt's length, which
+        # a `once` window's compaction point and a window's caching depend on, would change
+        # under a compacted window.
+        raise RequestConfigError(
+            "kvevict_enabled: streaming input is not supported with eviction (the prompt would grow "
+            "under a compacted window); send each input as a request of its own, or set "
+            "kvevict_enabled to false for this one",
+            "kvevict_enabled",
+        )
+    sp = getattr(request, "sampling_params", None)
+    if sp is None:
+        return
+    tokens = request.prompt_token_ids
+    prompt_len = len(tokens) if tokens is not None else int(request.prompt_embeds.shape[0])
+    # The key that made the window unbounded or large: the one a 400 names.
+    keys = ("kvevict_enabled", "kvevict_policy", "kvevict_params", "kvevict_budget")
+    key = next((k for k in keys if k in settings.keys), None)
+    check_fits_pool(vllm_config, settings, prompt_len, sp.max_tokens, key)
 
 
 def check_fits_pool(

@@ -158,21 +158,13 @@ def evict_step(
     if batched:  # every row's attention rows in one call (view.attn)
         _attention(work, row_views, t.bounds, t.K, t.pos, G)
     observed = _score_rows(plan, work, row_views, t, sel, batched)
-    for idxs in groups.values():  # policies that score from keys and positions: all their rows at once
-        policy = work[idxs[0]].policy
-        tok, g_cu = _packed(t.bounds, idxs, t.K.device)
-        L = torch.tensor([plan.seq_lens[work[i].row] for i in idxs])
-        scores = policy.score_ragged(t.K[tok], t.pos[tok].long(), g_cu, L, layer)
-        sel.to_select += zip(idxs, scores.split([t.bounds[i + 1] - t.bounds[i] for i in idxs]))
+    _score_groups(plan, work, groups, t, sel, layer)
     _select(plan, work, t, sel)
     # Nothing is written before every row is scored and selected: a policy that raises leaves the
     # cache and the per-slot state as they were, so the step can be retried row by row.
     _write_observed(work, t, observed, slot_state, overlays or {})
     if evicted is not None:  # read before anything is written (the window's slots are rewritten)
-        row_scores = {work[i].row: sc for i, sc in sel.to_select}
-        for i, w in enumerate(work):
-            if w.compact and w.keep_evicted and w.row in sel.kept_tok:
-                evicted[w.row] = _dropped(w.row, i, t.bounds, sel.kept_tok, row_scores, t.K, t.V, t.pos, t.state)
+        _hand_to_recall(work, t, sel, evicted)
     if geo.out:
         src = (t.K, t.V, t.pos, t.state)
         _write_kept(plan, geo, sel.kept_tok, sel.merged, src, (block_size, write, slot_pos, slot_state, views))
@@ -271,6 +263,24 @@ def _score_rows(plan, work, row_views, t: _Tokens, sel: _Selection, batched: boo
         if new_kv is not None:
             sel.merged[r] = (new_kv[0].transpose(0, 1).to(t.K.dtype), new_kv[1].transpose(0, 1).to(t.V.dtype))
     return observed
+
+
+def _score_groups(plan, work, groups: dict, t: _Tokens, sel: _Selection, layer: int) -> None:
+    """Policies that score from keys and positions (``Policy.ragged``): all their rows at once."""
+    for idxs in groups.values():
+        policy = work[idxs[0]].policy
+        tok, g_cu = _packed(t.bounds, idxs, t.K.device)
+        L = torch.tensor([plan.seq_lens[work[i].row] for i in idxs])
+        scores = policy.score_ragged(t.K[tok], t.pos[tok].long(), g_cu, L, layer)
+        sel.to_select += zip(idxs, scores.split([t.bounds[i + 1] - t.bounds[i] for i in idxs]))
+
+
+def _hand_to_recall(work, t: _Tokens, sel: _Selection, evicted: dict) -> None:
+    """What each compacting row that keeps its evicted tokens drops, with the score it was dropped by."""
+    row_scores = {work[i].row: sc for i, sc in sel.to_select}
+    for i, w in enumerate(work):
+        if w.compact and w.keep_evicted and w.row in sel.kept_tok:
+            evicted[w.row] = _dropped(w.row, i, t.bounds, sel.kept_tok, row_scores, t.K, t.V, t.pos, t.state)
 
 
 def _select(plan, work, t: _Tokens, sel: _Selection) -> None:
