@@ -42,14 +42,19 @@ def _settings(xargs: dict | None = None):
 
 
 DOC = list(range(3, 403))  # 400 tokens
+B = 160  # the second compaction point: the window [64, 160)
+
+
+def _cached_document(cache: WindowCache, settings) -> tuple[list, int]:
+    """A request over DOC that cached its window at B: its blocks, and E(B)."""
+    blocks = cache.pool.get_new_blocks(len(DOC) // BS)
+    cache.cache_window(_request("a", DOC), settings, B, blocks)
+    return blocks, evicted_tokens(B, len(DOC), settings.window)
 
 
 def test_a_window_is_found_by_its_prefix_and_configuration_only(cache):
-    settings = _settings()
-    b = 160
-    e = evicted_tokens(b, len(DOC), settings.window)
-    blocks = cache.pool.get_new_blocks(len(DOC) // BS)
-    cache.cache_window(_request("a", DOC), settings, b, blocks)
+    settings, b = _settings(), B
+    blocks, e = _cached_document(cache, settings)
     mine = _request("b", DOC[:170] + [7] * 60)
     assert cache.find(mine, settings, 0, None, lambda t: True) == (
         [cache.pool.null_block] * (e // BS) + blocks[e // BS : b // BS],
@@ -61,11 +66,8 @@ def test_a_window_is_found_by_its_prefix_and_configuration_only(cache):
 
 
 def test_a_window_cached_in_part_is_replaced_whole(cache):
-    settings = _settings()
-    b = 160
-    e = evicted_tokens(b, len(DOC), settings.window)
-    first = cache.pool.get_new_blocks(len(DOC) // BS)
-    cache.cache_window(_request("a", DOC), settings, b, first)
+    settings, b = _settings(), B
+    first, e = _cached_document(cache, settings)
     vllm_kv_cache.uncache_blocks(cache.pool, [first[e // BS + 1]])  # vLLM's LRU took one block
     mine = _request("b", DOC)
     assert cache.find(mine, settings, 0, None, lambda t: True) is None
@@ -77,8 +79,7 @@ def test_a_window_cached_in_part_is_replaced_whole(cache):
 
 
 def test_tails_extend_a_hit_as_far_as_the_caller_lets_them(cache):
-    settings = _settings()
-    b = 160
+    settings, b = _settings(), B
     end = settings.tail_end(b)  # the next compaction rewrites from there on
     assert end > b
     blocks = cache.pool.get_new_blocks(len(DOC) // BS)
