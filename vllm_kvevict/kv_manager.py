@@ -204,17 +204,18 @@ class KVEvictManager(FullAttentionManager):
         if request_id not in self._attempts:
             lo, hi = self._hit_copies(request_id, total_computed_tokens)
             copies = (hi - lo) // self.block_size
-        st = ENGINE.get(request_id)
-        cap = (
-            st.settings.admission_blocks(*self.kv_cache_spec.in_flight)
-            if st is not None
-            else self.max_admission_blocks_per_request
-        )
-        if apply_admission_cap and cap is not None:
-            # vLLM 0.32/0.33 cap the blocks a request reserves at min(cdiv(num_tokens, block), cap):
-            # the same count from tokens capped at the request's own cap, with vLLM's server-wide
-            # cap left out
-            num_tokens = min(num_tokens, cap * self.block_size)
+        if apply_admission_cap:
+            st = ENGINE.get(request_id)
+            cap = (
+                st.settings.admission_blocks(*self.kv_cache_spec.in_flight)
+                if st is not None
+                else self.max_admission_blocks_per_request
+            )
+            if cap is not None:
+                # vLLM 0.32/0.33 cap the blocks a request reserves at min(cdiv(num_tokens, block),
+                # cap): the same count from tokens capped at the request's own cap, with vLLM's
+                # server-wide cap left out
+                num_tokens = min(num_tokens, cap * self.block_size)
         blocks = super().get_num_blocks_to_allocate(
             request_id, num_tokens, new_computed_blocks, total_computed_tokens, *args, **kwargs
         )
@@ -694,9 +695,15 @@ class SchedulerHooks:
         windows) own hit of exactly its tokens."""
         mine = [i for i, m in enumerate(managers) if isinstance(m, KVEvictManager)]
         others = [i for i in range(len(managers)) if i not in mine]
+        looked_up: dict[int, tuple] = {}
+
+        def lookup(t: int) -> tuple:  # vLLM's hit of at most t tokens in each group, once per t
+            if t not in looked_up:
+                looked_up[t] = per_group(t)
+            return looked_up[t]
 
         def others_hold(t: int) -> bool:
-            return not others or all(per_group(t)[1][i] == t for i in others)
+            return not others or all(lookup(t)[1][i] == t for i in others)
 
         hits = [managers[i].window_hit(request, num_tokens, others_hold) for i in mine]
         if not hits or None in hits or len({t for _, t in hits}) != 1:
@@ -704,7 +711,7 @@ class SchedulerHooks:
                 st.window_hit = 0
             return None
         t = hits[0][1]
-        groups = list(per_group(t)[0]) if others else [[] for _ in managers]
+        groups = list(lookup(t)[0]) if others else [[] for _ in managers]
         for i, (blocks, _) in zip(mine, hits):
             groups[i] = blocks
         return tuple(groups), t

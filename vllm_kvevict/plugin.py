@@ -159,6 +159,9 @@ def check_layers(vllm_config, specs: dict) -> None:
 
 
 SPECULATION_POLICIES = "a policy without per-slot state (docs/compatibility.md)"
+#: why a policy that compacts while decoding by per-slot state is refused with drafts, and what to do
+DRAFTS_UNSAFE = "it counts every query in per-slot state, rejected drafts' too"
+DRAFTS_REMEDY = f"choose {SPECULATION_POLICIES}, or trigger once"
 #: speculative methods whose drafts come from the tokens alone (no drafter model, no KV of their own)
 DRAFTS_WITHOUT_KV = ("ngram", "ngram_gpu", "suffix")
 
@@ -182,8 +185,7 @@ def _check_speculation(vllm_config, cfg) -> None:
     if not resolve(cfg, None, vllm_config.cache_config.block_size or 1).drafts_safe:
         _refuse(
             f"speculative decoding with the policy {cfg.policy} compacting while decoding",
-            f"it counts every query in per-slot state, rejected drafts' too; choose {SPECULATION_POLICIES}, or "
-            "trigger once",
+            f"{DRAFTS_UNSAFE}; {DRAFTS_REMEDY}",
         )
 
 
@@ -208,8 +210,7 @@ def check_request(vllm_config, params):
         )
         raise RequestConfigError(
             f"{key}: the policy {settings.policy_name} compacting while decoding is not supported with this server's "
-            f"speculative decoding (it counts every query in per-slot state, rejected drafts' too); choose "
-            f"{SPECULATION_POLICIES}, or trigger once",
+            f"speculative decoding ({DRAFTS_UNSAFE}); {DRAFTS_REMEDY}",
             key,
         )
     max_len = vllm_config.model_config.max_model_len

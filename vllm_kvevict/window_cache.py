@@ -150,10 +150,12 @@ class WindowCache:
                         break
                     blocks.append(blk)
                     t += bs
-                while t > b and not usable(t):
+                while not usable(t):  # cut back a block at a time, the window itself last
+                    if t == b:
+                        break
                     blocks.pop()
                     t -= bs
-                if usable(t):
+                else:
                     return [self.pool.null_block] * (e // bs) + blocks, t
             b -= window.step
         return None

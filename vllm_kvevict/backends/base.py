@@ -538,7 +538,8 @@ class KVEvictImplMixin(RecallMixin):
         """Run the eviction step over ``work`` (one request's failure isolated: fault.isolate),
         keep the windows' per-slot state for requests that share them; returns each compacted
         row's kept positions. ``evicted`` gathers what recall keeps of the dropped tokens."""
-        bs = kv_cache.shape[2]
+        bs, G = kv_cache.shape[2], self.num_heads // self.num_kv_heads
+        layer_idx, views = self._layer_index(layer), self._kvevict_views(layer, kv_cache)
         overlays = self._window_overlays(plan, work, kv_cache, layer) if self._kvevict_slot_state else None
 
         def step(items: list[RowWork]) -> list[torch.Tensor]:
@@ -550,9 +551,9 @@ class KVEvictImplMixin(RecallMixin):
                 write=lambda s, K, V: self._kvevict_write(layer, kv_cache, s, K, V),
                 slot_pos=slot_pos,
                 slot_state=self._kvevict_slot_state,
-                layer=self._layer_index(layer),
-                G=self.num_heads // self.num_kv_heads,
-                views=self._kvevict_views(layer, kv_cache),
+                layer=layer_idx,
+                G=G,
+                views=views,
                 evicted=evicted,
                 overlays=overlays,
             )

@@ -164,13 +164,10 @@ def request_extra_args(request) -> dict | None:
 
 def hit_per_group(coordinator, request, num_tokens: int) -> tuple[tuple[list, ...], tuple[int, ...]]:
     """vLLM's prefix-cache hit of at most ``num_tokens`` in each KV cache group on its own: the
-    blocks and the length, per group. vLLM 0.32/0.33: ``find_longest_cache_hit_per_group`` (hybrid
-    coordinators); a coordinator with one group answers with ``find_longest_cache_hit``."""
-    if hasattr(coordinator, "find_longest_cache_hit_per_group"):
-        blocks, lengths = coordinator.find_longest_cache_hit_per_group(request.block_hashes, num_tokens)
-        return tuple(blocks), tuple(lengths)
-    blocks, length, _ = coordinator.find_longest_cache_hit(request.block_hashes, num_tokens)
-    return tuple(blocks), (length,) * len(blocks)
+    blocks and the length, per group. Asked only of a model with several groups. vLLM 0.32/0.33:
+    ``HybridKVCacheCoordinator.find_longest_cache_hit_per_group``."""
+    blocks, lengths = coordinator.find_longest_cache_hit_per_group(request.block_hashes, num_tokens)
+    return tuple(blocks), tuple(lengths)
 
 
 class RequestHooks(Protocol):
