@@ -224,7 +224,7 @@ def test_window_overlay_is_the_rows_own_state(monkeypatch):
     want = evict_step(
         plan, work, BS, slot_pos=want_pos, slot_state=want_state, views=flash_cache.cache_views(want_cache), **kw
     )
-    plan.memo.clear()
+    plan.geometries.clear()
     got = evict_step(plan, work, BS, slot_pos=slot_pos, slot_state=state, views=views, overlays=overlays, **kw)
     assert all(torch.equal(a, b) for a, b in zip(want, got))
     assert torch.equal(want_cache, cache) and torch.equal(want_pos, slot_pos)

@@ -185,18 +185,17 @@ def test_cascade_attention_is_off_once_any_row_has_moved():
 def test_an_attempt_starts_its_query_window_afresh():
     """A request resumed after preemption on its own prefix-cache hit starts at L_prev > 0; its
     query window must not carry the previous attempt's queries."""
-    from vllm_kvevict.backends.base import KVEvictImplMixin
+    from vllm_kvevict.backends.flash_layout import FLASH_LAYOUT
+    from vllm_kvevict.backends.layer import LayerEviction
+    from vllm_kvevict.backends.layout import Heads
 
-    impl = SimpleNamespace()
-    impl._layer_state = lambda plan, r, layer: KVEvictImplMixin._layer_state(impl, plan, r, layer)
-    impl._layer_key = lambda layer: KVEvictImplMixin._layer_key(impl, layer)
-    layer = SimpleNamespace(layer_name="model.layers.0.self_attn.attn")
+    layer = LayerEviction(FLASH_LAYOUT, Heads(2, 1, 0.5), "model.layers.0.self_attn.attn", 0)
 
     def window(L_prev, m, start):
         step = RunnerStep(**{**_step(["a"], [1000], [None]).__dict__, "starts": frozenset({"a"} if start else ())})
         plan = plan_step(_cm([L_prev + m], [m]), SERVER, BS, step)
         Q = torch.full((2, m, 4), float(L_prev))
-        return KVEvictImplMixin._query_window(impl, plan, 0, Q, 8, layer)
+        return layer.query_window(plan, 0, Q, 8)
 
     assert window(0, 5, True).shape[1] == 5
     assert window(5, 5, False).shape[1] == 8  # the attempt's queries accumulate up to the window

@@ -12,10 +12,10 @@ import torch
 from vllm_kvevict.backends.recall import (
     Tier,
     TierEntry,
-    complement,
     recall_scores,
     select_recalled,
 )
+from vllm_kvevict.kernels.torch_ops import complement
 
 
 def _entry(pos: list[list[int]], score: list[list[float]], D: int = 4) -> TierEntry:

@@ -176,7 +176,7 @@ class LayerState:
     recall_queries: torch.Tensor | None = None  # recall: the prompt's latest queries [H_q, window, d]
     tier: Any = None  # recall: the tokens its compactions evicted (backends/recall.Tier, made by the backend)
     #: per-slot policy state of the cached window the attempt started on, its own copy, until its
-    #: next compaction moves past the window ({name: [window slots, H]}; backends/base.py)
+    #: next compaction moves past the window ({name: [window slots, H]}; backends/slots.py)
     window_state: dict[str, torch.Tensor] | None = None
 
 

@@ -26,3 +26,8 @@ def hf_model(gqa_model):
     from transformers import AutoModelForCausalLM
 
     return AutoModelForCausalLM.from_pretrained(gqa_model, dtype=torch.float32, attn_implementation="eager").eval()
+
+
+@pytest.fixture(scope="session")
+def vocab(hf_model):
+    return hf_model.config.vocab_size

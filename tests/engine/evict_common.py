@@ -3,15 +3,25 @@
 
 from __future__ import annotations
 
+import contextlib
 import json
+import math
 import random
+import re
+from collections.abc import Iterator, Sequence
+from pathlib import Path
 
 from openai import OpenAI
 
 from vllm_kvevict.testing.hf_reference import PolicyCheck, attempts_for, replay_attempts
-from vllm_kvevict.testing.server import VLLMServer
+from vllm_kvevict.testing.server import VLLMServer, wait_until
 
 TOL = 1e-4
+#: the engine core's release line, one per attempt of a request (kv_manager.py)
+RELEASED = re.compile(
+    r"kvevict: request (\S+) released: (\d+) blocks freed by eviction, peak (\d+) blocks held "
+    r"\(window bound (\d+|None)\); pool (\d+)/(\d+) blocks free, peak (\d+) used"
+)
 
 
 def server_args(config: dict, *extra: str) -> list[str]:
@@ -27,6 +37,70 @@ def server_args(config: dict, *extra: str) -> list[str]:
         "--additional-config",
         json.dumps({"kvevict": config}),
     ]
+
+
+@contextlib.contextmanager
+def pool_server(
+    model: str,
+    base: Path,
+    config: dict,
+    *,
+    pool: int,
+    chunk: int,
+    max_len: int,
+    max_seqs: int = 4,
+    extra: Sequence[str] = ("--enable-prompt-tokens-details", "--enable-log-requests"),
+    env: dict | None = None,
+) -> Iterator[VLLMServer]:
+    """A kvevict server (``{"kvevict": config}``) over a pool of exactly ``pool`` blocks (plus
+    vLLM's null block), ``chunk`` tokens per step, its log in ``base`` and every compaction's
+    kept positions dumped under ``base / "dump"`` (``srv.dump_dir``, for the transformers replay).
+    ``extra``: more ``vllm serve`` flags (default: cached-token counts in responses, request logs)."""
+    limits = ["--num-gpu-blocks-override", str(pool + 1), "--max-model-len", str(max_len)]
+    limits += ["--max-num-batched-tokens", str(chunk), "--max-num-seqs", str(max_seqs)]
+    env = {"KVEVICT_DUMP_DIR": str(base / "dump"), **(env or {})}
+    with VLLMServer(model, server_args(config, *limits, *extra), log_path=base / "server.log", env=env) as srv:
+        srv.dump_dir = base / "dump"  # type: ignore[attr-defined]
+        yield srv
+
+
+def release_lines(srv: VLLMServer, request_id: str | None = None) -> list[tuple]:
+    """The release lines logged so far (of ``request_id``'s attempts, or all): ``(request id, blocks
+    freed, peak blocks, window bound or None, free blocks, pool blocks, pool peak)``."""
+    return [
+        (m[1], *(None if g == "None" else int(g) for g in m.groups()[1:]))
+        for m in RELEASED.finditer(srv.log())
+        if request_id is None or m[1].startswith(request_id + "-")
+    ]
+
+
+def released_line(srv: VLLMServer, request_id: str, timeout: float = 60.0) -> tuple:
+    """The last release line of a request, once the engine core has logged it (it frees the request
+    right after the last output reaches the client: wait for it, never sleep)."""
+    wait_until(lambda: bool(release_lines(srv, request_id)), timeout, f"the release line of {request_id}")
+    return release_lines(srv, request_id)[-1]
+
+
+def reset_prefix_cache(srv: VLLMServer) -> None:
+    """vLLM's /reset_prefix_cache (the server needs ``VLLM_SERVER_DEV_MODE=1``)."""
+    assert srv.post("/reset_prefix_cache") == 200
+
+
+def computed_alone(srv: VLLMServer, prompt: list[int], max_tokens: int, xargs: dict | None = None) -> dict:
+    """The request computed alone, on an empty prefix cache (what it caches is dropped after)."""
+    reset_prefix_cache(srv)
+    out = complete(srv, prompt, max_tokens, xargs)
+    assert out["cached_tokens"] == 0
+    released_line(srv, out["id"])
+    reset_prefix_cache(srv)
+    return out
+
+
+def same_as_alone(out: dict, ref: dict) -> None:
+    """``out`` chose the tokens of ``ref`` (:func:`computed_alone`), each logprob within :data:`TOL`."""
+    assert out["tokens"] == ref["tokens"], (out["id"], out["tokens"], ref["tokens"])
+    for j, (a, b) in enumerate(zip(out["logprobs"], ref["logprobs"])):
+        assert math.isclose(a, b, abs_tol=TOL), f"{out['id']}: token {j}: logprob {a} vs {b} alone"
 
 
 def make_prompt(n: int, seed: int, vocab: int) -> list[int]:

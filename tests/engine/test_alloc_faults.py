@@ -5,7 +5,7 @@ on, each equal to the transformers replay of what it kept, and a request that fe
 nothing (docs/architecture.md, "Prefix caching").
 
 ``KVEVICT_TEST_FAULT=@alloc:<site>#1``: the first allocation at each site of the eviction step
-(``backends/base.per_slot``, ``rows_of``) fails as an out-of-memory would, then they work again.
+(``backends/slots.per_slot``, ``rows_of``) fails as an out-of-memory would, then they work again.
 The sites are met in this order, each by the request named:
 
 * ``positions`` (a layer's slot positions): P's first step, the first a layer of the server runs;
@@ -23,10 +23,9 @@ from functools import partial
 
 import pytest
 
-from tests.engine.evict_common import check_against_reference, complete, make_prompt, server_args
-from tests.engine.test_window_reuse import _released
+from tests.engine.evict_common import check_against_reference, complete, make_prompt, released_line, server_args
 from vllm_kvevict.testing.hf_reference import load_attempts
-from vllm_kvevict.testing.server import VLLMServer, wait_until
+from vllm_kvevict.testing.server import VLLMServer
 from vllm_kvevict.window import WindowConfig, last_boundary
 
 pytestmark = [pytest.mark.engine, pytest.mark.timeout(900)]
@@ -61,7 +60,7 @@ def _fell_back(srv: VLLMServer, *outs: dict) -> bool:
 
 
 def _done(srv: VLLMServer, out: dict) -> dict:
-    wait_until(lambda: _released(srv, out["id"]), 60, f"{out['id']}'s release line")
+    released_line(srv, out["id"])
     return out
 
 

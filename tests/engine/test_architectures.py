@@ -19,7 +19,7 @@ import re
 import pytest
 import torch
 
-from tests.engine.evict_common import check_against_reference, complete, make_prompt, server_args
+from tests.engine.evict_common import check_against_reference, complete, make_prompt, released_line, server_args
 from vllm_kvevict.testing.hf_reference import attempts_for, load_attempts
 from vllm_kvevict.testing.models import arch_path
 from vllm_kvevict.testing.server import VLLMServer
@@ -88,12 +88,6 @@ def test_attention_scored_policies_count_gpt_oss_attention_sinks(tmp_path):
         check_against_reference(hf, out, attempts, config=parse_config({"policy": policy, "budget": 96}))
 
 
-def _released_line(srv: VLLMServer, request_id: str) -> bool:
-    from tests.engine.test_memory import RELEASED
-
-    return any(m.group(1).startswith(request_id + "-") for m in RELEASED.finditer(srv.log()))
-
-
 #: the pure hit a prompt sharing 150 tokens gets: up to E of its first compaction (96); a model
 #: with one KV cache group copies the blocks that compaction rewrites and starts past them
 PURE_HIT = {"gemma2": 96, "gpt-oss": 96, "qwen2": 128, "qwen3": 128, "phi3": 128}
@@ -111,7 +105,6 @@ def test_windows_prefix_hits_and_recall_on_other_architectures(arch, tmp_path):
     from transformers import AutoModelForCausalLM
 
     from tests.engine.evict_common import TOL
-    from vllm_kvevict.testing.server import wait_until
     from vllm_kvevict.window import WindowConfig, last_boundary
 
     model = arch_path(arch)
@@ -134,10 +127,10 @@ def test_windows_prefix_hits_and_recall_on_other_architectures(arch, tmp_path):
     with VLLMServer(model, args, log_path=tmp_path / "server.log", env=env) as srv:
         alone = complete(srv, mine, 16)
         assert alone["cached_tokens"] == 0
-        wait_until(lambda: _released_line(srv, alone["id"]), 60, "the release line")
+        released_line(srv, alone["id"])
         assert srv.post("/reset_prefix_cache") == 200
         first = complete(srv, doc + make_prompt(60, 3, vocab), 16)
-        wait_until(lambda: _released_line(srv, first["id"]), 60, "the first request's release line")
+        released_line(srv, first["id"])
         out = complete(srv, mine, 16)
         short = make_prompt(150, 4, vocab)
         pure = [complete(srv, short + make_prompt(n, 5 + n, vocab), 8) for n in (20, 40)]

@@ -25,8 +25,7 @@ import sys
 import pytest
 import requests
 
-from tests.engine.evict_common import TOL, check_against_reference, complete, make_prompt, server_args
-from tests.engine.test_window_reuse import _released
+from tests.engine.evict_common import TOL, check_against_reference, complete, make_prompt, released_line, server_args
 from vllm_kvevict.testing.hf_reference import attempts_for, load_attempts, replay
 from vllm_kvevict.testing.models import lora_path, merge_lora
 from vllm_kvevict.testing.server import BASE_ENV, VLLMServer, wait_until
@@ -100,12 +99,12 @@ def test_lora_adapters_evict_exactly_and_key_their_windows(server, hf_model, ada
     vocab = hf_model.config.vocab_size
     doc = make_prompt(700, 43, vocab)
     base = complete(server, doc + make_prompt(30, 44, vocab), 12)  # caches the document's windows
-    wait_until(lambda: _released(server, base["id"]), 60, "the base request's release line")
+    released_line(server, base["id"])
     name, server.served_model_name = server.served_model_name, "adapter"
     try:
         first = complete(server, doc + make_prompt(40, 45, vocab), 12)
         assert first["cached_tokens"] == 0, "a request with an adapter started on the base model's window"
-        wait_until(lambda: _released(server, first["id"]), 60, "the first adapter request's release line")
+        released_line(server, first["id"])
         second = complete(server, doc + make_prompt(50, 46, vocab), 12)
         assert second["cached_tokens"] == last_boundary(len(doc), WindowConfig(BUDGET, BS))  # its own adapter's
     finally:

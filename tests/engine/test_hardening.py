@@ -24,8 +24,7 @@ from hypothesis import HealthCheck, given, settings
 from hypothesis import strategies as st
 
 from tests.conftest import CPU_SERVER_ARGS
-from tests.engine.evict_common import check_against_reference, complete, make_prompt
-from tests.engine.test_memory import released_line
+from tests.engine.evict_common import check_against_reference, complete, make_prompt, released_line
 from tests.test_request_validation import overrides
 from vllm_kvevict.testing.hf_reference import load_attempts
 from vllm_kvevict.testing.server import VLLMServer, wait_until

@@ -8,8 +8,7 @@ from __future__ import annotations
 import openai
 import pytest
 
-from tests.engine.evict_common import complete, make_prompt, server_args
-from tests.engine.test_memory import released_line
+from tests.engine.evict_common import complete, make_prompt, released_line, server_args
 from vllm_kvevict.testing.server import VLLMServer
 from vllm_kvevict.window import WindowConfig, evicted_tokens
 

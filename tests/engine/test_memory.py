@@ -17,7 +17,7 @@ from functools import partial
 import pytest
 
 from tests.conftest import CPU_SERVER_ARGS
-from tests.engine.evict_common import check_against_reference, complete, make_prompt
+from tests.engine.evict_common import check_against_reference, complete, make_prompt, release_lines, released_line
 from vllm_kvevict.testing.hf_reference import load_attempts
 from vllm_kvevict.testing.server import VLLMServer, wait_until
 from vllm_kvevict.window import WindowConfig, evicted_tokens, window_bound_blocks
@@ -28,10 +28,6 @@ BUDGET, BS, CHUNK = 96, 32, 64
 BOUND = window_bound_blocks(WindowConfig(BUDGET, BS), CHUNK)  # 6 blocks per running request
 POOL = 8
 ABORTED_PROMPT = 30000
-RELEASED = re.compile(
-    r"kvevict: request (\S+) released: (\d+) blocks freed by eviction, peak (\d+) blocks held "
-    r"\(window bound (\d+|None)\); pool (\d+)/(\d+) blocks free, peak (\d+) used"
-)
 
 
 @pytest.fixture(scope="module")
@@ -70,21 +66,6 @@ def server(gqa_model, tmp_path_factory):
     with srv:
         srv.dump_dir = base / "dump"
         yield srv
-
-
-def _released(srv: VLLMServer) -> list[tuple]:
-    return [(m[1], *(None if g == "None" else int(g) for g in m.groups()[1:])) for m in RELEASED.finditer(srv.log())]
-
-
-def released_line(srv: VLLMServer, request_id: str, timeout: float = 60.0) -> tuple:
-    """The last release line of a request, once the engine core has logged it (it frees the request
-    right after the last output reaches the client: wait for it, never sleep)."""
-
-    def lines():
-        return [r for r in _released(srv) if r[0].startswith(request_id + "-")]
-
-    wait_until(lambda: bool(lines()), timeout, f"the release line of {request_id}")
-    return lines()[-1]
 
 
 def test_prompt_longer_than_whole_cache_runs_within_bound(server, hf_model):
@@ -134,5 +115,5 @@ def test_mixed_run_returns_every_block(server, hf_model):
     last = complete(server, make_prompt(200, 26, vocab), 8)
     line = released_line(server, last["id"])
     assert line[4] == POOL, f"{POOL - line[4]} blocks leaked"
-    for r in _released(server):
+    for r in release_lines(server):
         assert r[2] <= BOUND, f"request {r[0]} held {r[2]} blocks"

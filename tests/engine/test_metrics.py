@@ -16,8 +16,7 @@ import pytest
 from prometheus_client.parser import text_string_to_metric_families
 
 from tests.conftest import CPU_SERVER_ARGS
-from tests.engine.evict_common import complete, make_prompt
-from tests.engine.test_memory import RELEASED
+from tests.engine.evict_common import RELEASED, complete, make_prompt
 from vllm_kvevict.metrics import BUCKETS
 from vllm_kvevict.testing.hf_reference import attempts_for, load_attempts
 from vllm_kvevict.testing.server import VLLMServer, wait_until

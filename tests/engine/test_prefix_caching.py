@@ -27,19 +27,24 @@ window bound; the pool comes back whole.
 
 from __future__ import annotations
 
-import json
 import re
 from concurrent.futures import ThreadPoolExecutor
 from functools import partial
 
 import pytest
 
-from tests.conftest import CPU_SERVER_ARGS
-from tests.engine.evict_common import check_against_reference, complete, make_prompt
-from tests.engine.test_memory import RELEASED
+from tests.engine.evict_common import (
+    check_against_reference,
+    complete,
+    make_prompt,
+    pool_server,
+    release_lines,
+    released_line,
+    reset_prefix_cache,
+)
 from vllm_kvevict.config import parse_config
 from vllm_kvevict.testing.hf_reference import attempts_for, load_attempts
-from vllm_kvevict.testing.server import VLLMServer, wait_until
+from vllm_kvevict.testing.server import wait_until
 from vllm_kvevict.window import WindowConfig, window_bound_blocks
 
 pytestmark = [pytest.mark.engine, pytest.mark.timeout(1200)]
@@ -49,52 +54,21 @@ E1 = BS * ((CHUNK - BUDGET) // BS)  # 416: what a long prompt's first compaction
 PURE = CHUNK - BS  # 480 = hit_end(512): the pure prefix cached, [E1, PURE) as copies
 BOUND = window_bound_blocks(WindowConfig(BUDGET, BS, stride=CHUNK), CHUNK, CHUNK)
 # copies aside at every compaction point: these requests come one after another (none waits)
-SERVER_CFG = {"kvevict": {"policy": "keydiff", "budget": BUDGET, "stride": CHUNK, "copy_rewritten": "always"}}
+SERVER_CFG = {"policy": "keydiff", "budget": BUDGET, "stride": CHUNK, "copy_rewritten": "always"}
 OFF = {"kvevict_enabled": False}
 
 
 @pytest.fixture(scope="module")
 def server(gqa_model, tmp_path_factory):
     base = tmp_path_factory.mktemp("prefix")
-    args = [
-        "--attention-backend",
-        "kvevict",
-        *CPU_SERVER_ARGS,
-        "--num-gpu-blocks-override",
-        str(POOL + 1),
-        "--max-model-len",
-        "4096",
-        "--max-num-batched-tokens",
-        str(CHUNK),
-        "--max-num-seqs",
-        "4",
-        "--no-scheduler-reserve-full-isl",
-        "--enable-prompt-tokens-details",
-        "--enable-log-requests",
-        "--additional-config",
-        json.dumps(SERVER_CFG),
-    ]
-    env = {"KVEVICT_DUMP_DIR": str(base / "dump"), "VLLM_SERVER_DEV_MODE": "1", "KVEVICT_TEST_HOLD": str(base / "hold")}
-    with VLLMServer(gqa_model, args, log_path=base / "server.log", env=env) as srv:
-        srv.dump_dir = base / "dump"
+    env = {"VLLM_SERVER_DEV_MODE": "1", "KVEVICT_TEST_HOLD": str(base / "hold")}
+    extra = ["--no-scheduler-reserve-full-isl", "--enable-prompt-tokens-details", "--enable-log-requests"]
+    with pool_server(gqa_model, base, SERVER_CFG, pool=POOL, chunk=CHUNK, max_len=4096, extra=extra, env=env) as srv:
         yield srv
-
-
-@pytest.fixture(scope="module")
-def vocab(hf_model):
-    return hf_model.config.vocab_size
 
 
 def _prompt(vocab: int, shared: int, seed: int, tail: int, tail_seed: int) -> list[int]:
     return make_prompt(shared, seed, vocab) + make_prompt(tail, tail_seed, vocab)
-
-
-def _released(srv: VLLMServer, request_id: str) -> list[tuple]:
-    return [m.groups() for m in RELEASED.finditer(srv.log()) if m.group(1).startswith(request_id + "-")]
-
-
-def _reset_cache(srv: VLLMServer) -> None:
-    assert srv.post("/reset_prefix_cache") == 200
 
 
 def test_prefix_caching_is_on(server):
@@ -108,12 +82,12 @@ def test_only_pure_blocks_enter_the_cache(server, hf_model, vocab):
     the 2 it rewrote; an eviction-off request sharing its whole prompt hits exactly those and
     computes exactly what the model computes without eviction (a compaction written into a cached
     block would show here)."""
-    _reset_cache(server)
+    reset_prefix_cache(server)
     a = complete(server, _prompt(vocab, 700, 1, 100, 2), 24)
     attempts = load_attempts(server.dump_dir)
     (att,) = check_against_reference(hf_model, a, attempts)
     assert min(att.events) == CHUNK and a["cached_tokens"] == 0  # its first compaction, at L = 512
-    wait_until(lambda: _released(server, a["id"]), 60, "A's release line")
+    released_line(server, a["id"])
     b = complete(server, _prompt(vocab, 700, 1, 60, 3), 24, OFF)  # A's first 700 tokens, then its own
     assert b["cached_tokens"] == PURE
     check_against_reference(hf_model, b, load_attempts(server.dump_dir), expect_compaction=False)
@@ -132,11 +106,11 @@ def test_request_finishing_in_its_compacting_step_caches_only_pure_blocks(server
     exactly 480 tokens and computes exactly what the model computes without eviction."""
     seed = {"max_tokens": 30, "stop_token": 32}[finish]
     prompt = make_prompt(ONE_CHUNK, seed, vocab)
-    _reset_cache(server)
+    reset_prefix_cache(server)
     a = complete(server, prompt, 1)
     if finish == "stop_token":  # the same prompt again, stopped by its (greedy) first token
-        wait_until(lambda: _released(server, a["id"]), 60, "the first A's release line")
-        _reset_cache(server)
+        released_line(server, a["id"])
+        reset_prefix_cache(server)
         (first,) = a["tokens"]
         a = complete(server, prompt, 16, extra={"stop_token_ids": [first]})
         assert a["tokens"] == [first] and a["finish_reason"] == "stop", a
@@ -145,9 +119,9 @@ def test_request_finishing_in_its_compacting_step_caches_only_pure_blocks(server
     assert a["cached_tokens"] == 0
     (att,) = check_against_reference(hf_model, a, load_attempts(server.dump_dir))
     assert min(att.events) == ONE_CHUNK  # it compacted in its one step, at L = 512
-    wait_until(lambda: _released(server, a["id"]), 60, "A's release line")
+    released_line(server, a["id"])
     # the engine core knows from the schedule that A's one step compacted (it never saw it again)
-    assert int(_released(server, a["id"])[-1][1]) == E_ONE_CHUNK // BS
+    assert released_line(server, a["id"])[1] == E_ONE_CHUNK // BS
     b = complete(server, prompt + make_prompt(60, seed + 1, vocab), 24, OFF)  # A's prompt, then its own
     assert b["cached_tokens"] == PURE  # 13 blocks and 2 copies, not the 16 A computed
     check_against_reference(hf_model, b, load_attempts(server.dump_dir), expect_compaction=False)
@@ -158,18 +132,18 @@ def test_request_aborted_in_its_compacting_step_caches_only_pure_blocks(server, 
     takes the abort right after that step, before it schedules the request again (so it never hears
     of the compaction from the request's processed tokens), and still caches only ``[0, E1)``."""
     prompt = make_prompt(ONE_CHUNK, 34, vocab)
-    _reset_cache(server)
+    reset_prefix_cache(server)
     rid = server.abort_mid_prefill(
         {"model": server.served_model_name, "prompt": prompt, "max_tokens": 16, "temperature": 0.0},
         hold_file="hold-compacting",
     )
-    wait_until(lambda: _released(server, rid), 60, "the aborted request's release line")
+    released_line(server, rid)
     b = complete(server, prompt + make_prompt(60, 35, vocab), 24, OFF)
     # the copies of [E1, 480) are dropped: the core frees the request before it knows that the
     # step which made them has run
     assert b["cached_tokens"] == E_ONE_CHUNK
     check_against_reference(hf_model, b, load_attempts(server.dump_dir), expect_compaction=False)
-    ((_, freed, *_),) = _released(server, rid)
+    ((_, freed, *_),) = release_lines(server, rid)
     assert int(freed) == E_ONE_CHUNK // BS  # it compacted once, in the step it was aborted after
 
 
@@ -180,7 +154,7 @@ def test_hits_are_reused_by_evicting_requests(server, hf_model, vocab):
     what it kept; one sharing more starts on the window the
     first request compacted at 512 and the tail it computed after it (docs/architecture.md,
     "Compressed windows")."""
-    _reset_cache(server)
+    reset_prefix_cache(server)
     a = complete(server, _prompt(vocab, 900, 4, 50, 5), 16)
     before = server.metrics()
     c = complete(server, _prompt(vocab, 480, 4, 80, 6), 16)  # a's first 480 tokens, then its own
@@ -191,7 +165,7 @@ def test_hits_are_reused_by_evicting_requests(server, hf_model, vocab):
     assert after["kvevict:prefix_hits_total"] - before.get("kvevict:prefix_hits_total", 0.0) == 1
     assert after["kvevict:prefix_hit_tokens_total"] - before.get("kvevict:prefix_hit_tokens_total", 0.0) == PURE
     attempts = load_attempts(server.dump_dir)
-    (att,) = check_against_reference(hf_model, c, attempts, config=parse_config(SERVER_CFG["kvevict"]))
+    (att,) = check_against_reference(hf_model, c, attempts, config=parse_config(SERVER_CFG))
     # Shorter prefill: the attempt starts at 480; its first compaction (at 512, as without the
     # hit) frees the 13 shared blocks at once and rewrites its own copies of the other 2, so no
     # shared block is ever written.
@@ -199,7 +173,7 @@ def test_hits_are_reused_by_evicting_requests(server, hf_model, vocab):
     assert first == CHUNK and BS * ((first - BUDGET) // BS) == E1
     for _layer, kept in att.events[first].items():
         assert all(len(h) == first - E1 for h in kept)
-    rel = _released(server, c["id"])
+    rel = release_lines(server, c["id"])
     assert rel and int(rel[-1][2]) <= BOUND  # peak within the window bound
     # sharing a's first 900 tokens: a's window at 512, then the tail a computed after it (its
     # blocks up to 928 = 1024 - 96, which a's next compaction would not have rewritten), as far as
@@ -214,7 +188,7 @@ def test_hits_are_reused_by_evicting_requests(server, hf_model, vocab):
 
 
 def test_policy_with_per_slot_state_gets_no_hit(server, hf_model, vocab):
-    _reset_cache(server)
+    reset_prefix_cache(server)
     complete(server, _prompt(vocab, 800, 7, 40, 8), 8)
     h = complete(server, _prompt(vocab, 800, 7, 40, 9), 16, {"kvevict_policy": "h2o"})
     assert h["cached_tokens"] == 0
@@ -225,7 +199,7 @@ def test_concurrent_sharing_with_preemption(server, hf_model, vocab):
     """Requests sharing a prefix, admitted together on a pool too small for all of them (vLLM must
     preempt), some with eviction off and one with a once policy: every request equals the replay
     of its own kept sets, across its attempts; the pool comes back whole."""
-    _reset_cache(server)
+    reset_prefix_cache(server)
     complete(server, _prompt(vocab, 750, 10, 30, 11), 8)  # fills the cache with the shared prefix
     preempted = server.metrics().get("vllm:num_preemptions_total", 0.0)
     specs = [
@@ -253,20 +227,20 @@ def test_concurrent_sharing_with_preemption(server, hf_model, vocab):
     # Every request held at most its own window bound (eviction-off ones: their whole sequence);
     # and every block came back: free or free-but-cached.
     for out in outs:
-        for _rid, _freed, peak, bound, _free, _total, _pool_peak in _released(server, out["id"]):
-            if bound != "None":
-                assert int(peak) <= int(bound), (out["id"], peak, bound)
+        for _rid, _freed, peak, bound, _free, _total, _pool_peak in release_lines(server, out["id"]):
+            if bound is not None:
+                assert peak <= bound, (out["id"], peak, bound)
     last = complete(server, make_prompt(64, 99, vocab), 4)
-    wait_until(lambda: _released(server, last["id"]), 60, "the last release line")
-    rid, freed, peak, bound, free, total, pool_peak = _released(server, last["id"])[-1]
-    assert int(free) == int(total) == POOL
+    released_line(server, last["id"])
+    rid, freed, peak, bound, free, total, pool_peak = released_line(server, last["id"])
+    assert free == total == POOL
 
 
 def test_no_request_hits_blocks_computed_after_eviction(server, vocab):
     """An eviction-off request whose whole prompt was computed by a compacting request gets only
     the pure prefix (``[0, E1)`` and the copies of ``[E1, 480)``), however long the shared part:
     nothing computed after an eviction is cached as a pure block."""
-    _reset_cache(server)
+    reset_prefix_cache(server)
     prompt = _prompt(vocab, 1100, 20, 0, 0)
     complete(server, prompt, 8)
     d = complete(server, prompt + make_prompt(20, 21, vocab), 8, OFF)

@@ -23,16 +23,14 @@ one of those (other tokens' KV).
 
 from __future__ import annotations
 
-import json
 from concurrent.futures import ThreadPoolExecutor
 from functools import partial
 
 import pytest
 
-from tests.conftest import CPU_SERVER_ARGS
-from tests.engine.evict_common import check_against_reference, complete, make_prompt
+from tests.engine.evict_common import check_against_reference, complete, make_prompt, pool_server
 from vllm_kvevict.testing.hf_reference import attempts_for, load_attempts
-from vllm_kvevict.testing.server import VLLMServer, wait_until
+from vllm_kvevict.testing.server import wait_until
 
 pytestmark = [pytest.mark.engine, pytest.mark.timeout(900)]
 
@@ -43,28 +41,10 @@ OFF = {"kvevict_enabled": False}
 
 @pytest.fixture(scope="module")
 def server(gqa_model, tmp_path_factory):
-    base = tmp_path_factory.mktemp("prefix-preemption")
-    args = [
-        "--attention-backend",
-        "kvevict",
-        *CPU_SERVER_ARGS,
-        "--num-gpu-blocks-override",
-        str(POOL + 1),
-        "--max-model-len",
-        "448",
-        "--max-num-batched-tokens",
-        "256",
-        "--max-num-seqs",
-        "4",
-        "--enable-prompt-tokens-details",
-        "--enable-log-requests",
-        "--additional-config",
-        # copies aside at every compaction point: requests that come later start on them
-        json.dumps({"kvevict": {"policy": "keydiff", "budget": BUDGET, "stride": 160, "copy_rewritten": "always"}}),
-    ]
-    env = {"KVEVICT_DUMP_DIR": str(base / "dump"), "VLLM_SERVER_DEV_MODE": "1"}
-    with VLLMServer(gqa_model, args, log_path=base / "server.log", env=env) as srv:
-        srv.dump_dir = base / "dump"
+    # copies aside at every compaction point: requests that come later start on them
+    cfg = {"policy": "keydiff", "budget": BUDGET, "stride": 160, "copy_rewritten": "always"}
+    base, env = tmp_path_factory.mktemp("prefix-preemption"), {"VLLM_SERVER_DEV_MODE": "1"}
+    with pool_server(gqa_model, base, cfg, pool=POOL, chunk=256, max_len=448, env=env) as srv:
         yield srv
 
 

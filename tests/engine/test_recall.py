@@ -19,8 +19,14 @@ from functools import partial
 import pytest
 
 from tests.conftest import CPU_SERVER_ARGS
-from tests.engine.evict_common import check_against_reference, complete, make_prompt, server_args
-from tests.engine.test_memory import RELEASED, released_line
+from tests.engine.evict_common import (
+    RELEASED,
+    check_against_reference,
+    complete,
+    make_prompt,
+    released_line,
+    server_args,
+)
 from vllm_kvevict.config import parse_config, request_config, request_overrides
 from vllm_kvevict.testing.hf_reference import attempts_for, load_attempts
 from vllm_kvevict.testing.server import VLLMServer, wait_until

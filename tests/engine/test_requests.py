@@ -14,8 +14,7 @@ import openai
 import pytest
 
 from tests.conftest import CPU_SERVER_ARGS
-from tests.engine.evict_common import check_against_reference, complete, make_prompt
-from tests.engine.test_memory import released_line
+from tests.engine.evict_common import check_against_reference, complete, make_prompt, released_line
 from vllm_kvevict.testing.hf_reference import attempts_for, load_attempts
 from vllm_kvevict.testing.server import VLLMServer
 from vllm_kvevict.window import WindowConfig, evicted_tokens

@@ -32,8 +32,7 @@ from concurrent.futures import ThreadPoolExecutor
 import pytest
 import requests
 
-from tests.conftest import CPU_SERVER_ARGS
-from tests.engine.evict_common import check_against_reference, complete
+from tests.engine.evict_common import check_against_reference, complete, pool_server
 from vllm_kvevict.policies import POLICIES
 from vllm_kvevict.testing.hf_reference import attempts_for, load_attempts
 from vllm_kvevict.testing.server import VLLMServer, wait_until
@@ -51,26 +50,11 @@ WORDS = (
 
 @pytest.fixture(scope="module")
 def server(gqa_model, tmp_path_factory):
+    cfg = {"policy": "keydiff", "budget": BUDGET}
+    # admit on the first chunk: preemption under load, as in production
+    extra = ["--no-scheduler-reserve-full-isl"]
     base = tmp_path_factory.mktemp("soak")
-    cfg = {"kvevict": {"policy": "keydiff", "budget": BUDGET}}
-    args = [
-        "--attention-backend",
-        "kvevict",
-        *CPU_SERVER_ARGS,
-        "--num-gpu-blocks-override",
-        str(POOL + 1),
-        "--max-model-len",
-        str(MAX_LEN),
-        "--max-num-batched-tokens",
-        str(CHUNK),
-        "--max-num-seqs",
-        "8",
-        "--no-scheduler-reserve-full-isl",  # admit on the first chunk: preemption under load, as in production
-        "--additional-config",
-        json.dumps(cfg),
-    ]
-    with VLLMServer(gqa_model, args, log_path=base / "server.log", env={"KVEVICT_DUMP_DIR": str(base / "dump")}) as srv:
-        srv.dump_dir = base / "dump"
+    with pool_server(gqa_model, base, cfg, pool=POOL, chunk=CHUNK, max_len=MAX_LEN, max_seqs=8, extra=extra) as srv:
         yield srv
 
 

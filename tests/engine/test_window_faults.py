@@ -19,9 +19,8 @@ import os
 
 import pytest
 
-from tests.engine.evict_common import complete, make_prompt, server_args
-from tests.engine.test_window_reuse import _from_scratch, _released, _same
-from vllm_kvevict.testing.server import VLLMServer, wait_until
+from tests.engine.evict_common import complete, computed_alone, make_prompt, released_line, same_as_alone, server_args
+from vllm_kvevict.testing.server import VLLMServer
 from vllm_kvevict.window import WindowConfig, last_boundary
 
 pytestmark = [pytest.mark.engine, pytest.mark.timeout(900)]
@@ -52,16 +51,16 @@ def _check(srv: VLLMServer, vocab: int) -> None:
     a = complete(srv, doc + make_prompt(30, 12, vocab), 16)
     (warning,) = srv.wait_log(r"kvevict: request (\S+): policy h2o failed \(InjectedFault")
     assert warning[1].startswith(a["id"] + "-")
-    wait_until(lambda: _released(srv, a["id"]), 60, "A's release line")
+    released_line(srv, a["id"])
     assert srv.metrics().get("kvevict:fallbacks_total", 0.0) == 1
 
     mine = doc + make_prompt(40, 13, vocab)
     b = complete(srv, mine, 24)
     assert b["cached_tokens"] == 0, "B started on the window of a request that fell back"
-    wait_until(lambda: _released(srv, b["id"]), 60, "B's release line")
+    released_line(srv, b["id"])
     c = complete(srv, doc + make_prompt(50, 14, vocab), 8)  # B computed the document right
     assert c["cached_tokens"] == last_boundary(len(doc), WindowConfig(BUDGET, BS))
-    _same(b, _from_scratch(srv, mine, 24))
+    same_as_alone(b, computed_alone(srv, mine, 24))
     assert len(srv.wait_log(r"policy h2o failed")) == 1  # the fault was A's alone
 
 

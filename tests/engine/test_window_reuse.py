@@ -21,16 +21,19 @@ went on accumulating in those slots. The counters
 
 from __future__ import annotations
 
-import json
-import math
-
 import pytest
 
-from tests.conftest import CPU_SERVER_ARGS
-from tests.engine.evict_common import TOL, check_against_reference, complete, make_prompt
-from tests.engine.test_memory import RELEASED
+from tests.engine.evict_common import (
+    check_against_reference,
+    complete,
+    computed_alone,
+    make_prompt,
+    pool_server,
+    released_line,
+    same_as_alone,
+)
 from vllm_kvevict.testing.hf_reference import attempts_for, load_attempts
-from vllm_kvevict.testing.server import VLLMServer, wait_until
+from vllm_kvevict.testing.server import VLLMServer
 from vllm_kvevict.window import WindowConfig, hit_end, last_boundary, window_bound_blocks
 
 pytestmark = [pytest.mark.engine, pytest.mark.timeout(1200)]
@@ -42,58 +45,11 @@ BOUND = window_bound_blocks(WINDOW, CHUNK, CHUNK)
 
 @pytest.fixture(scope="module")
 def server(gqa_model, tmp_path_factory):
-    base = tmp_path_factory.mktemp("window-reuse")
-    args = [
-        "--attention-backend",
-        "kvevict",
-        *CPU_SERVER_ARGS,
-        "--num-gpu-blocks-override",
-        str(POOL + 1),
-        "--max-model-len",
-        "4096",
-        "--max-num-batched-tokens",
-        str(CHUNK),
-        "--max-num-seqs",
-        "4",
-        "--enable-prompt-tokens-details",
-        "--enable-log-requests",
-        "--additional-config",
-        # copies aside at every compaction point: these documents are sent one after another
-        json.dumps({"kvevict": {"policy": "keydiff", "budget": BUDGET, "copy_rewritten": "always"}}),
-    ]
-    env = {"KVEVICT_DUMP_DIR": str(base / "dump"), "VLLM_SERVER_DEV_MODE": "1"}
-    with VLLMServer(gqa_model, args, log_path=base / "server.log", env=env) as srv:
-        srv.dump_dir = base / "dump"
+    # copies aside at every compaction point: these documents are sent one after another
+    cfg = {"policy": "keydiff", "budget": BUDGET, "copy_rewritten": "always"}
+    base, env = tmp_path_factory.mktemp("window-reuse"), {"VLLM_SERVER_DEV_MODE": "1"}
+    with pool_server(gqa_model, base, cfg, pool=POOL, chunk=CHUNK, max_len=4096, env=env) as srv:
         yield srv
-
-
-@pytest.fixture(scope="module")
-def vocab(hf_model):
-    return hf_model.config.vocab_size
-
-
-def _reset(srv: VLLMServer) -> None:
-    assert srv.post("/reset_prefix_cache") == 200
-
-
-def _released(srv: VLLMServer, request_id: str) -> list[tuple]:
-    return [m.groups() for m in RELEASED.finditer(srv.log()) if m.group(1).startswith(request_id + "-")]
-
-
-def _from_scratch(srv: VLLMServer, prompt: list[int], max_tokens: int, xargs: dict | None = None) -> dict:
-    """The request computed alone, on an empty prefix cache (what it caches is dropped after)."""
-    _reset(srv)
-    out = complete(srv, prompt, max_tokens, xargs)
-    assert out["cached_tokens"] == 0
-    wait_until(lambda: _released(srv, out["id"]), 60, "the release line")
-    _reset(srv)
-    return out
-
-
-def _same(out: dict, alone: dict) -> None:
-    assert out["tokens"] == alone["tokens"], (out["id"], out["tokens"], alone["tokens"])
-    for j, (a, b) in enumerate(zip(out["logprobs"], alone["logprobs"])):
-        assert math.isclose(a, b, abs_tol=TOL), f"{out['id']}: token {j}: logprob {a} vs {b} alone"
 
 
 def _counters(srv: VLLMServer) -> tuple[float, float]:
@@ -104,18 +60,18 @@ def _counters(srv: VLLMServer) -> tuple[float, float]:
 def test_shared_document_starts_on_the_window(server, hf_model, vocab):
     doc = make_prompt(700, 1, vocab)
     mine = doc + make_prompt(40, 2, vocab)
-    alone = _from_scratch(server, mine, 24)
+    alone = computed_alone(server, mine, 24)
     first = complete(server, doc + make_prompt(60, 3, vocab), 24)  # computes the document, caches its windows
-    wait_until(lambda: _released(server, first["id"]), 60, "the first request's release line")
+    released_line(server, first["id"])
     hits, tokens = _counters(server)
     out = complete(server, mine, 24)
     b = last_boundary(len(doc), WINDOW)  # 672: the last compaction point inside the document
     assert out["cached_tokens"] == b
-    _same(out, alone)
+    same_as_alone(out, alone)
     check_against_reference(hf_model, out, load_attempts(server.dump_dir))
     assert _counters(server) == (hits + 1, tokens + b)
-    wait_until(lambda: _released(server, out["id"]), 60, "the release line")
-    assert int(_released(server, out["id"])[-1][2]) <= BOUND
+    released_line(server, out["id"])
+    assert released_line(server, out["id"])[2] <= BOUND
 
 
 def test_shared_document_starts_past_the_window_on_copies(server, hf_model, vocab):
@@ -125,13 +81,13 @@ def test_shared_document_starts_past_the_window_on_copies(server, hf_model, voca
     copy of it (its compaction at 768 rewrites it), and computes what it computes alone."""
     doc = make_prompt(730, 4, vocab)
     mine = doc + make_prompt(40, 5, vocab)
-    alone = _from_scratch(server, mine, 24)
+    alone = computed_alone(server, mine, 24)
     first = complete(server, doc + make_prompt(100, 6, vocab), 24)
-    wait_until(lambda: _released(server, first["id"]), 60, "the first request's release line")
+    released_line(server, first["id"])
     hits, tokens = _counters(server)
     out = complete(server, mine, 24)
     assert out["cached_tokens"] == 704
-    _same(out, alone)
+    same_as_alone(out, alone)
     check_against_reference(hf_model, out, load_attempts(server.dump_dir))
     assert _counters(server) == (hits + 1, tokens + 704)
 
@@ -142,12 +98,12 @@ def test_pure_hit_past_the_first_compaction(server, hf_model, vocab):
     [96, 160)) and computes what it computes alone."""
     doc = make_prompt(180, 7, vocab)
     mine = doc + make_prompt(300, 8, vocab)
-    alone = _from_scratch(server, mine, 24)
+    alone = computed_alone(server, mine, 24)
     first = complete(server, doc + make_prompt(100, 9, vocab), 24)
-    wait_until(lambda: _released(server, first["id"]), 60, "the first request's release line")
+    released_line(server, first["id"])
     out = complete(server, mine, 24)
     assert out["cached_tokens"] == 160
-    _same(out, alone)
+    same_as_alone(out, alone)
     check_against_reference(hf_model, out, load_attempts(server.dump_dir))
 
 
@@ -168,12 +124,12 @@ def test_chat_turns_continue_from_their_window(server, vocab):
             computed = len(history) - 1  # after b (its last token was sampled, never computed)
             b = last_boundary(computed, WINDOW)
             assert out["cached_tokens"] == min(computed // BS * BS, hit_end(b + WINDOW.step, WINDOW)), (t, b)
-        wait_until(lambda out=out: _released(server, out["id"]), 60, "the turn's release line")
-        assert int(_released(server, out["id"])[-1][2]) <= BOUND
+        released_line(server, out["id"])
+        assert released_line(server, out["id"])[2] <= BOUND
         history = prompt + out["tokens"]
     assert len(history) > 10 * BUDGET
     for t in (1, 5):  # turns computed alone from scratch
-        _same(turns[t], _from_scratch(server, turns[t]["prompt"], 40))
+        same_as_alone(turns[t], computed_alone(server, turns[t]["prompt"], 40))
 
 
 def test_another_configuration_never_sees_the_window(server, vocab):
@@ -182,16 +138,16 @@ def test_another_configuration_never_sees_the_window(server, vocab):
     doc = make_prompt(700, 20, vocab)
     mine = doc + make_prompt(40, 21, vocab)
     other = {"kvevict_budget": 128}
-    alone = _from_scratch(server, mine, 16, other)
+    alone = computed_alone(server, mine, 16, other)
     first = complete(server, doc + make_prompt(60, 22, vocab), 16)
-    wait_until(lambda: _released(server, first["id"]), 60, "the first request's release line")
+    released_line(server, first["id"])
     hits, _ = _counters(server)
     out = complete(server, mine, 16, other)
     # the first request's pure blocks: below E at its first compaction (192), then the blocks that
     # compaction rewrote, copied aside first, up to hit_end(192) = 160 (this request copies
     # [128, 160) again: its own first compaction, at 256, rewrites them)
     assert out["cached_tokens"] == 160
-    _same(out, alone)
+    same_as_alone(out, alone)
     assert _counters(server)[0] == hits
 
 
@@ -207,14 +163,14 @@ def test_per_slot_state_goes_with_the_window(server, vocab, xargs):
     seed = 30 if xargs["kvevict_policy"] == "h2o" else 40
     doc = make_prompt(700, seed, vocab)
     mine = doc + make_prompt(100, seed + 1, vocab)
-    alone = _from_scratch(server, mine, 24, xargs)
+    alone = computed_alone(server, mine, 24, xargs)
     first = complete(server, doc + make_prompt(60, seed + 2, vocab), 24, xargs)
-    wait_until(lambda: _released(server, first["id"]), 60, "the first request's release line")
+    released_line(server, first["id"])
     hits, _ = _counters(server)
     out = complete(server, mine, 24, xargs)
     assert out["cached_tokens"] == last_boundary(len(doc), WINDOW)
     assert _counters(server)[0] == hits + 1
-    _same(out, alone)
+    same_as_alone(out, alone)
     attempts = load_attempts(server.dump_dir)
     (mine_att,), (alone_att,) = attempts_for(attempts, out["id"]), attempts_for(attempts, alone["id"])
     assert max(mine_att.events) > out["cached_tokens"]  # it compacted after the hit, by the state

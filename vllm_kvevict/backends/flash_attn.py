@@ -12,9 +12,9 @@ Two of vLLM's backends subclassed, the same way:
 
 Both bind each layer's cache as ``[num_blocks, num_kv_heads, block_size, 2 * head_dim]`` and view
 it as ``K, V = cache.transpose(1, 2).split(head_dim, -1)``, ``[num_blocks, block_size, H, D]``
-strided views: :class:`~vllm_kvevict.backends.flash_layout.FlashLayoutMixin` reads and writes
+strided views: :class:`~vllm_kvevict.backends.flash_layout.FlashLayout` reads and writes
 tokens through them. The eviction path itself is the one the CPU backend runs
-(``backends/base.py``), with the batched kernels of ``kernels/ops.py`` (Triton on CUDA tensors).
+(``backends/layer.py``), with the batched kernels of ``kernels/ops.py`` (Triton on CUDA tensors).
 
 CUDA graphs: the builders declare ``AttentionCGSupport.NEVER``. The step's window (shifted block
 table, physical lengths) is planned on the host every step and the compaction that follows
@@ -34,7 +34,7 @@ from vllm_kvevict import envs
 from vllm_kvevict.backends import FLASH_ATTN_BACKEND as FLASH_PATH
 from vllm_kvevict.backends import TRITON_BACKEND as TRITON_PATH
 from vllm_kvevict.backends.base import KVEvictBackendMixin, KVEvictBuilderMixin, KVEvictImplMixin, KVEvictMetadata
-from vllm_kvevict.backends.flash_layout import FlashLayoutMixin
+from vllm_kvevict.backends.flash_layout import FLASH_LAYOUT, FlashLayout
 from vllm_kvevict.backends.plan import StepPlan
 from vllm_kvevict.vllm_compat.attention import FLASH_ATTN, AttentionCGSupport
 
@@ -44,8 +44,11 @@ class KVEvictFlashAttentionMetadata(KVEvictMetadata, FLASH_ATTN.metadata):
     kvevict_plan: StepPlan | None = None
 
 
-class KVEvictFlashAttentionImpl(FlashLayoutMixin, KVEvictImplMixin, FLASH_ATTN.impl):
+class KVEvictFlashAttentionImpl(KVEvictImplMixin, FLASH_ATTN.impl):
     kvevict_base = FLASH_ATTN.name
+
+    def kvevict_layout(self, layer) -> FlashLayout:
+        return FLASH_LAYOUT
 
 
 class KVEvictFlashAttentionMetadataBuilder(KVEvictBuilderMixin, FLASH_ATTN.builder):

@@ -36,14 +36,18 @@ def write_tokens(kv_cache: torch.Tensor, slots: torch.Tensor, K: torch.Tensor, V
     Vc[b, o] = V.to(Vc.dtype)
 
 
-class FlashLayoutMixin:
-    """Token reads/writes of the ``[num_blocks, H, block_size, 2 D]`` cache of FLASH_ATTN and TRITON_ATTN."""
+class FlashLayout:
+    """:class:`~vllm_kvevict.backends.layout.CacheLayout` of the ``[num_blocks, H, block_size, 2 D]``
+    cache of FLASH_ATTN and TRITON_ATTN."""
 
-    def _kvevict_gather(self, layer, kv_cache, blocks, offsets):
+    def gather(self, kv_cache, blocks, offsets):
         return gather_tokens(kv_cache, blocks, offsets)
 
-    def _kvevict_write(self, layer, kv_cache, slots, K, V):
+    def write(self, kv_cache, slots, K, V):
         write_tokens(kv_cache, slots, K, V)
 
-    def _kvevict_views(self, layer, kv_cache):
+    def views(self, kv_cache):
         return cache_views(kv_cache)
+
+
+FLASH_LAYOUT = FlashLayout()

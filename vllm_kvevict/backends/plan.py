@@ -14,15 +14,21 @@ runner holds it; the rows' requests come from the runner's step hook
 from __future__ import annotations
 
 import dataclasses
-from collections.abc import Callable
+from collections.abc import Callable, Hashable
 from dataclasses import dataclass
+from functools import cached_property
+from typing import Any
 
 import torch
 
 from vllm_kvevict.config import KVEvictConfig
-from vllm_kvevict.request import WORKER, RequestState, resolve
+from vllm_kvevict.kernels import torch_ops
+from vllm_kvevict.request import WORKER, LayerState, RequestState, resolve
 from vllm_kvevict.vllm_compat.runner import RunnerStep
-from vllm_kvevict.window import step_window
+from vllm_kvevict.window import last_boundary, step_window
+
+#: ``(row, start, end)``: a row's logical tokens ``[start, end)``
+Ranges = tuple[tuple[int, int, int], ...]
 
 
 @dataclass
@@ -43,9 +49,10 @@ class StepPlan:
     query_start_loc: list[int]  # [rows + 1] this step's tokens of row r: [qsl[r], qsl[r + 1])
     prompt_lens: list[int] | None = None  # per row (None in a dummy batch)
     starts: frozenset[str] = frozenset()  # requests starting an attempt in this step
-    #: what every layer of the step computes alike (the rows' token indices), computed by the first
-    #: (:func:`vllm_kvevict.backends.evict.step_geometry`)
-    memo: dict = dataclasses.field(default_factory=dict, compare=False, repr=False)
+    #: the windows of each set of rows the eviction step works on, the same in every layer: computed
+    #: by the step's first layer (:func:`vllm_kvevict.backends.evict.step_geometry`)
+    geometries: dict[tuple, Any] = dataclasses.field(default_factory=dict, compare=False, repr=False)
+    _slots: dict[tuple[int, Ranges], torch.Tensor] = dataclasses.field(default_factory=dict, compare=False, repr=False)
 
     def completes_prompt(self, r: int) -> bool:
         """Whether row ``r``'s prompt is completed in this step."""
@@ -54,6 +61,73 @@ class StepPlan:
     @property
     def compact_rows(self) -> list[int]:
         return [r for r, (a, b) in enumerate(zip(self.e_prev, self.e_new)) if b > a]
+
+    def layer_state(self, r: int, key: Hashable) -> LayerState:
+        """What this worker keeps of row ``r``'s request in the layer ``key`` (it starts empty with
+        every attempt: :meth:`~vllm_kvevict.request.RequestState.restart`)."""
+        if not self.states:
+            raise RuntimeError("kvevict: query-window policies and recall need the runner hook (request ids)")
+        return self.states[r].layer(key)
+
+    @cached_property
+    def written(self) -> tuple[torch.Tensor, torch.Tensor]:
+        """The slots this step's tokens were written to and their positions ``[n, 1]`` (int32)."""
+        valid = self.slot_mapping >= 0
+        return self.slot_mapping[valid], self.positions[valid].to(torch.int32)[:, None]
+
+    @cached_property
+    def recall_ends(self) -> list[int]:
+        """Rows whose prompt completes in this step with recall on."""
+        if self.prompt_lens is None:
+            return []
+        return [
+            r
+            for r, st in enumerate(self.states)
+            if st.settings.evicts and st.settings.recall.enabled and self.completes_prompt(r)
+        ]
+
+    def slots(self, ranges: Ranges, block_size: int) -> torch.Tensor:
+        """The physical slots of each ``(row, start, end)``'s logical tokens ``[start, end)``, packed;
+        computed by the step's first layer that asks, kept for the others."""
+        key = (block_size, ranges)
+        slots = self._slots.get(key)
+        if slots is None:
+            dev = self.block_table.device
+            rows, starts, ends = (torch.tensor(col, device=dev) for col in zip(*ranges))
+            blocks, offs, _ = torch_ops.logical_tokens(self.block_table, rows, starts, ends, block_size)
+            slots = self._slots[key] = blocks * block_size + offs
+        return slots
+
+    def in_order(self, block_size: int) -> tuple[torch.Tensor, torch.Tensor] | None:
+        """The slots and positions of the tokens that requests starting an attempt on a prefix-cache
+        hit hold in their logical order: past the last compaction point of the window they start on
+        (all of a pure hit). Their blocks may be copies the engine core made (vLLM's
+        ``kv_cache_block_copies``: the KV, not this plugin's per-slot positions), so every layer
+        writes their positions, whatever the request's own settings (a pure copy is any request's
+        hit); a block read where it is cached gets the same positions again."""
+        ranges = self._in_order_ranges
+        if not ranges:
+            return None
+        return self.slots(ranges, block_size), self._in_order_positions
+
+    @cached_property
+    def _in_order_ranges(self) -> Ranges:
+        ranges: list[tuple[int, int, int]] = []
+        if self.req_ids is None or self.prompt_lens is None:
+            return ()
+        for r, rid in enumerate(self.req_ids):
+            L0 = self.L_prev[r]
+            if rid not in self.starts or L0 <= 0:
+                continue
+            window, prompt = self.states[r].settings.window, self.prompt_lens[r]
+            start = last_boundary(L0 if window.decode else min(L0, prompt), window) if self.e_prev[r] > 0 else 0
+            if start < L0:
+                ranges.append((r, start, L0))
+        return tuple(ranges)
+
+    @cached_property
+    def _in_order_positions(self) -> torch.Tensor:
+        return torch.cat([torch.arange(a, b) for _, a, b in self._in_order_ranges])
 
 
 #: Called with every step's plan, before the step's forward (none by default; the engine tests

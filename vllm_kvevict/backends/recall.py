@@ -26,19 +26,21 @@ restarts after preemption.
 from __future__ import annotations
 
 import os
-from collections.abc import Callable
+from collections.abc import Hashable
 from dataclasses import dataclass, field
 from functools import cache
 from typing import Any
 
 import torch
 
-from vllm_kvevict import envs, metrics
+from vllm_kvevict import envs, metrics, profiling
 from vllm_kvevict._logging import logger
 from vllm_kvevict.backends.dump import dump_kept
+from vllm_kvevict.backends.layout import CacheLayout, Heads
+from vllm_kvevict.backends.slots import SlotStore
 from vllm_kvevict.kernels import ops, torch_ops
 from vllm_kvevict.policies.attention import pool1d
-from vllm_kvevict.request import WORKER, LayerState
+from vllm_kvevict.request import WORKER
 
 
 @dataclass
@@ -256,55 +258,59 @@ def select_recalled(scores: torch.Tensor, pos: torch.Tensor, keep: int, protect_
     return torch.gather(idx, 0, torch.argsort(torch.gather(pos, 0, idx), dim=0, stable=True))
 
 
-def complement(n: int, kept: torch.Tensor) -> torch.Tensor:
-    """``[n - keep, H]`` indices of ``range(n)`` not in ``kept [keep, H]`` (per head, ascending)."""
-    H = kept.shape[1]
-    dropped = torch.ones(n, H, dtype=torch.bool, device=kept.device)
-    dropped[kept, torch.arange(H, device=kept.device)[None, :]] = False
-    order = torch.argsort((~dropped).to(torch.int8), dim=0, stable=True)
-    return order[: n - kept.shape[0]]
+class Recall:
+    """One layer's recall, composed by :class:`~vllm_kvevict.backends.layer.LayerEviction`: which
+    rows keep a tier in a step (their prompt's latest queries kept per layer), what their
+    compactions drop into it, and the re-selection of a row's window from what it kept and its
+    tier when its prompt completes. Reads and writes the layer's cache through ``layout`` and its
+    per-slot positions and state through ``slots``; ``key`` is the layer's key in a request's
+    per-layer state, ``index`` its index in the model."""
 
+    def __init__(self, layout: CacheLayout, slots: SlotStore, heads: Heads, key: Hashable, index: int) -> None:
+        self.layout, self.slots, self.heads, self.key, self.index = layout, slots, heads, key, index
 
-def logical_slots(block_table: torch.Tensor, row: int, start: int, count: int, block_size: int) -> torch.Tensor:
-    """Physical slots of a row's logical tokens ``[start, start + count)``."""
-    dev = block_table.device
-    rows, starts = torch.tensor([row], device=dev), torch.tensor([start], device=dev)
-    blocks, offs, _ = torch_ops.logical_tokens(block_table, rows, starts, starts + count, block_size)
-    return blocks * block_size + offs
+    def rows(self, plan, policies, query) -> set[int]:
+        """Rows whose request keeps a recall tier in this step (recall on, its prompt not complete
+        before this step, a policy that drops rather than merges), with their query buffers
+        updated."""
+        rows: set[int] = set()
+        if not plan.states or plan.prompt_lens is None:
+            return rows
+        qsl = plan.query_start_loc
+        for r, (st, policy) in enumerate(zip(plan.states, policies)):
+            recall = st.settings.recall
+            if policy is None or not recall.enabled or policy.needs.merges or plan.L_prev[r] >= plan.prompt_lens[r]:
+                continue
+            rows.add(r)
+            Q = query[qsl[r] : qsl[r + 1]].transpose(0, 1)  # [H_q, m, d]
+            ls = plan.layer_state(r, self.key)
+            buf = Q if ls.recall_queries is None else torch.cat([ls.recall_queries, Q], dim=1)
+            ls.recall_queries = buf[:, -recall.window :].clone()
+        return rows
 
-
-def recall_ends(plan) -> list[int]:
-    """Rows whose prompt completes in this step with recall on (the same in every layer of the step)."""
-    rows = plan.memo.get("recall_ends")
-    if rows is None:
-        rows = plan.memo["recall_ends"] = [
-            r
-            for r, st in enumerate(plan.states or ())
-            if plan.prompt_lens is not None
-            and st.settings.evicts
-            and st.settings.recall.enabled
-            and plan.completes_prompt(r)
-        ]
-    return rows
-
-
-class RecallMixin:
-    """The recall step of a kvevict attention impl (:class:`~vllm_kvevict.backends.base.KVEvictImplMixin`):
-    which rows keep a tier in a step (their prompt's latest queries kept per layer), and the
-    re-selection of a row's window from what it kept and its tier when its prompt completes."""
-
-    # provided by KVEvictImplMixin (base.py), the one class this is mixed into
-    num_heads: int
-    num_kv_heads: int
-    scale: float
-    _slot_pos: Callable[[torch.Tensor], torch.Tensor]
-    _kvevict_slot_state: dict[str, torch.Tensor]
-    _layer_state: Callable[..., LayerState]
-    _layer_key: Callable[[Any], Any]
-    _layer_index: Callable[[Any], int]
-    _model_kv_heads: Callable[[], list[int]]
-    _kvevict_gather: Callable[..., tuple[torch.Tensor, torch.Tensor]]
-    _kvevict_write: Callable[..., None]
+    def stash(self, plan, evicted: dict) -> None:
+        """Hand the tokens this step dropped to their requests' tiers (a tier that cannot take
+        them, e.g. out of host memory, is dropped: that layer recalls nothing), bound the tiers'
+        memory, and record their size at its fullest."""
+        for r, (K, V, pos, score, state) in evicted.items():
+            ls = plan.layer_state(r, self.key)
+            try:
+                if ls.tier is None:
+                    ls.tier = Tier()
+                ls.tier.add(TierEntry(K, V, pos, score, state), plan.states[r].settings.recall.cap)
+            except Exception as err:  # noqa: BLE001 - e.g. no host memory: this layer recalls nothing
+                ls.tier = None
+                self.failed(plan, r, err)
+        if evicted:
+            self._bound_tiers(plan, sorted(evicted))
+        if profiling.enabled():  # the tiers at their fullest: before this step's recalls take them
+            profiling.add(
+                tier_bytes=sum(
+                    st.layers[self.key].tier.nbytes
+                    for st in WORKER.states()
+                    if self.key in st.layers and st.layers[self.key].tier is not None
+                )
+            )
 
     def _bound_tiers(self, plan, rows: list[int]) -> None:
         """Keep every tier of this worker within ``recall.max_bytes`` (the server's; the default
@@ -319,9 +325,10 @@ class RecallMixin:
             for r in rows:
                 for ls in plan.states[r].layers.values():
                     ls.tier = None
-                self._recall_failed(plan, r, err)
+                self.failed(plan, r, err)
 
-    def _recall_failed(self, plan, r: int, err: BaseException) -> None:
+    @staticmethod
+    def failed(plan, r: int, err: BaseException) -> None:
         """Recall or its tier raised for row ``r`` (this layer keeps what its policy kept): one
         WARNING per request, the rest at DEBUG."""
         st = plan.states[r]
@@ -337,31 +344,24 @@ class RecallMixin:
             str(err)[:200],
         )
 
-    def _recall_rows(self, plan, policies, query, layer) -> set[int]:
-        """Rows whose request keeps a recall tier in this step (recall on, its prompt not complete
-        before this step, a policy that drops rather than merges), with their query buffers
-        updated."""
-        rows: set[int] = set()
-        if not plan.states or plan.prompt_lens is None:
-            return rows
-        qsl = plan.query_start_loc
-        for r, (st, policy) in enumerate(zip(plan.states, policies)):
-            recall = st.settings.recall
-            if policy is None or not recall.enabled or policy.needs.merges or plan.L_prev[r] >= plan.prompt_lens[r]:
-                continue
-            rows.add(r)
-            Q = query[qsl[r] : qsl[r + 1]].transpose(0, 1)  # [H_q, m, d]
-            ls = self._layer_state(plan, r, layer)
-            buf = Q if ls.recall_queries is None else torch.cat([ls.recall_queries, Q], dim=1)
-            ls.recall_queries = buf[:, -recall.window :].clone()
-        return rows
+    def at_prompt_end(self, kv_cache, plan, rows: set[int]) -> dict[int, torch.Tensor]:
+        """Each of ``rows`` whose prompt completes in this step, its window re-selected
+        (:meth:`_recall`): the kept positions ``[keep, H]`` of those that recalled."""
+        kept = {}
+        for r in sorted(rows):
+            if plan.completes_prompt(r):
+                with profiling.timed("recall_s", kv_cache.device):
+                    got = self._recall(kv_cache, plan, r)
+                if got is not None:
+                    kept[r] = got
+        return kept
 
-    def _recall(self, layer, kv_cache, plan, r: int, G: int) -> torch.Tensor | None:
+    def _recall(self, kv_cache, plan, r: int) -> torch.Tensor | None:
         """At the end of row ``r``'s prompt: re-select its window ``[E, L)`` from what it kept and its
         tier, by the attention of the prompt's last queries; the tier goes. Returns the kept
         positions ``[keep, H]`` (None when there is nothing to recall). A failure leaves the window
         as it is (logged once, like a policy's)."""
-        ls = self._layer_state(plan, r, layer)
+        ls = plan.layer_state(r, self.key)
         tier_of, ls.tier = ls.tier, None
         Qw, ls.recall_queries = ls.recall_queries, None
         settings = plan.states[r].settings
@@ -371,7 +371,7 @@ class RecallMixin:
                 ls.queries_end = plan.seq_lens[r]
         if tier_of is None or Qw is None:
             return None
-        got = self._reselect(layer, kv_cache, plan, r, G, tier_of, Qw, plan.e_new[r], plan.seq_lens[r])
+        got = self._reselect(kv_cache, plan, r, tier_of, Qw, plan.e_new[r], plan.seq_lens[r])
         if got is None:
             return None
         pos_sel, recalled, _ = got
@@ -380,25 +380,25 @@ class RecallMixin:
             rec.inc("recalled_tokens", plan.states[r].settings.config.policy, float(recalled))
         return pos_sel
 
-    def _recall_before_attention(self, layer, query, kv_cache, plan) -> None:
+    def before_attention(self, query, kv_cache, plan) -> None:
         """In the step that completes a prompt, before this layer's attention: re-select the cached
         window ``[E_prev, L_prev)`` from itself and the tier by the prompt's last queries (this
         step's included), so that the prompt's last tokens (the question) attend to what recall
         chose, in this layer and, through their outputs, in every layer above. What loses goes
         back to the tier; after attention, :meth:`_recall` re-selects ``[E_new, L)`` from all of it
         (this step's tokens and its compaction included)."""
-        qsl, G = plan.query_start_loc, self.num_heads // self.num_kv_heads
+        qsl = plan.query_start_loc
         kept = {}
-        for r in recall_ends(plan):
+        for r in plan.recall_ends:
             st = plan.states[r]
-            ls = st.layers.get(self._layer_key(layer))
+            ls = st.layers.get(self.key)
             start, end = plan.e_prev[r], plan.L_prev[r]
             if ls is None or ls.tier is None or ls.recall_queries is None or end <= start:
                 continue
             Q = query[qsl[r] : qsl[r + 1]].transpose(0, 1)  # [H_q, m, d]
             Qw = torch.cat([ls.recall_queries, Q], dim=1)[:, -st.settings.recall.window :]
             tier_of, ls.tier = ls.tier, None
-            got = self._reselect(layer, kv_cache, plan, r, G, tier_of, Qw, start, end, plan.seq_lens[r], losers=True)
+            got = self._reselect(kv_cache, plan, r, tier_of, Qw, start, end, plan.seq_lens[r], losers=True)
             if got is None:
                 continue
             kept[r], _, lost = got
@@ -408,26 +408,24 @@ class RecallMixin:
                     ls.tier.add(lost, st.settings.recall.cap)
                 except Exception as err:  # noqa: BLE001 - e.g. no host memory: the window stays as chosen
                     ls.tier = None
-                    self._recall_failed(plan, r, err)
+                    self.failed(plan, r, err)
         if envs.KVEVICT_DUMP_DIR and kept:
             rs = sorted(kept)
             dump_kept(
                 plan,
                 rs,
-                self._layer_index(layer),
+                self.index,
                 [kept[r] for r in rs],
-                self._model_kv_heads(),
+                list(self.heads.model_kv_heads),
                 kv_cache.shape[2],
                 before_attention=True,
             )
 
     def _reselect(
         self,
-        layer,
         kv_cache,
         plan,
         r: int,
-        G: int,
         tier_of: Tier,
         Qw: torch.Tensor,
         start: int,
@@ -443,20 +441,20 @@ class RecallMixin:
         window as it was)."""
         q_end = end if q_end is None else q_end
         try:
-            chosen = self._recall_choice(layer, kv_cache, plan, r, G, tier_of, Qw, start, end, q_end, losers)
+            chosen = self._choice(kv_cache, plan, r, tier_of, Qw, start, end, q_end, losers)
         except Exception as err:  # noqa: BLE001 - recall must never kill the engine either
-            self._recall_failed(plan, r, err)
+            self.failed(plan, r, err)
             return None
         if chosen is None:
             return None
         slots, K_sel, V_sel, pos_sel, state, recalled, lost = chosen
-        self._kvevict_write(layer, kv_cache, slots, K_sel, V_sel)
-        self._slot_pos(kv_cache)[slots] = pos_sel.to(torch.int32)
+        self.layout.write(kv_cache, slots, K_sel, V_sel)
+        self.slots.positions(kv_cache)[slots] = pos_sel.to(torch.int32)
         for k, v in state.items():
-            self._kvevict_slot_state[k][slots] = v
+            self.slots.state[k][slots] = v
         return pos_sel, recalled, lost
 
-    def _recall_choice(self, layer, kv_cache, plan, r, G, tier_of: Tier, Qw, start: int, end: int, q_end: int, losers):
+    def _choice(self, kv_cache, plan, r, tier_of: Tier, Qw, start: int, end: int, q_end: int, losers):
         """What :meth:`_reselect` writes, chosen among the window's slots ``[start, end)`` and the
         tier by recall's score, nothing written yet: ``(slots, K, V, positions, per-slot state,
         how many from the tier, the losers' entry)``; None when the tier is empty."""
@@ -465,27 +463,28 @@ class RecallMixin:
         if tier is None:
             return None
         bs = kv_cache.shape[2]
-        slots = logical_slots(plan.block_table, r, start, end - start, bs)
-        K_w, V_w = self._kvevict_gather(layer, kv_cache, slots // bs, slots % bs)
+        slots = plan.slots(((r, start, end),), bs)
+        K_w, V_w = self.layout.gather(kv_cache, slots // bs, slots % bs)
         h = torch.arange(K_w.shape[1], device=K_w.device)[None, :]
         K = torch.cat([K_w, tier.K.to(K_w.dtype)])
         V = torch.cat([V_w, tier.V.to(V_w.dtype)])
-        pos = torch.cat([self._slot_pos(kv_cache)[slots].long(), tier.pos])
+        pos = torch.cat([self.slots.positions(kv_cache)[slots].long(), tier.pos])
         q_pos = torch.arange(q_end - Qw.shape[1], q_end, device=K.device)
-        softcap = getattr(self, "logits_soft_cap", None) or None
-        sinks = getattr(self, "sinks", None)
-        scores = recall_scores(Qw.float(), q_pos, K.float(), pos, G, self.scale, softcap, cfg.recall.kernel, sinks)
+        hd = self.heads
+        scores = recall_scores(
+            Qw.float(), q_pos, K.float(), pos, hd.G, hd.scale, hd.softcap, cfg.recall.kernel, hd.sinks
+        )
         # the recall's own queries and the policy's observation window (SnapKV's may be longer,
         # and its next compaction reads every position of it) are kept whatever their scores
         protect = max(Qw.shape[1], plan.states[r].settings.policy.needs.window)
         idx = select_recalled(scores, pos, end - start, q_end - protect)  # [keep, H]
         state_all = {}
-        for k, t in self._kvevict_slot_state.items():
+        for k, t in self.slots.state.items():
             old = tier.state.get(k, torch.zeros(tier.tokens, t.shape[1], dtype=t.dtype, device=t.device))
             state_all[k] = torch.cat([t[slots], old.to(t.dtype)])
         lost = None
         if losers and K.shape[0] > idx.shape[0]:
-            lo = complement(K.shape[0], idx)
+            lo = torch_ops.complement(K.shape[0], idx)
             lost = TierEntry(K[lo, h], V[lo, h], pos[lo, h], scores[lo, h], {k: v[lo, h] for k, v in state_all.items()})
         state = {k: v[idx, h] for k, v in state_all.items()}
         recalled = int((idx >= K_w.shape[0]).sum())

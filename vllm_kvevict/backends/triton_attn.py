@@ -10,7 +10,7 @@ from __future__ import annotations
 from dataclasses import dataclass
 
 from vllm_kvevict.backends.base import KVEvictBackendMixin, KVEvictBuilderMixin, KVEvictImplMixin, KVEvictMetadata
-from vllm_kvevict.backends.flash_layout import FlashLayoutMixin
+from vllm_kvevict.backends.flash_layout import FLASH_LAYOUT, FlashLayout
 from vllm_kvevict.backends.plan import StepPlan
 from vllm_kvevict.vllm_compat.attention import TRITON_ATTN, AttentionCGSupport
 
@@ -20,8 +20,11 @@ class KVEvictTritonAttentionMetadata(KVEvictMetadata, TRITON_ATTN.metadata):
     kvevict_plan: StepPlan | None = None
 
 
-class KVEvictTritonAttentionImpl(FlashLayoutMixin, KVEvictImplMixin, TRITON_ATTN.impl):
+class KVEvictTritonAttentionImpl(KVEvictImplMixin, TRITON_ATTN.impl):
     kvevict_base = TRITON_ATTN.name
+
+    def kvevict_layout(self, layer) -> FlashLayout:
+        return FLASH_LAYOUT
 
 
 class KVEvictTritonAttentionMetadataBuilder(KVEvictBuilderMixin, TRITON_ATTN.builder):

@@ -53,6 +53,15 @@ def per_head(x: torch.Tensor, idx: torch.Tensor) -> torch.Tensor:
     return x.reshape(-1, *x.shape[2:]).index_select(0, flat).view(*idx.shape, *x.shape[2:])
 
 
+def complement(n: int, kept: torch.Tensor) -> torch.Tensor:
+    """``[n - keep, H]`` indices of ``range(n)`` not in ``kept [keep, H]`` (per head, ascending)."""
+    H = kept.shape[1]
+    dropped = torch.ones(n, H, dtype=torch.bool, device=kept.device)
+    dropped[kept, torch.arange(H, device=kept.device)[None, :]] = False
+    order = torch.argsort((~dropped).to(torch.int8), dim=0, stable=True)
+    return order[: n - kept.shape[0]]
+
+
 def ranges(starts: torch.Tensor, ends: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
     """The integers ``[starts[r], ends[r])`` of every row ``r``, packed; the row of each; ``cu``."""
     cu = cu_from_lengths((ends - starts).long())

@@ -12,7 +12,7 @@ the workers). Nothing here is called from the forward path otherwise.
   the next: the batched step and its row-by-row retry are two calls); ``<policy>#<n>/rank<r>``:
   only on tensor-parallel rank ``r``;
   ``@alloc:<site>[#n]``: the eviction step's allocation at ``site`` (``positions``, ``state``,
-  ``snapshot``, ``overlay``: ``backends/base.per_slot`` and ``rows_of``) fails as an out-of-memory
+  ``snapshot``, ``overlay``: ``backends/slots.per_slot`` and ``rows_of``) fails as an out-of-memory
   would (always, or its first ``n`` times). Three more
   names fault what the fault path itself runs on, in this process: ``@safe`` (the safe policy a
   failing request falls back to), ``@recall`` (recall's scoring at the prompt's end) and ``@tier``
@@ -63,11 +63,11 @@ def install() -> None:
             recall.Tier.add = fail("the recall tier")  # type: ignore[method-assign]
     allocs = _counted({n.removeprefix("@alloc:") for n in faults if n.startswith("@alloc:")})
     if allocs:
-        from vllm_kvevict.backends import base
+        from vllm_kvevict.backends import slots
 
-        if not getattr(base.per_slot, "kvevict_faulty", False):
-            base.per_slot = _failing_allocation(base.per_slot, allocs)
-            base.rows_of = _failing_allocation(base.rows_of, allocs)
+        if not getattr(slots.per_slot, "kvevict_faulty", False):
+            slots.per_slot = _failing_allocation(slots.per_slot, allocs)
+            slots.rows_of = _failing_allocation(slots.rows_of, allocs)
     if envs.KVEVICT_TEST_HOLD is not None:
         from vllm_kvevict.backends.plan import add_plan_listener
 
@@ -92,7 +92,7 @@ def _counted(names: set[str]) -> dict[str, int]:
 
 
 def _failing_allocation(fn, left: dict[str, int]):
-    """``fn(site, ...)`` (one of the eviction step's allocations, ``backends/base.py``) failing as
+    """``fn(site, ...)`` (one of the eviction step's allocations, ``backends/slots.py``) failing as
     an out-of-memory would, at the sites in ``left`` (the first ``n`` times, or always)."""
 
     def allocate(site: str, *args, **kwargs):

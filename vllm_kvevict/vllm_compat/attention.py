@@ -17,6 +17,7 @@ the same classes, constructors, ``build``/``forward`` signatures and selector si
 
 from __future__ import annotations
 
+import contextlib
 from collections.abc import Callable
 from typing import NamedTuple
 
@@ -181,6 +182,19 @@ def current_vllm_config(or_none: bool = False):
     from vllm.config import get_current_vllm_config, get_current_vllm_config_or_none
 
     return get_current_vllm_config_or_none() if or_none else get_current_vllm_config()
+
+
+@contextlib.contextmanager
+def vllm_config_context(vllm_config):
+    """Inside: :func:`current_vllm_config` is ``vllm_config`` where no configuration is current
+    (vLLM's ``set_current_vllm_config``; one already current is left as it is)."""
+    from vllm.config import get_current_vllm_config_or_none, set_current_vllm_config
+
+    if get_current_vllm_config_or_none() is not None:
+        yield
+        return
+    with set_current_vllm_config(vllm_config):
+        yield
 
 
 def layer_index(layer_name: str) -> int:

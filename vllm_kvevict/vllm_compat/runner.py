@@ -217,12 +217,17 @@ def install_spec_check(check: Callable[[object, dict], None]) -> None:
     """``check(vllm_config, specs)`` on every model runner's KV cache specs (layer name -> vLLM's
     ``KVCacheSpec``, what the attention layers will cache) as the worker reports them, before the
     engine core sizes the pool: the first moment a worker knows which layers a model's attention
-    backends made of it. vLLM 0.32/0.33: ``GPUModelRunner.get_kv_cache_spec(self)``. Idempotent."""
+    backends made of it. The specs are made inside vLLM's configuration context (the runner's
+    configuration): the backends' ``customize_spec``, which vLLM calls there without it, reads it
+    from the context. vLLM 0.32/0.33: ``GPUModelRunner.get_kv_cache_spec(self)``. Idempotent."""
     from vllm.v1.worker.gpu_model_runner import GPUModelRunner
+
+    from vllm_kvevict.vllm_compat.attention import vllm_config_context
 
     def make(orig):
         def get_kv_cache_spec(self, *args, **kwargs):
-            specs = orig(self, *args, **kwargs)
+            with vllm_config_context(self.vllm_config):
+                specs = orig(self, *args, **kwargs)
             check(self.vllm_config, specs)
             return specs
 
