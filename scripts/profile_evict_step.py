@@ -21,11 +21,11 @@ import torch
 from torch.profiler import ProfilerActivity, profile
 
 from vllm_kvevict.backends import cpu_layout
-from vllm_kvevict.backends.evict import RowInputs, RowWork, evict_step
+from vllm_kvevict.backends.evict import RowWork, evict_step
 from vllm_kvevict.backends.plan import StepPlan
 from vllm_kvevict.config import parse_config
 from vllm_kvevict.policies import get_policy
-from vllm_kvevict.policies.base import step_queries
+from vllm_kvevict.policies.base import RowInputs, step_queries
 from vllm_kvevict.request import RequestState, resolve
 
 

@@ -17,11 +17,11 @@ import torch
 
 from vllm_kvevict.backends import cpu_layout as cpu_cache
 from vllm_kvevict.backends import flash_layout as flash_cache
-from vllm_kvevict.backends.evict import RowInputs, RowWork, evict_step
+from vllm_kvevict.backends.evict import RowWork, evict_step
 from vllm_kvevict.backends.plan import StepPlan
 from vllm_kvevict.config import parse_config
 from vllm_kvevict.policies import POLICIES as POLICY_CLASSES
-from vllm_kvevict.policies.base import step_queries
+from vllm_kvevict.policies.base import RowInputs, step_queries
 from vllm_kvevict.request import RequestState, resolve
 
 CUDA = torch.cuda.is_available()

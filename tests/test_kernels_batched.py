@@ -176,10 +176,11 @@ def test_triton_select_extreme_scores(tri):
 
 def _step(monkeypatch, batched: bool, kernels: str):
     from vllm_kvevict.backends import flash_layout as flash_cache
-    from vllm_kvevict.backends.evict import RowInputs, RowWork, evict_step
+    from vllm_kvevict.backends.evict import RowWork, evict_step
     from vllm_kvevict.backends.plan import StepPlan
     from vllm_kvevict.kernels import ops
     from vllm_kvevict.policies import get_policy
+    from vllm_kvevict.policies.base import RowInputs
 
     monkeypatch.setenv("KVEVICT_KERNELS", kernels)
     if not batched:  # KVEVICT_BATCHED=0: every row through its policy object

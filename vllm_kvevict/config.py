@@ -244,8 +244,9 @@ class KVEvictConfig(_build_model()):  # type: ignore[misc]
 
     @property
     def policy_needs(self) -> Needs:
-        """What the configured policy reads and when it runs (its :class:`Needs`)."""
-        return POLICIES[self.policy](self.policy_params).needs
+        """What the configured policy reads and when it runs (its :class:`Needs`; built once per
+        policy and parameters in a process)."""
+        return _needs(self.policy, self.policy_params)
 
     @property
     def effective_trigger(self) -> Trigger:
@@ -270,6 +271,11 @@ class KVEvictConfig(_build_model()):  # type: ignore[misc]
         args = "".join(f", {k}={v}" for k, v in extra.items())
         trigger = "" if self.effective_trigger == "chunked" else f", trigger={self.effective_trigger}"
         return f"policy={self.policy}, budget={self.budget}{trigger}{args}"
+
+
+@lru_cache(maxsize=256)
+def _needs(policy: str, params: PolicyParams) -> Needs:
+    return POLICIES[policy](params).needs
 
 
 def _allowed_values(field_path: list[str]) -> str:
@@ -440,11 +446,6 @@ def _parse_cached(data_json: str, source: str) -> KVEvictConfig:
     return parse_config(json.loads(data_json), source)
 
 
-def config_from_json(data_json: str) -> KVEvictConfig:
-    """A configuration serialised with ``model_dump_json()`` (cached)."""
-    return _parse_cached(data_json, "serialised")
-
-
 # ---------------------------------------------------------------------------------------------
 # Per-request overrides: OpenAI ``vllm_xargs`` / SamplingParams ``extra_args`` (:data:`REQUEST_KEYS`).
 
@@ -591,14 +592,16 @@ def _request_config(server: KVEvictConfig, overrides: tuple[tuple[str, Any], ...
     _check_limits(server, over)
     params = over.pop("params", None)
     recall = over.pop("recall", None)
-    data = {**server.model_dump(), **over}
+    # The server's typed values (its sub-objects as they are: validated already, not again), the
+    # request's on top, validated once as a whole (the policy's budget floor reads both).
+    data: dict[str, Any] = {**dict(server), **over}
     if recall is not None:
-        data["recall"] = {**data["recall"], "enabled": recall}
+        data["recall"] = server.recall.model_copy(update={"enabled": recall})
     if params is not None and data["policy"] in POLICIES:  # an unknown policy is refused below, by name
         name = data["policy"]
         if POLICIES[name].Params is PolicyParams:
             raise RequestConfigError(f"kvevict_params: policy {name!r} has no parameters", "kvevict_params")
-        data[name] = {**data.get(name, {}), **json.loads(params)}
+        data[name] = {**data[name].model_dump(), **json.loads(params)}
     try:
         return KVEvictConfig.model_validate(data)
     except ValidationError as err:

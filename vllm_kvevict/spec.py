@@ -13,7 +13,7 @@ from __future__ import annotations
 from dataclasses import dataclass, fields
 from typing import Self
 
-from vllm_kvevict.config import KVEvictConfig, config_from_json
+from vllm_kvevict.config import KVEvictConfig
 from vllm_kvevict.vllm_compat.kv_cache import FullAttentionSpec
 from vllm_kvevict.window import WindowConfig, window_bound_blocks
 
@@ -22,7 +22,7 @@ from vllm_kvevict.window import WindowConfig, window_bound_blocks
 class KVEvictSpec(FullAttentionSpec):
     """A full-attention layer whose per-request KV is bounded by the kvevict window."""
 
-    evict_config: str  # the server's kvevict configuration, as JSON (the spec is pickled to the engine core)
+    evict_config: KVEvictConfig  # the server's kvevict configuration (frozen: hashable, pickled to the engine core)
     evict_max_in_flight: int = 0  # tokens scheduled but not yet processed (vLLM's max_in_flight_tokens)
     evict_max_chunk: int = 0  # tokens one step schedules at most (vLLM's max_num_batched_tokens)
     evict_hash_algo: str = "sha256"  # vLLM's prefix_caching_hash_algo (the keys of cached windows)
@@ -30,7 +30,7 @@ class KVEvictSpec(FullAttentionSpec):
 
     @property
     def config(self) -> KVEvictConfig:
-        return config_from_json(self.evict_config)
+        return self.evict_config
 
     @property
     def window(self) -> WindowConfig:
@@ -50,7 +50,7 @@ class KVEvictSpec(FullAttentionSpec):
         base = {f.name: getattr(spec, f.name) for f in fields(FullAttentionSpec) if f.init}
         return cls(
             **base,
-            evict_config=config.model_dump_json(),
+            evict_config=config,
             evict_max_in_flight=max_in_flight,
             evict_max_chunk=max_chunk,
             evict_hash_algo=hash_algo,

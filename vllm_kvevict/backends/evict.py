@@ -23,27 +23,12 @@ import torch
 
 from vllm_kvevict import envs
 from vllm_kvevict.kernels import ops, torch_ops
-from vllm_kvevict.policies.base import KVView, Policy
+from vllm_kvevict.policies.base import KVView, Policy, RowInputs
 
 Gather = Callable[
     [torch.Tensor, torch.Tensor], tuple[torch.Tensor, torch.Tensor]
 ]  # (blocks, offsets) -> K, V [n, H, D]
 Write = Callable[[torch.Tensor, torch.Tensor, torch.Tensor], None]  # (slots, K, V)
-
-
-@dataclass(frozen=True)
-class RowInputs:
-    """What the backend knows of a row besides its KV: the :class:`KVView` fields beyond K, V,
-    positions and per-slot state (each as the view documents it; None: not given)."""
-
-    L: int | None = None
-    budget: int | None = None
-    scale: float | None = None
-    softcap: float | None = None
-    sinks: torch.Tensor | None = None
-    Q: torch.Tensor | None = None
-    q_pos: torch.Tensor | None = None
-    W_O: torch.Tensor | None = None
 
 
 @dataclass(frozen=True)
@@ -106,7 +91,7 @@ class RowWork:
     row: int
     policy: Policy
     compact: bool
-    inputs: RowInputs = RowInputs()
+    inputs: RowInputs = field(default_factory=RowInputs)
     keep_evicted: bool = False  # recall: hand what this row drops to ``evicted``
 
 
@@ -219,7 +204,6 @@ def _row_views(work, t: _Tokens, layer: int, G: int, batched: bool):
             continue
         sl = slice(t.bounds[i], t.bounds[i + 1])
         state = {k: t.state[k][sl].transpose(0, 1).contiguous() for k in w.policy.needs.state}
-        inputs = w.inputs
         view = KVView(
             K=t.K[sl].transpose(0, 1),
             V=t.V[sl].transpose(0, 1),
@@ -227,14 +211,7 @@ def _row_views(work, t: _Tokens, layer: int, G: int, batched: bool):
             layer=layer,
             G=G,
             state=state,
-            L=inputs.L,
-            budget=inputs.budget,
-            scale=inputs.scale,
-            softcap=inputs.softcap,
-            sinks=inputs.sinks,
-            Q=inputs.Q,
-            q_pos=inputs.q_pos,
-            W_O=inputs.W_O,
+            **w.inputs.inputs(),
         )
         row_views.append((i, view))
     return groups, row_views

@@ -23,13 +23,13 @@ from vllm_kvevict import envs, metrics, profiling
 from vllm_kvevict._logging import logger
 from vllm_kvevict.backends import fault
 from vllm_kvevict.backends.dump import dump_kept
-from vllm_kvevict.backends.evict import RowInputs, RowWork, evict_step
+from vllm_kvevict.backends.evict import RowWork, evict_step
 from vllm_kvevict.backends.layout import CacheLayout, Heads
 from vllm_kvevict.backends.plan import StepPlan
 from vllm_kvevict.backends.projection import output_projection
 from vllm_kvevict.backends.recall import Recall
 from vllm_kvevict.backends.slots import SlotStore
-from vllm_kvevict.policies.base import step_queries
+from vllm_kvevict.policies.base import RowInputs, step_queries
 
 
 @contextlib.contextmanager

@@ -96,9 +96,28 @@ class Needs:
         return self.window
 
 
-@dataclass
-class KVView:
-    """What a policy sees of one (sequence, layer) at a step.
+@dataclass(kw_only=True)
+class RowInputs:
+    """What the engine knows of a row besides its KV (the :class:`KVView` fields the backend
+    prepares per row, before the step reads the KV; None: not given)."""
+
+    L: int | None = None
+    budget: int | None = None
+    scale: float | None = None
+    softcap: float | None = None
+    sinks: torch.Tensor | None = None
+    Q: torch.Tensor | None = None
+    q_pos: torch.Tensor | None = None
+    W_O: torch.Tensor | None = None
+
+    def inputs(self) -> dict[str, Any]:
+        """These fields by name (what a :class:`KVView` of the row takes from them)."""
+        return {f: getattr(self, f) for f in ("L", "budget", "scale", "softcap", "sinks", "Q", "q_pos", "W_O")}
+
+
+@dataclass(kw_only=True)
+class KVView(RowInputs):
+    """What a policy sees of one (sequence, layer) at a step: its KV and the row's inputs.
 
     ``K``/``V``: ``[H_kv, n, d]`` keys (post-RoPE, as stored) and values of the window: cached +
     written by this step. ``pos``: ``[H_kv, n]`` absolute token position of each slot (heads
@@ -118,14 +137,6 @@ class KVView:
     pos: torch.Tensor
     layer: int = 0
     G: int = 1
-    L: int | None = None
-    Q: torch.Tensor | None = None
-    q_pos: torch.Tensor | None = None
-    scale: float | None = None
-    softcap: float | None = None
-    sinks: torch.Tensor | None = None
-    W_O: torch.Tensor | None = None
-    budget: int | None = None
     keep: int | None = None
     state: dict[str, Any] = field(default_factory=dict)
     attn: torch.Tensor | None = None
