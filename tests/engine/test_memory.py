@@ -9,17 +9,22 @@ the engine core and logged once per request ("kvevict: request ... released: ...
 
 from __future__ import annotations
 
-import json
 import re
 from concurrent.futures import ThreadPoolExecutor
 from functools import partial
 
 import pytest
 
-from tests.conftest import CPU_SERVER_ARGS
-from tests.engine.evict_common import check_against_reference, complete, make_prompt, release_lines, released_line
+from tests.engine.evict_common import (
+    check_against_reference,
+    complete,
+    make_prompt,
+    pool_server,
+    release_lines,
+    released_line,
+)
 from vllm_kvevict.testing.hf_reference import load_attempts
-from vllm_kvevict.testing.server import VLLMServer, wait_until
+from vllm_kvevict.testing.server import wait_until
 from vllm_kvevict.window import WindowConfig, evicted_tokens, window_bound_blocks
 
 pytestmark = [pytest.mark.engine, pytest.mark.timeout(900)]
@@ -33,38 +38,13 @@ ABORTED_PROMPT = 30000
 @pytest.fixture(scope="module")
 def server(gqa_model, tmp_path_factory):
     base = tmp_path_factory.mktemp("memory")
-    cfg = {"kvevict": {"policy": "keydiff", "budget": BUDGET}}
-    args = [
-        "--attention-backend",
-        "kvevict",
-        *CPU_SERVER_ARGS,
-        "--num-gpu-blocks-override",
-        str(POOL + 1),
-        # Admit on the first chunk only (vLLM's default reserves the whole window bound per request,
-        # which avoids preemption altogether); over-admission makes vLLM preempt, as under load.
-        "--no-scheduler-reserve-full-isl",
-        "--max-model-len",
-        "32768",
-        "--max-num-batched-tokens",
-        str(CHUNK),
-        "--max-num-seqs",
-        "4",
-        "--additional-config",
-        json.dumps(cfg),
-        "--enable-log-requests",  # admit_together counts the requests that reached the engine
-    ]
-    srv = VLLMServer(
-        gqa_model,
-        args,
-        log_path=base / "server.log",
-        env={
-            "KVEVICT_DUMP_DIR": str(base / "dump"),
-            "VLLM_SERVER_DEV_MODE": "1",
-            "KVEVICT_TEST_HOLD": str(base / "hold"),
-        },
-    )
-    with srv:
-        srv.dump_dir = base / "dump"
+    # Admit on the first chunk only (vLLM's default reserves the whole window bound per request,
+    # which avoids preemption altogether); over-admission makes vLLM preempt, as under load.
+    # Request logs: admit_together counts the requests that reached the engine.
+    extra = ["--no-scheduler-reserve-full-isl", "--enable-log-requests"]
+    env = {"VLLM_SERVER_DEV_MODE": "1", "KVEVICT_TEST_HOLD": str(base / "hold")}
+    cfg = {"policy": "keydiff", "budget": BUDGET}
+    with pool_server(gqa_model, base, cfg, pool=POOL, chunk=CHUNK, max_len=32768, extra=extra, env=env) as srv:
         yield srv
 
 

@@ -15,8 +15,7 @@ from concurrent.futures import ThreadPoolExecutor
 
 import pytest
 
-from tests.conftest import CPU_SERVER_ARGS
-from tests.engine.evict_common import check_against_reference, complete, make_prompt
+from tests.engine.evict_common import check_against_reference, complete, make_prompt, server_args
 from vllm_kvevict.config import parse_config, request_config, request_overrides
 from vllm_kvevict.testing.hf_reference import load_attempts
 from vllm_kvevict.testing.server import VLLMServer
@@ -50,19 +49,7 @@ CASES = [
 
 def test_every_policy_equals_reference(gqa_model, hf_model, tmp_path, server_log):
     dump = tmp_path / "dump"
-    args = [
-        "--attention-backend",
-        "kvevict",
-        *CPU_SERVER_ARGS,
-        "--max-model-len",
-        "2048",
-        "--max-num-batched-tokens",
-        "64",
-        "--max-num-seqs",
-        "4",
-        "--additional-config",
-        json.dumps({"kvevict": SERVER}),
-    ]
+    args = server_args(SERVER, "--max-model-len", "2048", "--max-num-batched-tokens", "64", "--max-num-seqs", "4")
     vocab = hf_model.config.vocab_size
     server = parse_config({**SERVER})
 

@@ -12,18 +12,17 @@ gauge on ``/metrics``); vLLM's pool accounting is unchanged (the release lines).
 
 from __future__ import annotations
 
-import json
 from concurrent.futures import ThreadPoolExecutor
 from functools import partial
 
 import pytest
 
-from tests.conftest import CPU_SERVER_ARGS
 from tests.engine.evict_common import (
     RELEASED,
     check_against_reference,
     complete,
     make_prompt,
+    pool_server,
     released_line,
     server_args,
 )
@@ -42,27 +41,9 @@ SERVER = {"policy": "keydiff", "budget": BUDGET, "recall": {"enabled": True, "ca
 @pytest.fixture(scope="module")
 def server(gqa_model, tmp_path_factory):
     base = tmp_path_factory.mktemp("recall")
-    cfg = {"kvevict": SERVER}
-    args = [
-        "--attention-backend",
-        "kvevict",
-        *CPU_SERVER_ARGS,
-        "--max-model-len",
-        "32768",
-        "--num-gpu-blocks-override",
-        str(POOL + 1),
-        "--no-scheduler-reserve-full-isl",
-        "--max-num-batched-tokens",
-        str(CHUNK),
-        "--max-num-seqs",
-        "4",
-        "--additional-config",
-        json.dumps(cfg),
-        "--enable-log-requests",
-    ]
-    env = {"KVEVICT_DUMP_DIR": str(base / "dump"), "VLLM_SERVER_DEV_MODE": "1", "KVEVICT_TEST_HOLD": str(base / "hold")}
-    with VLLMServer(gqa_model, args, log_path=base / "server.log", env=env) as srv:
-        srv.dump_dir = base / "dump"
+    extra = ["--no-scheduler-reserve-full-isl", "--enable-log-requests"]
+    env = {"VLLM_SERVER_DEV_MODE": "1", "KVEVICT_TEST_HOLD": str(base / "hold")}
+    with pool_server(gqa_model, base, SERVER, pool=POOL, chunk=CHUNK, max_len=32768, extra=extra, env=env) as srv:
         yield srv
 
 
