@@ -13,11 +13,10 @@ from functools import partial
 
 import pytest
 
-from tests.engine.evict_common import check_against_reference, complete, make_prompt
-from tests.engine.test_hardening import CHUNK, POOL, _args
+from tests.engine.evict_common import check_against_reference, complete, make_prompt, pool_server
+from tests.engine.test_hardening import CFG, CHUNK, POOL
 from vllm_kvevict.policies import POLICIES
 from vllm_kvevict.testing.hf_reference import load_attempts
-from vllm_kvevict.testing.server import VLLMServer
 
 pytestmark = [pytest.mark.engine, pytest.mark.timeout(900)]
 
@@ -26,10 +25,9 @@ SAFE = {"kvevict_policy": "streamingllm", "kvevict_params": json.dumps({"sink_to
 
 
 def _server(gqa_model, base, faults: str):
-    env = {"KVEVICT_DUMP_DIR": str(base / "dump"), "KVEVICT_TEST_FAULT": faults, "VLLM_SERVER_DEV_MODE": "1"}
-    srv = VLLMServer(gqa_model, _args(CHUNK, POOL), log_path=base / "server.log", env=env)
-    srv.dump_dir = base / "dump"
-    return srv
+    env = {"KVEVICT_TEST_FAULT": faults, "VLLM_SERVER_DEV_MODE": "1"}
+    extra = ["--enable-log-requests"]
+    return pool_server(gqa_model, base, CFG, pool=POOL, chunk=CHUNK, max_len=8192, extra=extra, env=env)
 
 
 @pytest.fixture(scope="module")
