@@ -44,6 +44,19 @@ def test_tier_keeps_the_best_scored_per_head_within_its_cap():
     assert other.chunks == [] and other.tokens == 0
 
 
+def test_peek_reads_the_whole_tier_and_keeps_it():
+    tier = Tier()
+    tier.add(_entry([[1, 2], [3, 4]], [[0.1, 0.2], [0.3, 0.4]]), cap=10)
+    new = _entry([[5], [6]], [[0.5], [0.6]])
+    new.copy = copy = _Copy(done=False)  # the newest chunk's copy still in flight: peek waits for it
+    tier.chunks.append(new)
+    seen = tier.peek()
+    assert copy.waited
+    assert seen is not None and sorted(seen.pos[:, 0].tolist()) == [1, 2, 5] and tier.tokens == 3
+    taken = tier.take()
+    assert taken is not None and torch.equal(taken.pos, seen.pos) and tier.tokens == 0
+
+
 class _Copy:
     """A device-to-host copy in flight, as the GPU tier sees one (a CUDA event's query/synchronize)."""
 
@@ -261,3 +274,31 @@ def test_a_trim_is_fair_across_requests_and_policies():
     layers = [tier(100, torch.full((100, 2), 0.9)), tier(100, torch.full((100, 2), 0.1))]
     trim_tiers([layers], int(100 * row))
     assert layers[0].tokens == 100 and layers[1].tokens == 0
+
+
+@pytest.mark.parametrize("softcap, sinks", [(None, False), (30.0, False), (None, True)])
+def test_attend_is_the_attention_of_each_query_head(softcap, sinks):
+    """``recall.prefill: all`` computes a chunk's attention over window and tier with
+    ``torch_ops.attend``: per query head, the softmax over the keys at positions up to the query's
+    (each KV head its own positions), soft-capped, with the sink's logit in the denominator, times
+    the values; a query that sees no key gets zeros."""
+    from vllm_kvevict.kernels.torch_ops import attend
+
+    g = torch.Generator().manual_seed(3)
+    H, G, n, m, d = 2, 3, 37, 9, 8
+    K, V = torch.randn(H, n, d, generator=g), torch.randn(H, n, d, generator=g)
+    Q = torch.randn(H * G, m, d, generator=g)
+    k_pos = torch.stack([torch.randperm(60, generator=g)[:n] + 5 for _ in range(H)])  # per head, unordered
+    q_pos = torch.tensor([3, 10, 20, 30, 40, 50, 60, 64, 70])  # the first sees no key
+    sink = torch.randn(H * G, generator=g) if sinks else None
+    got = attend(Q, K, V, q_pos, k_pos, G, 0.3, softcap, sink, block=4)
+    for h in range(H * G):
+        for i in range(m):
+            seen = k_pos[h // G] <= q_pos[i]
+            s = (K[h // G, seen] @ Q[h, i]) * 0.3
+            if softcap:
+                s = softcap * torch.tanh(s / softcap)
+            logits = torch.cat([s, sink[h : h + 1]]) if sinks else s
+            p = torch.softmax(logits, 0)[: len(s)] if len(logits) else s
+            want = p @ V[h // G, seen] if len(s) else torch.zeros(d)
+            assert torch.allclose(got[h, i], want, atol=1e-5), (h, i)

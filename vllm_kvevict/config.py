@@ -144,6 +144,14 @@ class RecallConfig(BaseModel):
         description="what scores a request's compactions once its prompt is complete: its policy, or recall's score "
         "(the attention of its latest `window` queries, max-pooled over `kernel` positions: SnapKV's equation)",
     )
+    # Chunked eviction computes every chunk after a compaction against the window alone; the tier
+    # holds the rest of the prompt's KV, exact: "all" lets each prefill chunk attend to it too.
+    prefill: Literal["window", "all"] = Field(
+        "window",
+        description="what a prefill chunk attends to: the window (as without recall), or the window and the "
+        "whole tier, so the prompt is computed as without eviction (KV in vLLM's pool still bounded by the "
+        "window; the attention over the tier computed beside vLLM's kernel)",
+    )
     max_bytes: int | None = Field(
         None,
         ge=0,

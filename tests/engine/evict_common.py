@@ -139,6 +139,7 @@ def complete(
     )
     lp = r.choices[0].logprobs
     details = getattr(r.usage, "prompt_tokens_details", None)  # with --enable-prompt-tokens-details
+    prompt_lp = getattr(r.choices[0], "prompt_logprobs", None)  # vLLM's, with "prompt_logprobs": 0
     return {
         "id": r.id,
         "prompt": prompt,
@@ -146,6 +147,8 @@ def complete(
         "logprobs": lp.token_logprobs,
         "cached_tokens": getattr(details, "cached_tokens", None),
         "finish_reason": r.choices[0].finish_reason,
+        # each prompt token's logprob given the tokens before it (the first has none)
+        "prompt_logprobs": [next(iter(d.values()))["logprob"] if d else None for d in prompt_lp or []],
     }
 
 

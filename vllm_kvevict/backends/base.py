@@ -169,7 +169,7 @@ class KVEvictImplMixin:
                 layer, query, key, value, kv_cache, attn_metadata, *args, **kwargs
             )
         if plan is not None:
-            self._kvevict_layer(layer).after(query, kv_cache, plan)
+            self._kvevict_layer(layer).after(query, kv_cache, plan, out)
         return out
 
     def _kvevict_layer(self, layer) -> LayerEviction:

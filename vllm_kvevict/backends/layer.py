@@ -4,7 +4,7 @@
 :meth:`LayerEviction.after` around the impl's ``forward``).
 
 After attention, a short pipeline over the step's plan: record the step's slot positions ->
-each row's policy (the safe one where its state cannot be had) -> the rows with work, their inputs
+(``recall.prefill: all``) the prefill chunks' attention over the window and the tier -> each row's policy (the safe one where its state cannot be had) -> the rows with work, their inputs
 prepared (a row whose inputs cannot be, falls back) -> the eviction step, one request's failure
 isolated -> what the step dropped to recall -> recall's re-selection at a prompt's end -> report.
 Before attention, in a step that completes a prompt with recall on, recall re-selects the window
@@ -78,14 +78,16 @@ class LayerEviction:
             with _eviction_time(query.device), profiling.timed("recall_s", query.device), _guarded(plan):
                 self.recall.before_attention(query, kv_cache, plan)
 
-    def after(self, query: torch.Tensor, kv_cache: torch.Tensor, plan: StepPlan) -> None:
-        """After the layer's attention: the pipeline of the module's doc."""
+    def after(self, query: torch.Tensor, kv_cache: torch.Tensor, plan: StepPlan, out: torch.Tensor) -> None:
+        """After the layer's attention (``out``: its output, ``[tokens, H_q * d]``): the pipeline of
+        the module's doc."""
         if not plan.states:  # a dummy batch: no request behind its rows
             return
         with _eviction_time(query.device), _guarded(plan):
             slot_pos = self._record_positions(kv_cache, plan)
             if slot_pos is None:
                 return
+            self.recall.attend_all(query, out, kv_cache, plan)
             policies = self._policies(kv_cache, plan)
             recall_rows = self.recall.rows(plan, policies, query)
             work = self._work(plan, policies, query, recall_rows)

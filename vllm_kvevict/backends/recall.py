@@ -100,6 +100,12 @@ class Tier:
             return e
         return e.map(lambda t: (t if t.is_pinned() else t.pin_memory()).to(device, non_blocking=True))
 
+    def peek(self) -> TierEntry | None:
+        """The whole tier as one entry, kept (its chunks merged in place, a copy in flight waited for)."""
+        e = _merge(self.chunks, self.cap)
+        self.chunks = [e] if e is not None and e.tokens else []
+        return e
+
     @property
     def tokens(self) -> int:
         return sum(c.tokens for c in self.chunks)
@@ -344,6 +350,44 @@ class Recall:
             str(err)[:200],
         )
 
+    def attend_all(self, query, out, kv_cache, plan) -> None:
+        """``recall.prefill: all``: a prefill chunk of a row whose tier holds tokens attends to them
+        too. Its rows of ``out`` (vLLM's attention over the window ``[E_prev, L)``) are replaced by
+        the attention over the window and the tier: with every token a compaction dropped in the
+        tier, each chunk is computed as without eviction. A failure leaves vLLM's output (logged
+        once, like recall's)."""
+        if plan.prompt_lens is None:
+            return
+        for r, st in enumerate(plan.states):
+            recall = st.settings.recall
+            if not (st.settings.evicts and recall.enabled and recall.prefill == "all"):
+                continue
+            ls = st.layers.get(self.key)
+            if plan.L_prev[r] >= plan.prompt_lens[r] or ls is None or ls.tier is None or not ls.tier.tokens:
+                continue
+            try:
+                with profiling.timed("recall_s", kv_cache.device):
+                    self._attend_all(query, out, kv_cache, plan, r, ls.tier)
+            except Exception as err:  # noqa: BLE001 - the chunk keeps vLLM's attention over its window
+                self.failed(plan, r, err)
+
+    def _attend_all(self, query, out, kv_cache, plan, r: int, tier_of: Tier) -> None:
+        a, b = plan.query_start_loc[r], plan.query_start_loc[r + 1]
+        bs = kv_cache.shape[2]
+        slots = plan.slots(((r, plan.e_prev[r], plan.seq_lens[r]),), bs)
+        K_w, V_w = self.layout.gather(kv_cache, slots // bs, slots % bs)  # [n, H, d]
+        tier = tier_of.peek()
+        if tier is None:
+            return
+        dev = K_w.device
+        K = torch.cat([K_w, tier.K.to(dev, K_w.dtype)]).transpose(0, 1)
+        V = torch.cat([V_w, tier.V.to(dev, V_w.dtype)]).transpose(0, 1)
+        pos = torch.cat([self.slots.positions(kv_cache)[slots].long(), tier.pos.to(dev)]).T
+        hd = self.heads
+        Q = query[a:b].transpose(0, 1)  # [H_q, m, d]
+        o = torch_ops.attend(Q, K, V, plan.positions[a:b].long(), pos, hd.G, hd.scale, hd.softcap, hd.sinks)
+        out.view(out.shape[0], hd.num_heads, -1)[a:b] = o.transpose(0, 1).to(out.dtype)
+
     def at_prompt_end(self, kv_cache, plan, rows: set[int]) -> dict[int, torch.Tensor]:
         """Each of ``rows`` whose prompt completes in this step, its window re-selected
         (:meth:`_recall`): the kept positions ``[keep, H]`` of those that recalled."""
@@ -394,6 +438,8 @@ class Recall:
             ls = st.layers.get(self.key)
             start, end = plan.e_prev[r], plan.L_prev[r]
             if ls is None or ls.tier is None or ls.recall_queries is None or end <= start:
+                continue
+            if st.settings.recall.prefill == "all":  # the question attends to window and tier after all
                 continue
             Q = query[qsl[r] : qsl[r + 1]].transpose(0, 1)  # [H_q, m, d]
             Qw = torch.cat([ls.recall_queries, Q], dim=1)[:, -st.settings.recall.window :]

@@ -185,6 +185,32 @@ def attention_probs(
     return p.view(Hq, m, n)
 
 
+def attend(
+    Q: torch.Tensor,
+    K: torch.Tensor,
+    V: torch.Tensor,
+    q_pos: torch.Tensor,
+    k_pos: torch.Tensor,
+    G: int,
+    scale: float,
+    softcap: float | None = None,
+    sinks: torch.Tensor | None = None,
+    block: int = 256,
+) -> torch.Tensor:
+    """``[H_q, m, d_v]`` float32: the attention output of queries ``Q [H_q, m, d]`` over keys ``K``
+    and values ``V [H_kv, n, d]``, weighed as :func:`attention_probs` weighs them (causal by
+    position, soft-capped, sinks); ``block`` queries at a time (``[H_q, block, n]`` probabilities)."""
+    Hq, m, _ = Q.shape
+    H, n, dv = V.shape
+    out = torch.empty(Hq, m, dv, dtype=torch.float32, device=V.device)
+    Vf = V.float()
+    for a in range(0, m, block):
+        p = attention_probs(Q[:, a : a + block], K, q_pos[a : a + block], k_pos, G, scale, softcap, sinks)
+        b = p.shape[1]
+        out[:, a : a + b] = torch.matmul(p.reshape(H, G * b, n), Vf).view(Hq, b, dv)
+    return out
+
+
 def column_sums(
     Q: torch.Tensor,
     K: torch.Tensor,
