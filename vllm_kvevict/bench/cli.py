@@ -18,6 +18,7 @@ from __future__ import annotations
 
 import argparse
 import json
+import shlex
 import sys
 from pathlib import Path
 
@@ -345,6 +346,7 @@ def cmd_overhead(args) -> int:
         args.chunk,
         args.out,
         progress=True,
+        server_args=shlex.split(args.server_args),
     )
     return _finish(args, "overhead", overhead, report)
 
@@ -454,6 +456,11 @@ def build_parser() -> argparse.ArgumentParser:
     common(o, "overhead")
     for name, typ in (("policies", str), ("prompt-len", int), ("output-len", int), ("budget", int), ("chunk", int)):
         o.add_argument(f"--{name}", type=typ, default=None)
+    o.add_argument(
+        "--server-args",
+        default="",
+        help="extra vllm serve arguments, after the benchmark's own (a later --additional-config replaces its)",
+    )
     o.set_defaults(func=cmd_overhead)
 
     x = sub.add_parser("prefix", help="prefix caching with eviction: shared prefixes and multi-turn chat vs stock")

@@ -68,6 +68,7 @@ def run_overhead(
     chunk: int,
     log_dir: str = ".",
     progress: bool = False,
+    server_args: list[str] | None = None,
 ) -> dict:
     from openai import OpenAI
 
@@ -88,6 +89,7 @@ def run_overhead(
         "--no-enable-prefix-caching",
         "--additional-config",
         json.dumps(cfg),
+        *(server_args or []),
     ]
     prompt = random_prompts(1, prompt_len, seed=1)[0]
     names = [REFERENCE, *policies]
