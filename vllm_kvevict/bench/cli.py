@@ -459,7 +459,9 @@ def build_parser() -> argparse.ArgumentParser:
     o.add_argument(
         "--server-args",
         default="",
-        help="extra vllm serve arguments, after the benchmark's own (a later --additional-config replaces its)",
+        help="extra vllm serve arguments (split as a shell splits them), after the benchmark's own; an "
+        "--additional-config's kvevict object is merged over the benchmark's, e.g. --server-args "
+        '"--additional-config \'{\\"kvevict\\": {\\"recall\\": {\\"prefill\\": \\"all\\"}}}\'"',
     )
     o.set_defaults(func=cmd_overhead)
 

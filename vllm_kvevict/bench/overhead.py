@@ -59,6 +59,21 @@ def _stats(steps: list[dict]) -> dict:
     }
 
 
+def _split_config(server_args: list[str]) -> tuple[list[str], dict]:
+    """``server_args`` without its ``--additional-config`` (vLLM takes one), and that value's JSON."""
+    args, cfg = list(server_args), {}
+    for i, a in enumerate(args):
+        if a == "--additional-config" and i + 1 < len(args):
+            cfg = json.loads(args[i + 1])
+            del args[i : i + 2]
+            break
+        if a.startswith("--additional-config="):
+            cfg = json.loads(a.split("=", 1)[1])
+            del args[i]
+            break
+    return args, cfg
+
+
 def run_overhead(
     model: str,
     policies: list[str],
@@ -75,7 +90,9 @@ def run_overhead(
     from vllm_kvevict.testing.server import VLLMServer
 
     profile_dir = tempfile.mkdtemp(prefix="kvevict-profile-")
-    cfg = {"kvevict": {"policy": "keydiff", "budget": budget}}  # every request names its own policy
+    server_args, extra_cfg = _split_config(server_args or [])
+    # every request names its own policy; the user's kvevict configuration on top (e.g. recall's)
+    cfg = {"kvevict": {"policy": "keydiff", "budget": budget, **extra_cfg.get("kvevict", {})}}
     args = [
         "--attention-backend",
         "kvevict",
@@ -89,7 +106,7 @@ def run_overhead(
         "--no-enable-prefix-caching",
         "--additional-config",
         json.dumps(cfg),
-        *(server_args or []),
+        *server_args,
     ]
     prompt = random_prompts(1, prompt_len, seed=1)[0]
     names = [REFERENCE, *policies]

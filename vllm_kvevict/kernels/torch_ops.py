@@ -28,6 +28,7 @@ from __future__ import annotations
 
 import numpy as np
 import torch
+import torch.nn.functional as F
 
 EPS = 1e-8
 #: query rows per matmul in :func:`column_sums`: bounds the transient [H_q, rows, n] tensor
@@ -203,9 +204,19 @@ def attend(
     Hq, m, _ = Q.shape
     H, n, dv = V.shape
     out = torch.empty(Hq, m, dv, dtype=torch.float32, device=V.device)
-    Vf = V.float()
+    Qf, Kf, Vf = Q.float(), K.float(), V.float()
+    q_pos = q_pos.to(k_pos.device)
     for a in range(0, m, block):
-        p = attention_probs(Q[:, a : a + block], K, q_pos[a : a + block], k_pos, G, scale, softcap, sinks)
+        qp = q_pos[a : a + block]
+        seen = k_pos[:, None, :] <= qp[None, :, None]  # [H_kv, b, n]
+        if softcap is None and sinks is None and bool(seen.any(-1).all()):  # no empty row: SDPA's fused kernel
+            mask = seen.repeat_interleave(G, 0)[None]
+            o = F.scaled_dot_product_attention(
+                Qf[None, :, a : a + block], Kf[None], Vf[None], mask, scale=scale, enable_gqa=True
+            )
+            out[:, a : a + block] = o[0]
+            continue
+        p = attention_probs(Q[:, a : a + block], K, qp, k_pos, G, scale, softcap, sinks)
         b = p.shape[1]
         out[:, a : a + b] = torch.matmul(p.reshape(H, G * b, n), Vf).view(Hq, b, dv)
     return out
