@@ -29,6 +29,7 @@ that starts on such blocks gets its own copies (vLLM's copy-on-write, ``kv_cache
 
 from __future__ import annotations
 
+import functools
 from dataclasses import dataclass, field
 
 from vllm_kvevict import metrics
@@ -694,12 +695,7 @@ class SchedulerHooks:
         windows) own hit of exactly its tokens."""
         mine = [i for i, m in enumerate(managers) if isinstance(m, KVEvictManager)]
         others = [i for i in range(len(managers)) if i not in mine]
-        looked_up: dict[int, tuple] = {}
-
-        def lookup(t: int) -> tuple:  # vLLM's hit of at most t tokens in each group, once per t
-            if t not in looked_up:
-                looked_up[t] = per_group(t)
-            return looked_up[t]
+        lookup = functools.cache(per_group)  # vLLM's hit of at most t tokens in each group, once per t
 
         def others_hold(t: int) -> bool:
             return not others or all(lookup(t)[1][i] == t for i in others)

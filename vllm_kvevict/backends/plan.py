@@ -112,9 +112,9 @@ class StepPlan:
 
     @cached_property
     def _in_order_ranges(self) -> Ranges:
-        ranges: list[tuple[int, int, int]] = []
         if self.req_ids is None or self.prompt_lens is None:
             return ()
+        ranges: list[tuple[int, int, int]] = []
         for r, rid in enumerate(self.req_ids):
             L0 = self.L_prev[r]
             if rid not in self.starts or L0 <= 0:

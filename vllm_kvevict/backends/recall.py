@@ -372,21 +372,37 @@ class Recall:
                 self.failed(plan, r, err)
 
     def _attend_all(self, query, out, kv_cache, plan, r: int, tier_of: Tier) -> None:
-        a, b = plan.query_start_loc[r], plan.query_start_loc[r + 1]
-        bs = kv_cache.shape[2]
-        slots = plan.slots(((r, plan.e_prev[r], plan.seq_lens[r]),), bs)
-        K_w, V_w = self.layout.gather(kv_cache, slots // bs, slots % bs)  # [n, H, d]
         tier = tier_of.peek()
         if tier is None:
             return
-        dev = K_w.device
-        K = torch.cat([K_w, tier.K.to(dev, K_w.dtype)]).transpose(0, 1)
-        V = torch.cat([V_w, tier.V.to(dev, V_w.dtype)]).transpose(0, 1)
-        pos = torch.cat([self.slots.positions(kv_cache)[slots].long(), tier.pos.to(dev)]).T
+        _, K, V, pos = self._with_tier(kv_cache, plan, r, plan.e_prev[r], plan.seq_lens[r], tier)
+        a, b = plan.query_start_loc[r], plan.query_start_loc[r + 1]
         hd = self.heads
         Q = query[a:b].transpose(0, 1)  # [H_q, m, d]
-        o = torch_ops.attend(Q, K, V, plan.positions[a:b].long(), pos, hd.G, hd.scale, hd.softcap, hd.sinks)
+        o = torch_ops.attend(
+            Q,
+            K.transpose(0, 1),
+            V.transpose(0, 1),
+            plan.positions[a:b].long(),
+            pos.T,
+            hd.G,
+            hd.scale,
+            hd.softcap,
+            hd.sinks,
+        )
         out.view(out.shape[0], hd.num_heads, -1)[a:b] = o.transpose(0, 1).to(out.dtype)
+
+    def _with_tier(self, kv_cache, plan, r: int, start: int, end: int, tier: TierEntry):
+        """Row ``r``'s window slots ``[start, end)`` and the tier's tokens after them, as candidates:
+        ``(slots, K, V, positions)`` (``[n, H, ...]``, the window's first)."""
+        bs = kv_cache.shape[2]
+        slots = plan.slots(((r, start, end),), bs)
+        K_w, V_w = self.layout.gather(kv_cache, slots // bs, slots % bs)  # [n, H, d]
+        dev = K_w.device
+        K = torch.cat([K_w, tier.K.to(dev, K_w.dtype)])
+        V = torch.cat([V_w, tier.V.to(dev, V_w.dtype)])
+        pos = torch.cat([self.slots.positions(kv_cache)[slots].long(), tier.pos.to(dev)])
+        return slots, K, V, pos
 
     def at_prompt_end(self, kv_cache, plan, rows: set[int]) -> dict[int, torch.Tensor]:
         """Each of ``rows`` whose prompt completes in this step, its window re-selected
@@ -508,13 +524,8 @@ class Recall:
         tier = tier_of.take(kv_cache.device)
         if tier is None:
             return None
-        bs = kv_cache.shape[2]
-        slots = plan.slots(((r, start, end),), bs)
-        K_w, V_w = self.layout.gather(kv_cache, slots // bs, slots % bs)
-        h = torch.arange(K_w.shape[1], device=K_w.device)[None, :]
-        K = torch.cat([K_w, tier.K.to(K_w.dtype)])
-        V = torch.cat([V_w, tier.V.to(V_w.dtype)])
-        pos = torch.cat([self.slots.positions(kv_cache)[slots].long(), tier.pos])
+        slots, K, V, pos = self._with_tier(kv_cache, plan, r, start, end, tier)
+        h = torch.arange(K.shape[1], device=K.device)[None, :]
         q_pos = torch.arange(q_end - Qw.shape[1], q_end, device=K.device)
         hd = self.heads
         scores = recall_scores(
@@ -533,5 +544,5 @@ class Recall:
             lo = torch_ops.complement(K.shape[0], idx)
             lost = TierEntry(K[lo, h], V[lo, h], pos[lo, h], scores[lo, h], {k: v[lo, h] for k, v in state_all.items()})
         state = {k: v[idx, h] for k, v in state_all.items()}
-        recalled = int((idx >= K_w.shape[0]).sum())
+        recalled = int((idx >= slots.shape[0]).sum())
         return slots, K[idx, h], V[idx, h], pos[idx, h], state, recalled, lost

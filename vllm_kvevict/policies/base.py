@@ -22,6 +22,7 @@ heads may keep different tokens. Slot order within a head is position order, alw
 
 from __future__ import annotations
 
+import dataclasses
 import math
 from dataclasses import dataclass, field
 from typing import Any, ClassVar, Generic, Literal, TypeVar
@@ -112,7 +113,7 @@ class RowInputs:
 
     def inputs(self) -> dict[str, Any]:
         """These fields by name (what a :class:`KVView` of the row takes from them)."""
-        return {f: getattr(self, f) for f in ("L", "budget", "scale", "softcap", "sinks", "Q", "q_pos", "W_O")}
+        return {f.name: getattr(self, f.name) for f in dataclasses.fields(RowInputs)}
 
 
 @dataclass(kw_only=True)
