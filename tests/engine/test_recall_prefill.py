@@ -43,7 +43,7 @@ def _diffs(a: dict, b: dict) -> list[float]:
 def test_the_prompt_is_computed_as_without_eviction(server, vocab, length):
     prompt = make_prompt(length, length, vocab)
     stock = complete(server, prompt, 4, {"kvevict_enabled": False}, PROMPT_LOGPROBS)
-    with ThreadPoolExecutor(2) as pool:  # two at once: rows of one step, each its own tier
+    with ThreadPoolExecutor(2) as pool:  # sent together: whether or not they share steps, each must equal
         outs = list(pool.map(lambda _: complete(server, prompt, 4, None, PROMPT_LOGPROBS), range(2)))
     for out in outs:
         assert len(out["prompt_logprobs"]) == length
