@@ -13,6 +13,7 @@ names the field and the allowed values. Every field is documented in ``docs/conf
 from __future__ import annotations
 
 import json
+import os
 from functools import lru_cache
 from typing import Annotated, Any, Literal
 
@@ -115,6 +116,13 @@ class LimitsConfig(BaseModel):
         return self
 
 
+@lru_cache(maxsize=1)
+def default_recall_bytes() -> int:
+    """The recall tiers' host-memory budget per worker process when ``recall.max_bytes`` is unset:
+    a sixteenth of the machine's physical memory."""
+    return os.sysconf("SC_PAGE_SIZE") * os.sysconf("SC_PHYS_PAGES") // 16
+
+
 class RecallConfig(BaseModel):
     """The recall tier: tokens a compaction evicts are kept outside vLLM's pool, and when the prompt
     completes the window is re-selected from kept and evicted tokens together, with the prompt's
@@ -159,6 +167,11 @@ class RecallConfig(BaseModel):
         description="host memory all recall tiers of one worker process may hold, in bytes (the lowest-scored "
         "tokens across requests go first); unset: a sixteenth of the machine's physical memory",
     )
+
+    @property
+    def host_bytes(self) -> int:
+        """``max_bytes``, or where unset a sixteenth of the machine's physical memory."""
+        return default_recall_bytes() if self.max_bytes is None else self.max_bytes
 
     @field_validator("kernel")
     @classmethod

@@ -36,6 +36,7 @@ from vllm_kvevict import metrics
 from vllm_kvevict._logging import logger
 from vllm_kvevict.request import ENGINE, RequestSettings, RequestState, resolve
 from vllm_kvevict.spec import KVEvictSpec
+from vllm_kvevict.tier_cache import TierCache
 from vllm_kvevict.vllm_compat import kv_cache as vllm_kv_cache
 from vllm_kvevict.vllm_compat.kv_cache import FullAttentionManager, KVCacheBlock, RequestStatus
 from vllm_kvevict.window import (
@@ -77,6 +78,9 @@ class _Attempt:
     #: a waiting request has waited for this one's windows (:meth:`KVEvictManager.waits_for_window`):
     #: its compactions copy aside the blocks they rewrite (nobody else is known to want them)
     awaited: bool = False
+    #: recall: the copies of the window at each compaction point, made before the next step (the
+    #: step completing the prompt rewrites the window in place), cached once its step has run
+    window_copies: dict[int, list[KVCacheBlock]] = field(default_factory=dict)
 
 
 class KVEvictManager(FullAttentionManager):
@@ -105,6 +109,8 @@ class KVEvictManager(FullAttentionManager):
         self.window_cache = WindowCache(
             self.block_pool, self.block_size, self.kv_cache_group_id, kv_cache_spec.evict_hash_algo
         )
+        #: recall tiers of cached windows, on the workers (half of their host budget at most)
+        self.tiers = TierCache(kv_cache_spec.config.recall.host_bytes // 2)
         # One manager per process records (a model with several kvevict KV cache groups has one
         # manager per group, all moving the same windows).
         global _metrics_owner
@@ -126,21 +132,57 @@ class KVEvictManager(FullAttentionManager):
                 vllm_kv_cache.copy_on_write(self, request_id, i)  # reserved by get_num_blocks_to_allocate
             att = self._attempts[request_id] = self._new_attempt(request_id)
             self._count_hit(request_id)
+            self._start_tier(request_id)
         att.peak = max(att.peak, self._held(request_id))
         pool = self.block_pool
         self.pool_peak_used = max(self.pool_peak_used, pool.num_gpu_blocks - 1 - pool.get_num_free_blocks())
         self._track_window(request_id)
         return new
 
+    def _start_tier(self, request_id: str) -> None:
+        """A recall request whose windows are cached starts its attempt, on a cached window's
+        tier (``tier_cache.Start``) or from scratch."""
+        st = ENGINE.get(request_id)
+        if st is None or st.request is None or not self._caches_windows(st) or not st.settings.recall.enabled:
+            return
+        b, prompt = st.window_hit, st.request.num_prompt_tokens
+        key = self.window_cache.tier_key(st.request, st.settings, b) if b else None
+        self.tiers.start(request_id, key, evicted_tokens(b, prompt, st.settings.window) if b else 0)
+
+    def _copy_windows(self, request, st: RequestState, att: _Attempt, start: int) -> None:
+        """With recall, the step completing the prompt re-selects the window in place, so a recall
+        request's windows are cached as copies, never as its own blocks: each window not yet
+        copied whose step comes before this one (``start`` tokens) is copied aside now, before this
+        step's forward (no copy when the pool has no room to spare: that window is not cached)."""
+        if not st.settings.recall.enabled:
+            return
+        bs, pool, window = self.block_size, self.block_pool, st.settings.window
+        blocks = self.req_to_blocks.get(request.request_id, [])
+        for b in att.windows:
+            if b > start or b in att.window_copies:
+                continue
+            todo = blocks[evicted_tokens(b, request.num_prompt_tokens, window) // bs : b // bs]
+            if pool.get_num_free_blocks() - len(todo) < max(len(todo), pool.num_gpu_blocks // 8):
+                att.window_copies[b] = []
+                continue
+            att.window_copies[b] = [vllm_kv_cache.copy_aside(self, blk) for blk in todo]
+
     def _hit_copies(self, request_id: str, hit: int) -> tuple[int, int]:
         """The tokens ``[lo, hi)`` of a request's ``hit``-token prefix-cache hit that it copies
         before its first step, because its next compaction rewrites them (``window.copy_range``;
-        the lookup stopped the hit before any block computed in the step being scheduled)."""
+        the lookup stopped the hit before any block computed in the step being scheduled), or with
+        recall the step completing its prompt does (a cached window it starts on, whole, when its
+        prompt ends before its next compaction moves past the window)."""
         st = ENGINE.get(request_id)
-        if not self.copies or st is None or st.request is None or not st.settings.shares_tails or hit <= 0:
+        if not self.copies or st is None or st.request is None or hit <= 0:
             return (0, 0)
-        prompt = st.request.num_prompt_tokens
-        return copy_range(hit, prompt, prompt + st.request.max_tokens, st.settings.window)
+        prompt, window = st.request.num_prompt_tokens, st.settings.window
+        if st.settings.recall.enabled and st.window_hit:  # the step completing its prompt rewrites them
+            b = st.window_hit
+            return (evicted_tokens(b, prompt, window), b) if prompt <= b + window.step else (0, 0)
+        if not st.settings.shares_tails:
+            return (0, 0)
+        return copy_range(hit, prompt, prompt + st.request.max_tokens, window)
 
     def _new_attempt(self, request_id: str) -> _Attempt:
         """A request that starts on a cached window at ``b`` starts with ``E(b)`` evicted: its
@@ -241,6 +283,8 @@ class KVEvictManager(FullAttentionManager):
         att = self._attempts.get(rid)
         if st is None or not st.settings.evicts or att is None:
             return
+        if self._caches_windows(st):
+            self._copy_windows(request, st, att, start)
         e = evicted_tokens(num_tokens, request.num_prompt_tokens, st.settings.window)
         if e <= att.scheduled_e:
             return
@@ -249,7 +293,12 @@ class KVEvictManager(FullAttentionManager):
             self._cache_pure(request, min(e, start))  # computed in earlier steps
             if start < e:
                 att.pure_pending = (e, num_tokens)
-        if self._caches_windows(st) and num_tokens % st.settings.window.step == 0:
+        prompt = request.num_prompt_tokens
+        if (
+            self._caches_windows(st)
+            and num_tokens % st.settings.window.step == 0
+            and st.settings.caches_window_at(num_tokens, prompt)
+        ):
             att.windows.append(num_tokens)  # cached once the step has run (remove_skipped_blocks, free)
             if self.copies and st.settings.shares_tails:
                 self._save(request, st.settings, att, start, num_tokens)
@@ -264,7 +313,8 @@ class KVEvictManager(FullAttentionManager):
         """Whether what the request compacts is cached for others: it shares its windows and no
         worker has replaced its policy (a window the safe policy kept is not what its
         configuration computes, and its per-slot state was never snapshotted)."""
-        return self.enable_caching and st.settings.shares_windows and st.fell_back_from is None
+        shares = st.settings.shares_windows and (self.copies or not st.settings.recall.enabled)
+        return self.enable_caching and shares and st.fell_back_from is None
 
     def fell_back(self, request_id: str) -> None:
         """A worker replaced the request's policy by the safe policy in a step whose results the
@@ -278,6 +328,7 @@ class KVEvictManager(FullAttentionManager):
         if att.saves:
             self.block_pool.free_blocks([blk for *_, blk in att.saves])
             att.saves = []
+        self._let_go(att, list(att.window_copies))
 
     def _save(self, request, settings: RequestSettings, att: _Attempt, start: int, p: int) -> None:
         """Copy aside the request's blocks that its compaction at ``p``, in the step just scheduled,
@@ -352,6 +403,9 @@ class KVEvictManager(FullAttentionManager):
         att = self._attempts.pop(request_id, None)
         if att is not None and att.saves:  # copies whose step had not run: not cached
             self.block_pool.free_blocks([blk for *_, blk in att.saves])
+        if att is not None:
+            self._let_go(att, list(att.window_copies))
+        self.tiers.end(request_id)
         self._track_window(request_id, gone=True)
         return blocks, att
 
@@ -464,31 +518,64 @@ class KVEvictManager(FullAttentionManager):
         self._cache_pure(request, computed if att.fence is None else min(att.fence, computed))
         if self._caches_windows(st):
             processed = vllm_kv_cache.processed_tokens(request)
-            self._cache_windows(request_id, att, processed)
+            self._cache_windows(request_id, att, processed, at_free=True)
             if self.copies and st.settings.shares_tails:  # no compaction will rewrite them now
                 blocks = self.req_to_blocks.get(request_id, [])
                 self.window_cache.cache_last_tail(request, st.settings, processed, blocks)
 
-    def _cache_windows(self, request_id: str, att: _Attempt, processed: int) -> None:
+    def _cache_windows(self, request_id: str, att: _Attempt, processed: int, at_free: bool = False) -> None:
         """Cache the windows of the compaction points whose step has run (``processed`` tokens):
         from then on their blocks are never written again (the next compaction writes
         ``[E(b) + stride, b + stride)``, above ``b`` since the stride is at least ``W``), and a
         request hitting them reads them in a later step. A window whose last tokens are not yet
         known to the core (async scheduling) is dropped, as is one whose blocks are going back.
-        Then the tails computed since (``WindowCache.cache_tails``)."""
+        With recall, a window is cached as the copies made before the step after it (at the
+        request's free, its own blocks). Then the tails computed since (``WindowCache.cache_tails``)."""
         st = ENGINE.get(request_id)
         if st is None or st.request is None or not self._caches_windows(st):
             return
         blocks = self.req_to_blocks.get(request_id, [])
-        ready = [b for b in att.windows if b <= processed]
+        copied = at_free or not st.settings.recall.enabled  # with recall: once copied (_copy_windows)
+        ready = [b for b in att.windows if b <= processed and (copied or b in att.window_copies)]
         if ready:
-            att.windows = [b for b in att.windows if b > processed]
+            att.windows = [b for b in att.windows if b not in ready]
             for b in ready:
-                self.window_cache.cache_window(st.request, st.settings, b, blocks)
+                self._cache_window(st, att, b, blocks, at_free)
         if att.saves:
             self._cache_saves(st.request, st.settings, att, processed)
         if st.settings.shares_tails:  # the blocks computed after a compaction point (window_cache)
             att.tails_done = self.window_cache.cache_tails(st.request, st.settings, att.tails_done, processed, blocks)
+
+    def _cache_window(self, st: RequestState, att: _Attempt, b: int, blocks: list, at_free: bool) -> None:
+        """Cache the window at ``b``: the request's blocks, or with recall their copies (made before
+        the step after ``b``; its own blocks once it is freed, when nothing will rewrite them), and
+        the workers keep its tier under the window's key (``tier_cache.Keep``)."""
+        settings, request = st.settings, st.request
+        if settings.recall.enabled:
+            copies = att.window_copies.get(b)
+            if not copies and not at_free:
+                self._let_go(att, [b])
+                return
+            if copies:
+                e = evicted_tokens(b, request.num_prompt_tokens, settings.window) // self.block_size
+                blocks = [*blocks[:e], *copies]
+        if self.window_cache.cache_window(request, settings, b, blocks) and settings.recall.enabled:
+            self.tiers.keep(
+                request.request_id,
+                b,
+                self.window_cache.tier_key(request, settings, b),
+                evicted_tokens(b, request.num_prompt_tokens, settings.window),
+                settings.recall.cap,
+                self.kv_cache_spec.tier_token_bytes(settings.tier_state_bytes),
+                lambda k: vllm_kv_cache.cached_block(self.block_pool, k) is not None,
+            )
+        self._let_go(att, [b])
+
+    def _let_go(self, att: _Attempt, points: list[int]) -> None:
+        """The copies of the windows at ``points`` go (to the LRU where cached, else to the pool)."""
+        blocks = [blk for b in points for blk in att.window_copies.pop(b, ())]
+        if blocks:
+            self.block_pool.free_blocks(blocks)
 
     def window_hit(self, request, num_tokens: int, others_hold=lambda t: True) -> tuple[list, int] | None:
         """The cached window the request may start on, beyond its pure hit of ``num_tokens``
@@ -512,7 +599,17 @@ class KVEvictManager(FullAttentionManager):
             return end
 
         def usable(t: int) -> bool:
-            return not self._padded_and_cut(request, t) and others_hold(t)
+            return not self._padded_and_cut(request, t) and others_hold(t) and with_tier(t)
+
+        def with_tier(t: int) -> bool:  # recall: the window's tier is kept (no tails: t is its point)
+            if not settings.recall.enabled:
+                return True
+            if not self.copies or not settings.starts_on_window_at(t, prompt):
+                return False
+            e = evicted_tokens(t, prompt, window)
+            if prompt <= t + window.step and not self._copies_fit(settings, (t - e) // bs):
+                return False  # its copies of the window would never fit beside its window bound
+            return self.tiers.pin(self.window_cache.tier_key(request, settings, t))
 
         hit = self.window_cache.find(request, settings, num_tokens, tail_end if settings.shares_tails else None, usable)
         if hit is not None:
@@ -721,6 +818,9 @@ class SchedulerHooks:
                 return 0  # vLLM runs a padded step whole or not at all: not in this step
             num_tokens = cut
         return num_tokens
+
+    def messages(self, managers: list) -> list:
+        return [m for mgr in _ours(managers) for m in mgr.tiers.messages()]
 
     def keeps_every_block(self, request) -> bool:
         st = ENGINE.get(request.request_id)

@@ -129,15 +129,16 @@ def _refuse_models_without_evictable_layers(vllm_config) -> None:
         )
 
 
-def check_layers(vllm_config, specs: dict) -> None:
+def check_layers(vllm_config, specs: dict) -> dict:
     """A worker's KV cache specs (layer name -> vLLM's spec), once its model is built: refused when
     no layer evicts (a kvevict layer is a :class:`~vllm_kvevict.spec.KVEvictSpec`: full
     attention; sliding-window, MLA, Mamba and other layers are left to vLLM), else one INFO line
-    saying which layers evict and which do not."""
+    saying which layers evict and which do not. Returns the specs the worker reports, each
+    evicting layer's saying how many evict (the engine core sizes recall tiers by it)."""
     from vllm_kvevict.spec import KVEvictSpec
 
     if not vllm_attention.custom_selected(vllm_config):
-        return
+        return specs
     kinds: dict[str, int] = {}
     for spec in specs.values():
         name = "full attention" if isinstance(spec, KVEvictSpec) else type(spec).__name__
@@ -156,6 +157,7 @@ def check_layers(vllm_config, specs: dict) -> None:
         + (f"; left to vLLM: {others}" if others else ""),
         key="layers",
     )
+    return {n: s.with_layers(evicting) if isinstance(s, KVEvictSpec) else s for n, s in specs.items()}
 
 
 SPECULATION_POLICIES = "a policy without per-slot state (docs/compatibility.md)"

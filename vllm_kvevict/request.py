@@ -86,28 +86,47 @@ class RequestSettings:
         """Whether the windows this request compacts at its compaction points may be cached and
         reused by later requests (docs/architecture.md, "Compressed windows"): a ``chunked`` window
         whose stride is at least ``W`` (so no compaction writes an earlier compaction point's
-        window), without recall (its tier is not cached), and whose query window fits in one stride
-        (a request starting on a cached window has seen no earlier queries). Per-slot policy state
-        (H2O's accumulator, LSH-E's codes) goes with the window as its compaction left it, and
-        merging policies (KVMerger with the ``chunked`` trigger) share the windows they merged."""
+        window), and whose query window fits in one stride (a request starting on a cached window
+        has seen no earlier queries). Per-slot policy state (H2O's accumulator, LSH-E's codes) goes
+        with the window as its compaction left it, merging policies (KVMerger with the ``chunked``
+        trigger) share the windows they merged, and with recall the tier travels with the window
+        (``tier_cache.py``; only windows before the prompt's end: :meth:`caches_window_at`)."""
         w, needs = self.window, self.policy.needs
         return (
             self.config.cache_windows
             and w.enabled
             and w.trigger == "chunked"
             and w.step >= w.window
-            and not self.config.recall.enabled
             and needs.window <= w.step
         )
+
+    def caches_window_at(self, b: int, prompt_len: int) -> bool:
+        """Whether the window at compaction point ``b`` is a function of the first ``b`` tokens
+        alone: always, but with recall only before the prompt's end (the step completing the
+        prompt re-selects the window by the question; every later window depends on where the
+        prompt ended)."""
+        return not self.config.recall.enabled or b < prompt_len
+
+    def starts_on_window_at(self, b: int, prompt_len: int) -> bool:
+        """Whether the request may start on a cached window at ``b``: with recall, only where the
+        rest of its prompt holds recall's ``window`` queries (it has seen none before ``b``)."""
+        return not self.config.recall.enabled or b <= prompt_len - self.config.recall.window
 
     @property
     def shares_tails(self) -> bool:
         """Whether the blocks this request computes after a compaction point (or before its first)
         are cached and a later request may start past the window (or the pure prefix) on them: a
-        request that shares windows and whose policy keeps no per-slot state (a tail token's state
-        keeps changing with every later query). Those below ``window.tail_end`` are cached as they
-        are; those its next compaction rewrites, up to ``window.hit_end``, are copied aside first."""
-        return self.shares_windows and not self.policy.needs.state
+        request that shares windows, whose policy keeps no per-slot state (a tail token's state
+        keeps changing with every later query), without recall (the step completing its prompt
+        rewrites its whole window, tail included). Those below ``window.tail_end`` are cached as
+        they are; those its next compaction rewrites, up to ``window.hit_end``, are copied aside
+        first."""
+        return self.shares_windows and not self.policy.needs.state and not self.config.recall.enabled
+
+    @property
+    def tier_state_bytes(self) -> int:
+        """Bytes of per-slot policy state one evicted token carries per KV head in a recall tier."""
+        return sum(dtype.itemsize for dtype, _ in self.policy.needs.state.values())
 
     @property
     def drafts_safe(self) -> bool:
@@ -252,6 +271,9 @@ class Registry:
 
     def states(self) -> list[RequestState]:
         return list(self._states.values())
+
+    def items(self) -> list[tuple[str, RequestState]]:
+        return list(self._states.items())
 
 
 #: The engine core's requests: from the scheduler's first look at a request to its end.

@@ -10,6 +10,7 @@ is the single source of the per-request admission cap and the start-up memory ch
 
 from __future__ import annotations
 
+import dataclasses
 from dataclasses import dataclass, fields
 from typing import Self
 
@@ -27,6 +28,7 @@ class KVEvictSpec(FullAttentionSpec):
     evict_max_chunk: int = 0  # tokens one step schedules at most (vLLM's max_num_batched_tokens)
     evict_hash_algo: str = "sha256"  # vLLM's prefix_caching_hash_algo (the keys of cached windows)
     evict_spec_tokens: int = 0  # speculative decoding: draft tokens per step (vLLM's num_speculative_tokens)
+    evict_layers: int = 1  # layers of the worker that evict (sizes its recall tiers in the engine core)
 
     @property
     def config(self) -> KVEvictConfig:
@@ -46,6 +48,7 @@ class KVEvictSpec(FullAttentionSpec):
         max_chunk: int = 0,
         hash_algo: str = "sha256",
         spec_tokens: int = 0,
+        layers: int = 1,
     ) -> Self:
         base = {f.name: getattr(spec, f.name) for f in fields(FullAttentionSpec) if f.init}
         return cls(
@@ -55,7 +58,19 @@ class KVEvictSpec(FullAttentionSpec):
             evict_max_chunk=max_chunk,
             evict_hash_algo=hash_algo,
             evict_spec_tokens=spec_tokens,
+            evict_layers=layers,
         )
+
+    def with_layers(self, layers: int) -> Self:
+        """This spec, saying that ``layers`` layers of the worker evict."""
+        return dataclasses.replace(self, evict_layers=layers)
+
+    def tier_token_bytes(self, state_bytes: int = 0) -> int:
+        """Host bytes one evicted token takes in a worker's recall tiers, every evicting layer: its
+        key and value as the cache holds them, its position (int64) and score (float32), and
+        ``state_bytes`` of per-slot policy state, per KV head."""
+        kv = self.page_size_bytes // self.block_size
+        return self.evict_layers * (kv + self.num_kv_heads * (8 + 4 + state_bytes))
 
     @property
     def in_flight(self) -> tuple[int, int]:
@@ -89,7 +104,14 @@ class KVEvictSpec(FullAttentionSpec):
         # vLLM's merge on the base class: it checks the common fields
         merged = FullAttentionSpec.merge.__func__(FullAttentionSpec, specs)  # type: ignore[attr-defined]
         first = specs[0]
-        extra = ("evict_config", "evict_max_in_flight", "evict_max_chunk", "evict_hash_algo", "evict_spec_tokens")
+        extra = (
+            "evict_config",
+            "evict_max_in_flight",
+            "evict_max_chunk",
+            "evict_hash_algo",
+            "evict_spec_tokens",
+            "evict_layers",
+        )
         for s in specs:
             assert all(getattr(s, k) == getattr(first, k) for k in extra), "kvevict layers disagree on the window"
         return cls.from_spec(
@@ -99,4 +121,5 @@ class KVEvictSpec(FullAttentionSpec):
             first.evict_max_chunk,
             first.evict_hash_algo,
             first.evict_spec_tokens,
+            first.evict_layers,
         )

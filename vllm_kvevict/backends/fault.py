@@ -55,6 +55,18 @@ FALLBACKS: Counter[str] = Counter()
 
 #: requests that fell back in this worker since the last :func:`step_fallbacks`
 _unreported: set[str] = set()
+#: requests whose windows must no longer be cached, their policy kept (a recall tier trimmed or
+#: lost: it is no longer what the request's configuration computes), since the last report
+_uncached: set[str] = set()
+#: how another rank's report of :data:`_uncached` reads in the gathered set (never a request id)
+_UNCACHED_TAG = "\x00uncached:"
+
+
+def stop_caching(req_id: str | None) -> None:
+    """Nothing more of ``req_id``'s attempt may be cached (its policy stays): reported to the engine
+    core with the step's fallbacks, before it caches anything of the step."""
+    if req_id is not None:
+        _uncached.add(req_id)
 
 
 def policy_of(state: RequestState, decoding: bool = False) -> Policy:
@@ -99,18 +111,20 @@ def fall_back_rows(plan, err: BaseException, rows=None) -> None:
 
 
 def step_fallbacks() -> frozenset[str]:
-    """The requests that fell back in the step just run, on this rank or any other of its
-    tensor-parallel group (called by every rank once per step: the ranks agree), for the step's
-    output to the engine core. A request that fell back on another rank falls back here too: every
-    rank runs the safe policy from the next step on."""
-    mine = frozenset(_unreported)
+    """The requests that fell back in the step just run, or whose windows must no longer be cached
+    (:func:`stop_caching`), on this rank or any other of its tensor-parallel group (called by every
+    rank once per step: the ranks agree), for the step's output to the engine core, which caches
+    nothing of them from then on. A request that fell back on another rank falls back here too:
+    every rank runs the safe policy from the next step on."""
+    mine = frozenset(_unreported) | frozenset(_UNCACHED_TAG + r for r in _uncached - _unreported)
     _unreported.clear()
+    _uncached.clear()
     every = vllm_distributed.union_over_ranks(mine)
     for rid in every - mine:
         st = WORKER.get(rid)
         if st is not None and st.fell_back_from is None:
             st.fell_back_from = "another rank's fallback"
-    return every
+    return frozenset(r.removeprefix(_UNCACHED_TAG) for r in every)
 
 
 def isolate(

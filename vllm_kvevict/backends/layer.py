@@ -72,8 +72,11 @@ class LayerEviction:
         self._w_o: torch.Tensor | None = None
 
     def before(self, query: torch.Tensor, kv_cache: torch.Tensor, plan: StepPlan) -> None:
-        """Before the layer's attention: recall's re-selection of the windows of prompts that
-        complete in this step."""
+        """Before the layer's attention: the per-slot positions and state of the blocks vLLM copied
+        for this step; recall's re-selection of the windows of prompts that complete in it."""
+        if plan.block_copies:
+            with _guarded(plan):
+                self.slots.copy_blocks(kv_cache, plan)
         if plan.states and plan.recall_ends:
             with _eviction_time(query.device), profiling.timed("recall_s", query.device), _guarded(plan):
                 self.recall.before_attention(query, kv_cache, plan)

@@ -21,6 +21,7 @@ from typing import Any
 
 import torch
 
+from vllm_kvevict.backends.tier_store import TIERS, Tier
 from vllm_kvevict.config import KVEvictConfig
 from vllm_kvevict.kernels import torch_ops
 from vllm_kvevict.request import WORKER, LayerState, RequestState, resolve
@@ -49,6 +50,8 @@ class StepPlan:
     query_start_loc: list[int]  # [rows + 1] this step's tokens of row r: [qsl[r], qsl[r + 1])
     prompt_lens: list[int] | None = None  # per row (None in a dummy batch)
     starts: frozenset[str] = frozenset()  # requests starting an attempt in this step
+    #: blocks copied before this step's forward (vLLM's copy-on-write), ``(source, destination)``
+    block_copies: tuple[tuple[int, int], ...] = ()
     #: the windows of each set of rows the eviction step works on, the same in every layer: computed
     #: by the step's first layer (:func:`vllm_kvevict.backends.evict.step_geometry`)
     geometries: dict[tuple, Any] = dataclasses.field(default_factory=dict, compare=False, repr=False)
@@ -57,6 +60,15 @@ class StepPlan:
     def completes_prompt(self, r: int) -> bool:
         """Whether row ``r``'s prompt is completed in this step."""
         return self.prompt_lens is not None and self.L_prev[r] < self.prompt_lens[r] <= self.seq_lens[r]
+
+    def copied_slots(self, block_size: int) -> tuple[torch.Tensor, torch.Tensor] | None:
+        """The slots of the blocks copied before this step (:attr:`block_copies`): sources and
+        destinations, in the same order (None: none)."""
+        if not self.block_copies:
+            return None
+        src, dst = (torch.tensor([p[i] for p in self.block_copies]) for i in (0, 1))
+        within = torch.arange(block_size)
+        return (src[:, None] * block_size + within).flatten(), (dst[:, None] * block_size + within).flatten()
 
     @property
     def compact_rows(self) -> list[int]:
@@ -156,12 +168,15 @@ def request_states(step: RunnerStep, L_prev: list[int], server: KVEvictConfig, b
     starts on (its computed tokens at the step's start: the engine core records the same number
     when it hands the hit over, kv_manager.py). Requests the runner no longer holds go."""
     WORKER.retain(step.live)
+    TIERS.retain(step.live)
     states = []
     for r, rid in enumerate(step.req_ids[: len(L_prev)]):
         extra = step.extra_args[r]
         st = WORKER.open(rid, lambda: resolve(server, extra, block_size))  # called here, if at all
         if rid in step.starts:
             st.restart(L_prev[r])
+            for key, entries in (TIERS.started(rid) or {}).items():  # a cached window's recall tier
+                st.layer(key).tier = Tier.of(entries, st.settings.recall.cap)
         states.append(st)
     return states
 
@@ -204,6 +219,7 @@ def plan_step(cm, server_config, block_size: int, step: RunnerStep | None) -> St
         states=states,
         prompt_lens=step.prompt_lens[:n],
         starts=step.starts,
+        block_copies=step.block_copies,
         **common,
     )
 

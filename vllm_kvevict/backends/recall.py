@@ -25,142 +25,31 @@ restarts after preemption.
 
 from __future__ import annotations
 
-import os
 from collections.abc import Hashable
-from dataclasses import dataclass, field
-from functools import cache
-from typing import Any
 
 import torch
 
 from vllm_kvevict import envs, metrics, profiling
 from vllm_kvevict._logging import logger
+from vllm_kvevict.backends import fault
 from vllm_kvevict.backends.dump import dump_kept
 from vllm_kvevict.backends.layout import CacheLayout, Heads
 from vllm_kvevict.backends.slots import SlotStore
+from vllm_kvevict.backends.tier_store import TIERS, Tier, TierEntry, best_entries, merge_entries
 from vllm_kvevict.kernels import ops, torch_ops
 from vllm_kvevict.policies.attention import pool1d
 from vllm_kvevict.request import WORKER
 
 
-@dataclass
-class TierEntry:
-    """One request's evicted tokens in one layer: ``[n, H, ...]`` (each KV head its own tokens)."""
-
-    K: torch.Tensor
-    V: torch.Tensor
-    pos: torch.Tensor  # [n, H] int64
-    score: torch.Tensor  # [n, H] float32: the policy's score when they were dropped (-inf: none)
-    state: dict[str, torch.Tensor] = field(default_factory=dict)  # per-slot policy state, [n, H]
-    copy: Any = None  # a GPU server: the event its device-to-host copy completes (None: ready)
-
-    @property
-    def tokens(self) -> int:
-        return int(self.pos.shape[0])
-
-    def tensors(self) -> list[torch.Tensor]:
-        return [self.K, self.V, self.pos, self.score, *self.state.values()]
-
-    def map(self, fn) -> TierEntry:
-        """The same tokens with ``fn`` applied to every tensor (K, V, positions, scores, state)."""
-        return TierEntry(
-            fn(self.K), fn(self.V), fn(self.pos), fn(self.score), {k: fn(v) for k, v in self.state.items()}
-        )
-
-
-class Tier:
-    """One request's tier in one layer (kept in its :class:`~vllm_kvevict.request.LayerState`): one
-    merged :class:`TierEntry`, and on a GPU the newest one while its copy to host memory is in flight."""
-
-    def __init__(self) -> None:
-        self.chunks: list[TierEntry] = []
-        self.cap = 0
-
-    def add(self, new: TierEntry, cap: int) -> None:
-        """Append ``new``, keeping the ``cap`` best-scored tokens per KV head. Tokens on a GPU are
-        copied to pinned host memory without waiting; that copy is waited for at the next ``add``
-        or ``take`` (by then the step that issued it has long finished)."""
-        if new.K.device.type != "cpu":
-            new = _to_host(new)
-        self.cap = cap
-        chunks = [*self.chunks, new]
-        last = chunks[-1]
-        if last.copy is not None and not last.copy.query():
-            merged, pending = _merge(chunks[:-1], cap), [last]
-        else:
-            merged, pending = _merge(chunks, cap), []
-        self.chunks = [c for c in (merged, *pending) if c is not None and c.tokens]
-
-    def take(self, device: torch.device | str | None = None) -> TierEntry | None:
-        """The whole tier (on ``device``: copied back from pinned memory asynchronously); the tier
-        is empty afterwards."""
-        chunks, self.chunks = self.chunks, []
-        e = _merge(chunks, self.cap)
-        if e is None or device is None or torch.device(device).type == "cpu":
-            return e
-        return e.map(lambda t: (t if t.is_pinned() else t.pin_memory()).to(device, non_blocking=True))
-
-    def peek(self) -> TierEntry | None:
-        """The whole tier as one entry, kept (its chunks merged in place, a copy in flight waited for)."""
-        e = _merge(self.chunks, self.cap)
-        self.chunks = [e] if e is not None and e.tokens else []
-        return e
-
-    @property
-    def tokens(self) -> int:
-        return sum(c.tokens for c in self.chunks)
-
-    @property
-    def nbytes(self) -> int:
-        return sum(t.nbytes for c in self.chunks for t in c.tensors())
-
-
-def _to_host(e: TierEntry) -> TierEntry:
-    """``e`` copied into pinned host memory, ordered on the current stream; ``copy`` is the event
-    that says it has landed."""
-
-    def pin(t: torch.Tensor) -> torch.Tensor:
-        return torch.empty(t.shape, dtype=t.dtype, pin_memory=True).copy_(t, non_blocking=True)
-
-    out = e.map(pin)
-    out.copy = torch.cuda.Event()
-    out.copy.record()
-    return out
-
-
-def _merge(chunks: list[TierEntry], cap: int) -> TierEntry | None:
-    """The chunks as one entry (their copies waited for), the ``cap`` best per KV head."""
-    if not chunks:
-        return None
-    for c in chunks:
-        if c.copy is not None:
-            c.copy.synchronize()
-            c.copy = None
-    if len(chunks) == 1:
-        e = chunks[0]
-    else:
-        keys = [k for k in chunks[0].state if all(k in c.state for c in chunks)]
-        K, V, pos, score = (torch.cat([getattr(c, f) for c in chunks]) for f in ("K", "V", "pos", "score"))
-        e = TierEntry(K, V, pos, score, {k: torch.cat([c.state[k] for c in chunks]) for k in keys})
-    return _best(e, cap) if e.tokens > cap else e
-
-
 def worker_tiers() -> list[Tier]:
     """Every recall tier of this worker process (all requests and layers)."""
-    return [t for req in request_tiers() for t in req]
+    return [t for req in request_tiers().values() for t in req]
 
 
-def request_tiers() -> list[list[Tier]]:
-    """This worker's recall tiers, one list (its layers') per request that holds any."""
-    out = [[ls.tier for ls in st.layers.values() if ls.tier is not None] for st in WORKER.states()]
-    return [req for req in out if req]
-
-
-@cache
-def default_max_bytes() -> int:
-    """The recall tiers' host-memory budget per worker process when ``recall.max_bytes`` is unset:
-    a sixteenth of the machine's physical memory."""
-    return os.sysconf("SC_PAGE_SIZE") * os.sysconf("SC_PHYS_PAGES") // 16
+def request_tiers() -> dict[str, list[Tier]]:
+    """This worker's recall tiers, its layers' per request that holds any."""
+    out = {rid: [ls.tier for ls in st.layers.values() if ls.tier is not None] for rid, st in WORKER.items()}
+    return {rid: req for rid, req in out.items() if req}
 
 
 def fair_shares(held: list[int], max_bytes: int) -> list[int]:
@@ -197,7 +86,7 @@ def _trim_request(tiers: list[Tier], max_bytes: int) -> None:
     rows = []  # (worth, tier index, bytes of one row)
     entries: list[TierEntry | None] = []
     for i, t in enumerate(tiers):
-        e = _merge(t.chunks, t.cap)  # a copy still in flight is waited for
+        e = merge_entries(t.chunks, t.cap)  # a copy still in flight is waited for
         entries.append(e)
         if e is None or not e.tokens:
             continue
@@ -213,15 +102,7 @@ def _trim_request(tiers: list[Tier], max_bytes: int) -> None:
         used += b
         keep[i] += 1
     for t, e, k in zip(tiers, entries, keep):
-        t.chunks = [_best(e, k)] if e is not None and k else []
-
-
-def _best(e: TierEntry, cap: int) -> TierEntry:
-    """The ``cap`` highest-scored tokens of each KV head (ties: the newer), in position order."""
-    cu = torch.tensor([0, e.tokens], device=e.pos.device)
-    idx, _ = ops.select_topk(e.score, e.pos, cu, torch.tensor([cap], device=e.pos.device))
-    h = torch.arange(e.pos.shape[1], device=e.pos.device)[None, :]
-    return e.map(lambda t: t[idx, h])
+        t.chunks = [best_entries(e, k)] if e is not None and k else []
 
 
 def recall_scores(
@@ -297,7 +178,9 @@ class Recall:
     def stash(self, plan, evicted: dict) -> None:
         """Hand the tokens this step dropped to their requests' tiers (a tier that cannot take
         them, e.g. out of host memory, is dropped: that layer recalls nothing), bound the tiers'
-        memory, and record their size at its fullest."""
+        memory, record their size at its fullest, and leave a snapshot of the tier of each request
+        that shares its windows and compacted at a point before its prompt's end
+        (``backends/tier_store.py``)."""
         for r, (K, V, pos, score, state) in evicted.items():
             ls = plan.layer_state(r, self.key)
             try:
@@ -309,6 +192,7 @@ class Recall:
                 self.failed(plan, r, err)
         if evicted:
             self._bound_tiers(plan, sorted(evicted))
+            self._snapshot(plan, sorted(evicted))
         if profiling.enabled():  # the tiers at their fullest: before this step's recalls take them
             profiling.add(
                 tier_bytes=sum(
@@ -318,15 +202,35 @@ class Recall:
                 )
             )
 
+    def _snapshot(self, plan, rows: list[int]) -> None:
+        """A snapshot of this layer's tier of each of ``rows`` whose request shares its windows,
+        compacted at a point before its prompt's end in this step."""
+        if not plan.req_ids or plan.prompt_lens is None:
+            return
+        for r in rows:
+            st = plan.states[r]
+            b = plan.seq_lens[r]
+            if st.settings.shares_windows and b < plan.prompt_lens[r] and not st.recall_failed:
+                tier = st.layers[self.key].tier
+                TIERS.take(plan.req_ids[r], b, self.key, tier.snapshot() if tier is not None else ())
+
     def _bound_tiers(self, plan, rows: list[int]) -> None:
         """Keep every tier of this worker within ``recall.max_bytes`` (the server's; the default
-        :func:`default_max_bytes`) after ``rows`` added to theirs: each request keeps at least its
-        share, and drops its own lowest-scored tokens first (:func:`trim_tiers`)."""
-        limit = plan.states[rows[0]].settings.config.recall.max_bytes
+        a sixteenth of the machine's memory), less what the cached windows' tiers hold, after ``rows`` added
+        to theirs: each request keeps at least its share, and drops its own lowest-scored tokens
+        first (:func:`trim_tiers`). A request trimmed so no longer holds what its configuration
+        computes: nothing more of it is cached."""
+        limit = plan.states[rows[0]].settings.config.recall.host_bytes
         try:
-            dropped = trim_tiers(request_tiers(), default_max_bytes() if limit is None else limit)
+            tiers = request_tiers()
+            held = {rid: sum(t.nbytes for t in req) for rid, req in tiers.items()}
+            budget = limit - TIERS.nbytes
+            dropped = trim_tiers(list(tiers.values()), max(0, budget))
             if dropped:
                 logger.debug("kvevict: recall tiers over their budget: %d bytes dropped", dropped)
+                for rid, req in tiers.items():
+                    if sum(t.nbytes for t in req) < held[rid]:
+                        fault.stop_caching(rid)
         except Exception as err:  # noqa: BLE001 - memory first: these rows' tiers go
             for r in rows:
                 for ls in plan.states[r].layers.values():
@@ -339,6 +243,8 @@ class Recall:
         WARNING per request, the rest at DEBUG."""
         st = plan.states[r]
         rid = plan.req_ids[r] if plan.req_ids else "?"
+        if st.settings.shares_windows:
+            fault.stop_caching(rid)  # its tier is no longer what its configuration computes
         if st.recall_failed:
             logger.debug("kvevict: request %s: recall failed again (%r)", rid, err)
             return

@@ -52,6 +52,17 @@ class SlotStore:
             self._positions = per_slot("positions", kv_cache, torch.int32, 0)
         return self._positions
 
+    def copy_blocks(self, kv_cache: torch.Tensor, plan: StepPlan) -> None:
+        """What vLLM's block copies of this step (copy-on-write, before its forward) do to the KV,
+        to the per-slot positions, state and snapshots: a copied window keeps its positions."""
+        copied = plan.copied_slots(kv_cache.shape[2])
+        if copied is None:
+            return
+        src, dst = (s.to(kv_cache.device) for s in copied)
+        for t in (self._positions, *self.state.values(), *self._snapshots.values()):
+            if t is not None:
+                t[dst] = t[src]
+
     def policy_state(
         self, kv_cache: torch.Tensor, name: str, dtype: torch.dtype, init: float, snapshot: bool = False
     ) -> torch.Tensor:

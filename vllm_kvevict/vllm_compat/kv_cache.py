@@ -224,6 +224,11 @@ class RequestHooks(Protocol):
         (``runner.output_fallbacks``), first thing in ``Scheduler.update_from_output`` for that
         step: before vLLM advances anything from the step's results."""
 
+    def messages(self, managers: list) -> list:
+        """After every ``Scheduler.schedule``: what the workers must apply before they build the
+        step it scheduled (``SchedulerOutput`` carries it to every worker: :data:`MESSAGES_ATTR`)."""
+        ...
+
     def keeps_every_block(self, request) -> bool:
         """Whether the request's blocks in the KV cache groups that cache sparsely are all kept
         reachable (``retention_interval=None``): vLLM keeps a sliding-window group's blocks
@@ -352,6 +357,29 @@ def _wrap_output(hooks: RequestHooks):
     return make
 
 
+#: The attribute of vLLM's ``SchedulerOutput`` that carries the plugin's messages to the workers (a
+#: list; absent: none). vLLM 0.32/0.33 pickle the output to the workers with its attributes
+#: (``MessageQueue``) or hand it over in process, and every worker's runner sees every output
+#: (``GPUModelRunner._update_states`` runs for a step with no tokens too).
+MESSAGES_ATTR = "kvevict_messages"
+
+
+def _wrap_schedule(hooks: RequestHooks):
+    """``Scheduler.schedule``: the step's messages to the workers on its output."""
+
+    def make(orig):
+        def schedule(self, *args, **kwargs):
+            out = orig(self, *args, **kwargs)
+            messages = hooks.messages(_managers(self.kv_cache_manager))
+            if messages:
+                setattr(out, MESSAGES_ATTR, messages)
+            return out
+
+        return schedule
+
+    return make
+
+
 def install_request_hooks(hooks: RequestHooks) -> None:
     """Wire vLLM's scheduler and KV cache manager to ``hooks`` (:class:`RequestHooks`)."""
     from vllm.v1.core.kv_cache_manager import KVCacheManager
@@ -367,6 +395,7 @@ def install_request_hooks(hooks: RequestHooks) -> None:
     wrap_method(
         Scheduler, "update_from_output", _wrap_output(hooks), "kvevict: the workers' fallbacks, before a step's results"
     )
+    wrap_method(Scheduler, "schedule", _wrap_schedule(hooks), "kvevict: the engine core's messages to the workers")
     wrap_method(
         Scheduler,
         "_reserve_prefill_lookahead",

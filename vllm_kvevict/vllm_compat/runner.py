@@ -21,6 +21,7 @@ import threading
 from collections.abc import Callable
 from dataclasses import dataclass
 
+from vllm_kvevict.vllm_compat.kv_cache import MESSAGES_ATTR
 from vllm_kvevict.vllm_compat.patching import wrap_method
 
 V2_RUNNER_ENV = "VLLM_USE_V2_MODEL_RUNNER"
@@ -39,6 +40,9 @@ class RunnerStep:
     #: requests that start an attempt in this step: new, or resumed after preemption (their
     #: computed tokens at this step's start are a prefix-cache hit, or 0)
     starts: frozenset[str] = frozenset()
+    #: the blocks the workers copy before this step's forward, ``(source, destination)`` block ids
+    #: (vLLM's copy-on-write: ``SchedulerOutput.kv_cache_block_copies``)
+    block_copies: tuple[tuple[int, int], ...] = ()
 
 
 _tls = threading.local()
@@ -55,8 +59,10 @@ def runner_model():
     return _model
 
 
-def install_step_hook() -> None:
-    """Publish each step's rows (:class:`RunnerStep`) while the runner builds attention metadata.
+def install_step_hook(on_messages: Callable[[list], None] | None = None) -> None:
+    """Publish each step's rows (:class:`RunnerStep`) while the runner builds attention metadata;
+    hand the engine core's messages on each ``SchedulerOutput`` (``kv_cache.MESSAGES_ATTR``) to
+    ``on_messages`` before the runner updates its requests from it.
 
     vLLM's ``CommonAttentionMetadata`` carries neither request ids nor prompt lengths; the V1 runner
     has them in ``input_batch``. ``GPUModelRunner._build_attention_metadata(self, num_tokens,
@@ -83,6 +89,7 @@ def install_step_hook() -> None:
                     extra_args=[_extra_args(self.requests.get(rid)) for rid in req_ids],
                     live=frozenset(self.requests),
                     starts=getattr(_tls, "starts", frozenset()),
+                    block_copies=getattr(_tls, "copies", ()),
                 )
             _tls.step = step
             try:
@@ -102,17 +109,30 @@ def install_step_hook() -> None:
 
         return _dummy_run
 
+    wrap_method(GPUModelRunner, "_build_attention_metadata", make_build, "kvevict: each step's requests")
+    wrap_method(GPUModelRunner, "_update_states", _wrap_update(on_messages), "kvevict: requests that start an attempt")
+    wrap_method(GPUModelRunner, "_dummy_run", make_dummy, "kvevict: mark dummy batches")
+
+
+def _wrap_update(on_messages: Callable[[list], None] | None):
+    """``GPUModelRunner._update_states(self, scheduler_output)``: the engine core's messages first,
+    then the requests that start an attempt in the step (``scheduled_new_reqs``,
+    ``scheduled_cached_reqs.resumed_req_ids``)."""
+
     def make_update(orig):
         def _update_states(self, scheduler_output, *args, **kwargs):
+            messages = getattr(scheduler_output, MESSAGES_ATTR, None)
+            if messages and on_messages is not None:
+                on_messages(messages)
             new = {r.req_id for r in scheduler_output.scheduled_new_reqs}
             _tls.starts = frozenset(new | set(scheduler_output.scheduled_cached_reqs.resumed_req_ids))
+            copies = getattr(scheduler_output, "kv_cache_block_copies", None) or ()
+            _tls.copies = tuple((c.src_block_id, c.dst_block_id) for c in copies)
             return orig(self, scheduler_output, *args, **kwargs)
 
         return _update_states
 
-    wrap_method(GPUModelRunner, "_build_attention_metadata", make_build, "kvevict: each step's requests")
-    wrap_method(GPUModelRunner, "_update_states", make_update, "kvevict: requests that start an attempt")
-    wrap_method(GPUModelRunner, "_dummy_run", make_dummy, "kvevict: mark dummy batches")
+    return make_update
 
 
 def _extra_args(state) -> dict | None:
@@ -213,9 +233,10 @@ def add_step_listener(
     wrap_method(GPUModelRunner, "execute_model", make, "kvevict: step boundaries (metrics, KVEVICT_PROFILE_DIR)")
 
 
-def install_spec_check(check: Callable[[object, dict], None]) -> None:
+def install_spec_check(check: Callable[[object, dict], dict]) -> None:
     """``check(vllm_config, specs)`` on every model runner's KV cache specs (layer name -> vLLM's
-    ``KVCacheSpec``, what the attention layers will cache) as the worker reports them, before the
+    ``KVCacheSpec``, what the attention layers will cache), which returns the specs the worker
+    reports (the same, or completed by the plugin), before the
     engine core sizes the pool: the first moment a worker knows which layers a model's attention
     backends made of it. The specs are made inside vLLM's configuration context (the runner's
     configuration): the backends' ``customize_spec``, which vLLM calls there without it, reads it
@@ -228,8 +249,7 @@ def install_spec_check(check: Callable[[object, dict], None]) -> None:
         def get_kv_cache_spec(self, *args, **kwargs):
             with vllm_config_context(self.vllm_config):
                 specs = orig(self, *args, **kwargs)
-            check(self.vllm_config, specs)
-            return specs
+            return check(self.vllm_config, specs)
 
         return get_kv_cache_spec
 

@@ -1,0 +1,97 @@
+# SPDX-License-Identifier: Apache-2.0
+"""Recall and compressed windows together (docs/architecture.md, "Recall tiers with cached windows").
+
+A recall request's window at a compaction point before its prompt's end is cached with its tier (the
+tokens its compactions dropped, kept on the workers under the window's key); a later request with
+that prefix and configuration starts on both, as it would have them had it computed the prefix
+itself. With ``recall.prefill: all`` every chunk of the request attends to its window and its tier,
+so a request started on a window without its tier would compute its prompt against the window alone
+and part from the request computed alone by far (``test_recall_prefill`` measures how far): each
+request here equals the same request computed alone from scratch on the same server (greedy tokens
+and logprobs within the engine tests' tolerance). The step completing a prompt re-selects the window
+in place, so the cached window's blocks are copied first: the next turn of a chat starts on the
+window the previous turn cached, unchanged.
+"""
+
+from __future__ import annotations
+
+import pytest
+
+from tests.engine.evict_common import complete, computed_alone, make_prompt, pool_server, released_line, same_as_alone
+from vllm_kvevict.testing.server import VLLMServer
+from vllm_kvevict.window import WindowConfig, last_boundary, window_bound_blocks
+
+pytestmark = [pytest.mark.engine, pytest.mark.timeout(1200)]
+
+BUDGET, BS, CHUNK, POOL, RECALL_WINDOW = 96, 32, 512, 120, 32
+WINDOW = WindowConfig(BUDGET, BS)  # stride 96
+#: the window bound, and the copies of the window the step completing the prompt rewrites
+BOUND = window_bound_blocks(WINDOW, CHUNK, CHUNK) + BUDGET // BS
+SERVER = {"policy": "keydiff", "budget": BUDGET, "recall": {"enabled": True, "prefill": "all"}}
+
+
+@pytest.fixture(scope="module")
+def server(gqa_model, tmp_path_factory):
+    base, env = tmp_path_factory.mktemp("recall-windows"), {"VLLM_SERVER_DEV_MODE": "1"}
+    with pool_server(gqa_model, base, SERVER, pool=POOL, chunk=CHUNK, max_len=4096, env=env, dump=False) as srv:
+        yield srv
+
+
+def _hits(srv: VLLMServer) -> float:
+    return srv.metrics().get("kvevict:compressed_hits_total", 0.0)
+
+
+def _point(prompt_len: int) -> int:
+    """The window a recall request of ``prompt_len`` tokens starts on: the last compaction point
+    that leaves recall's window of queries to its own prompt."""
+    return last_boundary(min(prompt_len - 1, prompt_len - RECALL_WINDOW), WINDOW)
+
+
+def test_shared_document_starts_on_the_window_and_its_tier(server, vocab):
+    doc = make_prompt(700, 11, vocab)
+    mine = doc + make_prompt(60, 12, vocab)
+    alone = computed_alone(server, mine, 24)
+    first = complete(server, doc + make_prompt(80, 13, vocab), 24)  # computes the document, caches its windows
+    released_line(server, first["id"])
+    hits = _hits(server)
+    out = complete(server, mine, 24)
+    assert out["cached_tokens"] == _point(len(mine)) == 672
+    same_as_alone(out, alone)
+    assert _hits(server) == hits + 1
+    assert released_line(server, out["id"])[2] <= BOUND
+
+
+def test_a_request_needs_recalls_queries_after_the_window(server, vocab):
+    """A request whose prompt ends fewer than recall's ``window`` tokens after a cached window
+    starts on the window before it (it would have seen none of those queries)."""
+    doc = make_prompt(700, 14, vocab)
+    first = complete(server, doc + make_prompt(80, 15, vocab), 8)
+    released_line(server, first["id"])
+    mine = doc[:680]  # 8 tokens past the point 672: the window at 576
+    alone = computed_alone(server, mine, 16)
+    first = complete(server, doc + make_prompt(80, 15, vocab), 8)  # the windows again (the reset dropped them)
+    released_line(server, first["id"])
+    out = complete(server, mine, 16)
+    assert out["cached_tokens"] == _point(len(mine)) == 576
+    same_as_alone(out, alone)
+
+
+def test_chat_turns_start_on_the_window_the_last_turn_cached(server, vocab):
+    """Each turn repeats the previous prompt and answer: it starts on the last window the previous
+    turn cached before its prompt's end (the windows after it depend on where that prompt ended),
+    with that window's tier; the previous turn's own recall, which rewrote its window in place when
+    its prompt completed, did so on copies."""
+    history = make_prompt(500, 16, vocab)
+    last = None
+    for t in range(3):
+        prompt = history + make_prompt(70, 17 + t, vocab)
+        alone = computed_alone(server, prompt, 20)  # the prefix cache reset around it
+        if last is not None:
+            released_line(server, complete(server, last, 20)["id"])  # the last turn, its windows cached again
+        out = complete(server, prompt, 20)
+        if last is not None:  # the last window cached before the last turn's prompt ended
+            point = min(_point(len(prompt)), last_boundary(len(last) - 1, WINDOW))
+            assert out["cached_tokens"] == point, (t, out["cached_tokens"])
+        same_as_alone(out, alone)
+        assert released_line(server, out["id"])[2] <= BOUND
+        last, history = prompt, prompt + out["tokens"]
