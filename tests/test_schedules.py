@@ -58,10 +58,11 @@ from vllm.v1.request import Request, RequestStatus  # noqa: E402
 from vllm_kvevict import kv_manager as mgr  # noqa: E402
 from vllm_kvevict.backends import fault  # noqa: E402
 from vllm_kvevict.backends import plan as worker_plan  # noqa: E402
+from vllm_kvevict.backends.tier_store import TIERS  # noqa: E402
 from vllm_kvevict.config import parse_config  # noqa: E402
 from vllm_kvevict.request import ENGINE, WORKER, resolve  # noqa: E402
 from vllm_kvevict.spec import KVEvictSpec  # noqa: E402
-from vllm_kvevict.vllm_compat.kv_cache import tail_block_key, window_block_keys  # noqa: E402
+from vllm_kvevict.vllm_compat.kv_cache import MESSAGES_ATTR, tail_block_key, window_block_keys  # noqa: E402
 from vllm_kvevict.vllm_compat.runner import RunnerStep, attach_fallbacks  # noqa: E402
 from vllm_kvevict.window import evicted_tokens, last_boundary, peak_blocks, step_window  # noqa: E402
 
@@ -82,7 +83,20 @@ OVERRIDES = [
     {"kvevict_policy": "criticalkv"},
     {"kvevict_policy": "snapkv"},
     {"kvevict_trigger": "once"},
+    {"kvevict_recall": True},
 ]
+
+
+@dataclass(frozen=True)
+class TierLabel:
+    """What a recall tier holds, as the stand-in worker keeps it: the tokens a configuration
+    (``salt``) dropped by the prefix ``at`` (the tier's one entry in each snapshot)."""
+
+    at: bytes
+    salt: str
+
+    def tensors(self) -> list:
+        return []
 
 
 @pytest.fixture(scope="module")
@@ -156,6 +170,7 @@ class Attempt:
     expected: dict[int, object] = field(default_factory=dict)  # logical slot -> the label it must hold
     evicted: bool = False  # a compaction has run in this attempt
     window: tuple | None = None  # (prefix digest, salt) of the window its computed tokens attend to
+    tier: TierLabel | None = None  # recall: what its tier holds (None: no tier)
     sliding: list[int] = field(default_factory=list)  # its blocks in the sliding-window group (hybrid mixes)
 
 
@@ -192,6 +207,8 @@ class StandInWorker:
         self.preemptions = 0
         self.hit_reads = 0
         self.window_reads = 0  # attempts that started on a cached compacted window
+        self.recall_starts = 0  # recall requests among them (their tier checked)
+        self.recalls = 0  # recall's re-selections of a window at a prompt's end
         self.windows: dict[bytes, tuple[bytes, str, int]] = {}  # window block hash -> (prefix, salt, first slot)
         self.tails: dict[bytes, tuple] = {}  # tail block hash -> its slots' labels
         self.tail_reads = 0  # attempts that started past a cached window, on its tail
@@ -213,6 +230,7 @@ class StandInWorker:
 
     def execute(self, out, finished_before: set[str]) -> ModelRunnerOutput:
         self.step_seq += 1
+        TIERS.apply(getattr(out, MESSAGES_ATTR, None) or ())  # as the runner's hook does, first
         for rid in out.finished_req_ids:
             self.attempts.pop(rid, None)
         starts: set[str] = set()
@@ -243,9 +261,10 @@ class StandInWorker:
         # vLLM's block copies, before the step's forward (every source computed in an earlier step)
         copies = [(c.src_block_id, c.dst_block_id) for c in out.kv_cache_block_copies or ()]
         labels = [[self.slots.get((src, o)) for o in range(BS)] for src, _ in copies]
-        for (_, dst), got in zip(copies, labels):
+        for (src, dst), got in zip(copies, labels):
             for o in range(BS):
                 self._write(dst, o, got[o])
+            self.origin[dst] = self.origin.get(src)  # a copy holds its source's computation
         self.copies += len(copies)
         copied = {dst for _, dst in copies}
         computed = {n.req_id: n.num_computed_tokens for n in out.scheduled_new_reqs}
@@ -293,6 +312,7 @@ class StandInWorker:
                     b = last_boundary(L0 if w.decode else min(L0, prompt), w)
                     ds = _prefix_digests(att.tokens[:L0])
                     att.window = (ds[b - 1], settings.window_salt)
+                    self._check_tier(plan, r, rid, att.window)
                     for q in range(e_prev, b):
                         att.expected[q] = ("compacted", *att.window, q)
                     origins = {self.origin.get(att.blocks[q // BS]) for q in range(e_prev, b, BS)}
@@ -318,6 +338,8 @@ class StandInWorker:
                 att.expected[p] = label
                 if self.sliding:  # a sliding-window layer keeps every token's own KV
                     self._write(att.sliding[p // BS], p % BS, ("pure", digests[p]))
+        for r, rid in enumerate(rids):  # with recall, the step completing the prompt re-selects the window read
+            self._recall(plan, r, rid, plan.e_prev[r], L_prev[r], before=True)
         for r, rid in enumerate(rids):  # attention reads the window
             att = self.attempts[rid]
             for q in range(plan.e_prev[r], L_prev[r]):
@@ -368,6 +390,10 @@ class StandInWorker:
                     self._write(att.blocks[q // BS], q % BS, label)
                     self.origin[att.blocks[q // BS]] = (att.uid, self.step_seq)
                     att.expected[q] = label
+                att.tier = TierLabel(at, salt)
+                if state.settings.recall.enabled and L < len(self.prompts[rid]):  # Recall.stash's snapshot
+                    TIERS.take(rid, L, "L0", (att.tier,))
+            self._recall(plan, r, rid, e_new, L, before=False)
             if drafts:  # greedy verification: the drafts that are the model's tokens, then its next one
                 known = L - len(drafts)
                 ok = 0
@@ -390,6 +416,38 @@ class StandInWorker:
         )
         attach_fallbacks(output, fault.step_fallbacks())  # as the runner's output hook does
         return output
+
+    def _check_tier(self, plan, r: int, rid: str, window: tuple) -> None:
+        """A recall request starting on a cached window starts with that window's tier."""
+        state = plan.states[r]
+        if not state.settings.recall.enabled:
+            return
+        self.recall_starts += 1
+        ls = state.layers.get("L0")
+        got = ls.tier.chunks if ls is not None and ls.tier is not None else None
+        if got != [TierLabel(*window)]:
+            self._fail(f"{rid} starts on the window {window} with the tier {got}")
+        self.attempts[rid].tier = TierLabel(*window)
+
+    def _recall(self, plan, r: int, rid: str, lo: int, hi: int, before: bool) -> None:
+        """Recall's re-selection in the step completing row ``r``'s prompt (``before`` its
+        attention: the window ``[E_prev, L_prev)``; after it, ``[E_new, L)``), for a request with
+        recall whose attempt holds a tier: the window's slots then hold what this prompt and
+        configuration recalled."""
+        att, state = self.attempts[rid], plan.states[r]
+        if not (state.settings.recall.enabled and plan.completes_prompt(r)) or att.tier is None or hi <= lo:
+            return
+        if before and state.settings.recall.prefill == "all":
+            return
+        self.recalls += 1
+        prompt = _prefix_digests(att.tokens[: len(self.prompts[rid])])[-1]
+        att.window = (prompt, f"recalled by {att.tier.salt}")
+        for q in range(lo, hi):
+            label = ("recalled", *att.window, q)
+            self._write(att.blocks[q // BS], q % BS, label)
+            att.expected[q] = label
+        if not before:
+            att.tier = None  # the tier goes with the prompt's end
 
     def propose(self, rids: list[str], k: int) -> DraftTokenIds:
         """``k`` draft tokens for each decoding request, as a drafter would propose them: each the
@@ -574,6 +632,7 @@ def run_mix(make_config, mix: Mix) -> StandInWorker:
     """Drive the real scheduler through ``mix``; returns the stand-in worker (its violations)."""
     ENGINE.clear()
     WORKER.clear()
+    TIERS.__init__()  # type: ignore[misc]  # no tier left over from another mix
     fault.step_fallbacks()  # none left over from another mix
     mix = dataclasses.replace(mix, async_scheduling=mix.async_scheduling and not mix.drafts)  # refused with drafts
     config = make_config(mix.max_batched, mix.max_seqs, mix.reserve_full_isl, mix.priority, mix.drafts)
@@ -1065,6 +1124,25 @@ def test_requests_start_on_cached_windows(vllm_config, name):
     worker = run_mix(vllm_config, WINDOW_MIXES[name])
     assert not worker.violations, "\n".join(worker.violations[:10])
     assert worker.window_reads > 0, "no request started on a cached window"
+
+
+RECALL = OVERRIDES.index({"kvevict_recall": True})
+
+
+def _with_recall(mix: Mix) -> Mix:
+    return dataclasses.replace(mix, requests=tuple(dataclasses.replace(r, override=RECALL) for r in mix.requests))
+
+
+@pytest.mark.parametrize("name", sorted(WINDOW_MIXES))
+def test_recall_requests_start_on_cached_windows_with_their_tiers(vllm_config, name):
+    """The window mixes with recall: each request's windows before its prompt's end are cached (as
+    copies: the step completing its prompt re-selects its own window in place) with its tier, a
+    later request starts on a window with that window's tier, and no cached block ever holds what
+    a prompt's end recalled."""
+    worker = run_mix(vllm_config, _with_recall(WINDOW_MIXES[name]))
+    assert not worker.violations, "\n".join(worker.violations[:10])
+    assert worker.recall_starts > 0, "no recall request started on a cached window"
+    assert worker.recalls > 0
 
 
 @pytest.mark.parametrize("sliding", [40, 64])

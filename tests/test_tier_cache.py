@@ -9,7 +9,7 @@ import random
 import torch
 
 from vllm_kvevict.backends.tier_store import Tier, TierEntry, TierStore
-from vllm_kvevict.tier_cache import Drop, End, Keep, Start, TierCache
+from vllm_kvevict.tier_cache import Drop, End, Forget, Keep, Start, TierCache
 
 H, D = 2, 4
 #: host bytes of one evicted token per KV head in these entries: K and V (float32), position, score
@@ -48,17 +48,21 @@ def test_a_tier_over_its_cap_is_merged_and_its_snapshots_keep_theirs():
 def test_the_store_follows_the_messages_in_order():
     store = TierStore()
     a, b = _entry(0, 2), _entry(2, 2)
+    store.take("r0", 96, "L0", (a,))  # not started by the core (its windows are not cached): not kept
+    store.apply([Start("r1", None)])
     store.take("r1", 96, "L0", (a,))
     store.take("r1", 192, "L0", (a, b))
-    store.apply([Keep("r1", 96, "k96"), Keep("r1", 192, "k192"), Start("r2", "k192"), End("r1")])
+    store.take("r1", 288, "L0", (a, b))
+    store.apply([Keep("r1", 96, "k96"), Keep("r1", 192, "k192"), Forget("r1", 288), Start("r2", "k192"), End("r1")])
     assert store.started("r2") == {"L0": (a, b)} and store.started("r2") is None
     assert len(store) == 2 and store.nbytes == 2 * 2 * TOKEN_BYTES  # a and b, a counted once
-    store.apply([Drop("k192")])
+    store.apply([Keep("r0", 96, "k0"), Drop("k192")])  # nothing taken for r0: no tier under k0
     assert len(store) == 1 and store.nbytes == 2 * TOKEN_BYTES
-    store.take("r3", 96, "L0", (a,))
+    store.apply([Start("r3", "k96")])
+    store.take("r3", 192, "L0", (a, b))
     store.retain({"r4"})  # r3 is gone: what it took goes
-    store.apply([Keep("r3", 96, "k96")])  # a keep of nothing leaves no tier under the key
-    assert len(store) == 0 and store.nbytes == 0
+    store.apply([Keep("r3", 192, "k3")])
+    assert len(store) == 1 and store.started("r3") is None
 
 
 def test_the_cores_model_counts_what_the_workers_hold():
@@ -107,6 +111,6 @@ def test_a_tier_a_request_found_stays_until_the_step_has_its_messages():
     assert cache.pin("ka") and not cache.pin("nothing")
     cache.keep("b", 96, "kb", 2, 10**6, TOKEN_BYTES, lambda k: True)  # over the budget: kb goes, not ka
     assert "ka" in cache and "kb" not in cache
-    assert cache.messages() == [Keep("a", 96, "ka"), Keep("b", 96, "kb"), Drop("kb")]
+    assert cache.messages() == [Keep("a", 96, "ka"), Keep("b", 96, "kb"), Drop("kb")]  # no Start: never started
     cache.keep("c", 96, "kc", 2, 10**6, TOKEN_BYTES, lambda k: k != "ka")  # ka's window is gone: ka goes first
     assert "ka" not in cache and "kc" in cache

@@ -329,6 +329,7 @@ class KVEvictManager(FullAttentionManager):
             self.block_pool.free_blocks([blk for *_, blk in att.saves])
             att.saves = []
         self._let_go(att, list(att.window_copies))
+        self.tiers.end(request_id)  # its tier snapshots: none will be kept
 
     def _save(self, request, settings: RequestSettings, att: _Attempt, start: int, p: int) -> None:
         """Copy aside the request's blocks that its compaction at ``p``, in the step just scheduled,
@@ -555,11 +556,15 @@ class KVEvictManager(FullAttentionManager):
             copies = att.window_copies.get(b)
             if not copies and not at_free:
                 self._let_go(att, [b])
+                self.tiers.forget(request.request_id, b)
                 return
             if copies:
                 e = evicted_tokens(b, request.num_prompt_tokens, settings.window) // self.block_size
                 blocks = [*blocks[:e], *copies]
-        if self.window_cache.cache_window(request, settings, b, blocks) and settings.recall.enabled:
+        cached = self.window_cache.cache_window(request, settings, b, blocks)
+        if settings.recall.enabled and not cached:
+            self.tiers.forget(request.request_id, b)
+        elif settings.recall.enabled:
             self.tiers.keep(
                 request.request_id,
                 b,

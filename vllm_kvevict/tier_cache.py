@@ -11,10 +11,12 @@ request that starts on them (a tier grows by appending entries, so a snapshot is
 entries it held, and a tier started on it extends it without copying: copy-on-extend).
 
 The engine core decides everything; the workers follow, in order, the messages it puts on each
-step's ``SchedulerOutput``: :class:`Keep` (the snapshot a worker took of a request's tier at a
-compaction point becomes the tier of the cached window under ``key``), :class:`Start` (a request
-starts on the window under ``key``: its tier starts as that snapshot), :class:`End` (a request's
-attempt ended: its snapshots not kept go), :class:`Drop` (a cached window's tier goes). So the
+step's ``SchedulerOutput``: :class:`Start` (a request whose windows are cached starts an attempt,
+on the window under ``key`` or from scratch: the workers snapshot its tier at its compaction points
+from then on), :class:`Keep` (the snapshot at a point becomes the tier of the window cached under
+``key``), :class:`Forget` (a snapshot the core will not keep goes: the window was cached already,
+or is not cached), :class:`End` (the attempt ended: its snapshots go), :class:`Drop` (a cached
+window's tier goes). So the
 core knows which windows have a tier on the workers without hearing from them: a window is hit only
 with its tier. The tiers' host memory is modelled here (:class:`TierCache`: each kept tier the
 entries its request added since the tier it extends), bounded by a budget, least recently used
@@ -40,11 +42,20 @@ class Keep:
 
 @dataclass(frozen=True)
 class Start:
-    """``request_id`` starts its attempt on the window cached under ``key``: its tier is that
-    window's (shared, extended by its own compactions)."""
+    """``request_id`` starts an attempt whose windows are cached, on the window cached under
+    ``key`` (its tier is that window's, shared, extended by its own compactions) or from scratch
+    (``key`` None)."""
 
     request_id: str
-    key: Hashable
+    key: Hashable | None
+
+
+@dataclass(frozen=True)
+class Forget:
+    """The snapshot of ``request_id``'s tier at ``point`` is not kept."""
+
+    request_id: str
+    point: int
 
 
 @dataclass(frozen=True)
@@ -61,7 +72,7 @@ class Drop:
     key: Hashable
 
 
-Message = Keep | Start | End | Drop
+Message = Keep | Start | Forget | End | Drop
 
 
 @dataclass
@@ -124,7 +135,7 @@ class TierCache:
         self._chains[request_id] = _Chain(node, tokens if node is not None else 0)
         if node is not None:
             self._keys.move_to_end(key)
-            self._outbox.append(Start(request_id, key))
+        self._outbox.append(Start(request_id, key if node is not None else None))
 
     def keep(
         self,
@@ -156,6 +167,11 @@ class TierCache:
         chain.base, chain.base_tokens = node, min(tokens, cap)
         self._outbox.append(Keep(request_id, point, key))
         self._fit(is_cached, key)
+
+    def forget(self, request_id: str, point: int) -> None:
+        """The window ``request_id`` compacted at ``point`` is not cached with its tier."""
+        if request_id in self._chains:
+            self._outbox.append(Forget(request_id, point))
 
     def end(self, request_id: str) -> None:
         """``request_id``'s attempt ended: the workers drop its snapshots not kept."""

@@ -21,7 +21,7 @@ import torch
 
 from vllm_kvevict._logging import logger
 from vllm_kvevict.kernels import ops
-from vllm_kvevict.tier_cache import Drop, End, Keep, Message, Start
+from vllm_kvevict.tier_cache import Drop, End, Forget, Keep, Message, Start
 
 
 @dataclass
@@ -161,12 +161,15 @@ class TierStore:
         self._taken: dict[tuple[str, int], Snapshot] = {}
         self._cached: dict[Hashable, Snapshot] = {}
         self._starts: dict[str, Snapshot] = {}
+        self._snapshotting: set[str] = set()  # requests whose attempt the core started (Start)
         self._refs: dict[int, list[int]] = {}  # id of a cached tier's entry -> [tiers holding it, bytes]
         self.nbytes = 0  # host memory the cached tiers hold (an entry several share counted once)
 
     def take(self, request_id: str, point: int, layer: Hashable, entries: tuple[TierEntry, ...]) -> None:
-        """One layer's tier of ``request_id`` right after its compaction at ``point``."""
-        self._taken.setdefault((request_id, point), {})[layer] = entries
+        """One layer's tier of ``request_id`` right after its compaction at ``point`` (kept only for a
+        request whose windows the engine core caches: it started the attempt with a Start)."""
+        if request_id in self._snapshotting:
+            self._taken.setdefault((request_id, point), {})[layer] = entries
 
     def apply(self, messages: Iterable[Message]) -> None:
         """The engine core's messages for the step about to be built, in order."""
@@ -179,18 +182,29 @@ class TierStore:
                 else:
                     self._cache(m.key, snap)
             elif isinstance(m, Start):
-                snap = self._cached.get(m.key)
-                if snap is None:  # pragma: no cover - the core starts requests only on kept tiers
-                    logger.warning(
-                        "kvevict: request %s starts on a recall tier this worker does not hold", m.request_id
-                    )
-                self._starts[m.request_id] = snap or {}
+                self._start(m)
+            elif isinstance(m, Forget):
+                self._taken.pop((m.request_id, m.point), None)
             elif isinstance(m, End):
-                self._starts.pop(m.request_id, None)
-                for k in [k for k in self._taken if k[0] == m.request_id]:
-                    del self._taken[k]
+                self._forget(m.request_id)
             elif isinstance(m, Drop):
                 self._uncache(m.key)
+
+    def _start(self, m: Start) -> None:
+        self._forget(m.request_id)  # what an earlier attempt took
+        self._snapshotting.add(m.request_id)
+        if m.key is None:
+            return
+        snap = self._cached.get(m.key)
+        if snap is None:  # pragma: no cover - the core starts requests only on kept tiers
+            logger.warning("kvevict: request %s starts on a recall tier this worker does not hold", m.request_id)
+        self._starts[m.request_id] = snap or {}
+
+    def _forget(self, request_id: str) -> None:
+        self._starts.pop(request_id, None)
+        self._snapshotting.discard(request_id)
+        for k in [k for k in self._taken if k[0] == request_id]:
+            del self._taken[k]
 
     def _cache(self, key: Hashable, snap: Snapshot) -> None:
         self._cached[key] = snap
@@ -217,10 +231,9 @@ class TierStore:
     def retain(self, live: frozenset[str] | set[str]) -> None:
         """Forget what requests the model runner no longer holds took or were to start on (after
         this step's messages: a window cached as a request is freed is kept before it goes)."""
-        for k in [k for k in self._taken if k[0] not in live]:
-            del self._taken[k]
-        for rid in [r for r in self._starts if r not in live]:
-            del self._starts[rid]
+        for rid in {k[0] for k in self._taken} | set(self._starts) | self._snapshotting:
+            if rid not in live:
+                self._forget(rid)
 
     def __len__(self) -> int:
         return len(self._cached)
