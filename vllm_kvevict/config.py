@@ -164,8 +164,9 @@ class RecallConfig(BaseModel):
         None,
         ge=0,
         le=2**50,
-        description="host memory all recall tiers of one worker process may hold, in bytes (the lowest-scored "
-        "tokens across requests go first); unset: a sixteenth of the machine's physical memory",
+        description="host memory all recall tiers of one worker process may hold, in bytes, those of cached "
+        "windows at most half (the lowest-scored tokens across requests go first); unset: a sixteenth of the "
+        "machine's physical memory",
     )
 
     @property

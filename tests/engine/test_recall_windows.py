@@ -27,13 +27,23 @@ BUDGET, BS, CHUNK, POOL, RECALL_WINDOW = 96, 32, 512, 120, 32
 WINDOW = WindowConfig(BUDGET, BS)  # stride 96
 #: the window bound, and the copies of the window the step completing the prompt rewrites
 BOUND = window_bound_blocks(WINDOW, CHUNK, CHUNK) + BUDGET // BS
-SERVER = {"policy": "keydiff", "budget": BUDGET, "recall": {"enabled": True, "prefill": "all"}}
+#: host bytes of one evicted token of the test model in a worker's tiers: 2 layers x 2 KV heads x
+#: (key and value, 64 float32 each; position and score)
+TOKEN_BYTES = 2 * 2 * (2 * 64 * 4 + 8 + 4)
 
 
-@pytest.fixture(scope="module")
-def server(gqa_model, tmp_path_factory):
-    base, env = tmp_path_factory.mktemp("recall-windows"), {"VLLM_SERVER_DEV_MODE": "1"}
-    with pool_server(gqa_model, base, SERVER, pool=POOL, chunk=CHUNK, max_len=4096, env=env, dump=False) as srv:
+def _server(model, base, prefill: str, **recall):
+    cfg = {"policy": "keydiff", "budget": BUDGET, "recall": {"enabled": True, "prefill": prefill, **recall}}
+    env = {"VLLM_SERVER_DEV_MODE": "1", "KVEVICT_TEST_HOLD": str(base / "hold")}
+    return pool_server(model, base, cfg, pool=POOL, chunk=CHUNK, max_len=4096, env=env, dump=False)
+
+
+@pytest.fixture(scope="module", params=["all", "window"])
+def server(gqa_model, tmp_path_factory, request):
+    """With ``prefill: all`` a missing tier would change every chunk after the window; with
+    ``window`` (the default) the prompt's end, whose re-selection reads the tier, before and after
+    the question's attention."""
+    with _server(gqa_model, tmp_path_factory.mktemp(f"recall-windows-{request.param}"), request.param) as srv:
         yield srv
 
 
@@ -95,3 +105,39 @@ def test_chat_turns_start_on_the_window_the_last_turn_cached(server, vocab):
         same_as_alone(out, alone)
         assert released_line(server, out["id"])[2] <= BOUND
         last, history = prompt, prompt + out["tokens"]
+
+
+def test_windows_cached_before_an_abort_are_exact(server, vocab):
+    """A client disconnects while its request's prefill is held past its first compaction: the
+    windows (and tiers) whose steps had run are cached as the engine core frees it, and a request
+    with that prefix equals the same request alone."""
+    doc = make_prompt(1000, 21, vocab)
+    mine = doc[:300] + make_prompt(50, 22, vocab)
+    alone = computed_alone(server, mine, 16)
+    rid = server.abort_mid_prefill(
+        {"model": server.served_model_name, "prompt": doc, "max_tokens": 8, "temperature": 0.0}
+    )
+    released_line(server, rid)
+    out = complete(server, mine, 16)
+    same_as_alone(out, alone)
+    assert out["cached_tokens"] in (0, 96, 192, 288)  # a pure hit, or a window the aborted request cached
+
+
+def test_a_window_whose_tier_was_dropped_is_not_started_on(gqa_model, tmp_path_factory, vocab):
+    """The cached tiers may hold half of ``recall.max_bytes``: here one document's, so a second
+    document's tiers drop the first's (least recently used), whose windows' blocks stay in vLLM's
+    cache. A request with the first document's prefix does not start on those windows (it would
+    start without their tier): it computes from its pure prefix, as alone."""
+    tiers = int(1.5 * 672 * TOKEN_BYTES)  # one document's tiers (672 tokens dropped by its last point), not two
+    base = tmp_path_factory.mktemp("recall-windows-budget")
+    with _server(gqa_model, base, "all", max_bytes=2 * tiers) as srv:
+        doc1, doc2 = make_prompt(780, 31, vocab), make_prompt(780, 32, vocab)
+        mine = doc1[:700] + make_prompt(60, 33, vocab)
+        alone = computed_alone(srv, mine, 16)
+        released_line(srv, complete(srv, doc1, 8)["id"])
+        released_line(srv, complete(srv, doc2, 8)["id"])
+        out = complete(srv, mine, 16)
+        assert out["cached_tokens"] == BUDGET  # its pure prefix: the first compaction's E
+        same_as_alone(out, alone)
+        control = complete(srv, doc2[:700] + make_prompt(60, 34, vocab), 16)
+        assert control["cached_tokens"] == 672  # the second document's windows kept their tiers

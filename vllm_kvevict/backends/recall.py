@@ -359,12 +359,14 @@ class Recall:
             st = plan.states[r]
             ls = st.layers.get(self.key)
             start, end = plan.e_prev[r], plan.L_prev[r]
-            if ls is None or ls.tier is None or ls.recall_queries is None or end <= start:
+            if ls is None or ls.tier is None or end <= start:
                 continue
             if st.settings.recall.prefill == "all":  # the question attends to window and tier after all
                 continue
             Q = query[qsl[r] : qsl[r + 1]].transpose(0, 1)  # [H_q, m, d]
-            Qw = torch.cat([ls.recall_queries, Q], dim=1)[:, -st.settings.recall.window :]
+            if ls.recall_queries is not None:  # none in the first step of a request started on a window
+                Q = torch.cat([ls.recall_queries, Q], dim=1)
+            Qw = Q[:, -st.settings.recall.window :]
             tier_of, ls.tier = ls.tier, None
             got = self._reselect(kv_cache, plan, r, tier_of, Qw, start, end, plan.seq_lens[r], losers=True)
             if got is None:
