@@ -26,6 +26,7 @@ gauges are dropped.
 | ``kvevict:recalled_tokens_total`` | counter | policy | workers: evicted token slots recall brought back |
 | ``kvevict:recall_tier_tokens`` | gauge | | workers: token slots held in recall tiers |
 | ``kvevict:recall_tier_bytes`` | gauge | | workers: host memory those tiers hold (bytes) |
+| ``kvevict:recall_cached_tier_bytes`` | gauge | | workers: host memory the tiers of cached windows hold (bytes) |
 
 ``tokens_evicted`` counts token slots per sequence (every layer and KV head evicts the same
 number); ``policy`` is the request's own policy (its override, else the server's). A window is
@@ -72,6 +73,7 @@ GAUGES = {
     "window_blocks_bound": "Sum of the window bounds (most blocks each may hold) of those requests",
     "recall_tier_tokens": "Evicted token slots held in recall tiers (all layers and KV heads; outside vLLM's pool)",
     "recall_tier_bytes": "Host memory held by recall tiers, bytes (bounded by recall.max_bytes per worker)",
+    "recall_cached_tier_bytes": "Host memory held by the recall tiers of cached windows, bytes (at most half of recall.max_bytes)",
 }
 HISTOGRAM = ("eviction_seconds", "Time spent evicting (scoring, selecting, compacting) per model step, all layers")
 

@@ -44,6 +44,7 @@ def _end_step(rec: metrics.Recorder) -> None:
     tiers = worker_tiers()
     rec.set("recall_tier_tokens", sum(t.tokens for t in tiers))
     rec.set("recall_tier_bytes", sum(t.nbytes for t in tiers))
+    rec.set("recall_cached_tier_bytes", TIERS.nbytes)
     rec.end_step()
 
 

@@ -200,7 +200,7 @@ PRESETS = {
             "user_len": 400,
             "turn_output_len": 48,
             # history of five 500-token turns: about 2,700 tokens when the question comes, 5x the budget
-            "needle_conversations": 12,
+            "needle_conversations": 20,
             "needle_user_len": 500,
         },
     },
@@ -394,6 +394,7 @@ def cmd_prefix(args) -> int:
         tuple(args.servers.split(",")) if args.servers else prefix.SERVERS,
         args.out,
         progress=True,
+        recall_prefill=args.recall_prefill,
     )
     return _finish(args, "prefix", prefix, report)
 
@@ -487,7 +488,13 @@ def build_parser() -> argparse.ArgumentParser:
     ):
         x.add_argument(f"--{name}", type=typ, default=None)
     x.add_argument("--stride", type=int, default=None, help="kvevict's compaction stride (default: the budget)")
-    x.add_argument("--servers", default=None, help="which servers besides stock (default: all four)")
+    x.add_argument("--servers", default=None, help="which servers besides stock (default: all)")
+    x.add_argument(
+        "--recall-prefill",
+        choices=("all", "window"),
+        default="all",
+        help="the recall server's recall.prefill (default: all, every chunk over the window and the tier)",
+    )
     x.set_defaults(func=cmd_prefix)
 
     s = sub.add_parser(

@@ -3,10 +3,12 @@
 
     kvevict-bench prefix --preset smoke|full
 
-Four servers, one after the other, with the same model, KV cache (``--num-gpu-blocks-override``)
+Five servers, one after the other, with the same model, KV cache (``--num-gpu-blocks-override``)
 and prefill chunk: stock vLLM with prefix caching (its default), kvevict with prefix caching (its
-default: pure blocks and compacted windows cached), kvevict caching pure blocks only
-(``cache_windows: false``), kvevict with ``--no-enable-prefix-caching``. Two workloads on each:
+default: pure blocks and compacted windows cached), kvevict with recall and prefix caching (windows
+cached with their recall tiers; ``recall.prefill`` as ``--recall-prefill`` says), kvevict caching
+pure blocks only (``cache_windows: false``), kvevict with ``--no-enable-prefix-caching``. Two
+workloads on each:
 
 * *shared prefix*: vLLM's own ``vllm bench serve --dataset-name prefix_repetition`` (one long
   prefix, a distinct suffix per request, all sent at once with ``--max-concurrency``): its TTFT
@@ -15,8 +17,8 @@ default: pure blocks and compacted windows cached), kvevict caching pure blocks 
   prompt and answer) plus a new user message, turn after turn, concurrently across
   conversations, until the history is several times the budget: TTFT per turn (median over the
   conversations), total output throughput, hit rate, and the peak of KV blocks in use;
-* *multi-turn needle* (quality, stock and kvevict with prefix caching: the other two kvevict
-  servers compact at the same points and keep the same tokens): chat conversations through the
+* *multi-turn needle* (quality, stock, kvevict and kvevict with recall, prefix caching on: the other
+  two kvevict servers compact at the same points and keep the same tokens): chat conversations through the
   model's chat template whose first user turn hides a magic number in varied text, whose middle
   turns add more text, and whose last turn asks for the number; the share of conversations
   answered (RULER's string match), beside the same conversations without eviction.
@@ -45,15 +47,19 @@ from vllm_kvevict.bench.serving import BLOCK, Sampler, ServerSpec, common_args, 
 if TYPE_CHECKING:
     from openai.types.chat import ChatCompletionMessageParam
 
-SERVERS = ("stock", "kvevict", "kvevict-pure", "kvevict-nocache")
-COLORS = ("gray", "tab:blue", "tab:green", "tab:orange")
+SERVERS = ("stock", "kvevict", "kvevict-recall", "kvevict-pure", "kvevict-nocache")
+COLORS = ("gray", "tab:blue", "tab:purple", "tab:green", "tab:orange")
+#: the servers the multi-turn needle runs on
+NEEDLE_SERVERS = ("stock", "kvevict", "kvevict-recall")
 
 
-def _specs(policy: str, budget: int, stride: int | None = None) -> list[ServerSpec]:
+def _specs(policy: str, budget: int, stride: int | None = None, recall_prefill: str = "all") -> list[ServerSpec]:
     cfg: tuple[tuple[str, object], ...] = (("stride", stride),) if stride else ()
+    recall = ("recall", {"enabled": True, "prefill": recall_prefill})
     return [
         ServerSpec("stock"),
         ServerSpec("kvevict", policy, budget, config=cfg),
+        ServerSpec("kvevict-recall", policy, budget, config=(*cfg, recall)),
         ServerSpec("kvevict-pure", policy, budget, config=(*cfg, ("cache_windows", False))),
         ServerSpec("kvevict-nocache", policy, budget, extra=("--no-enable-prefix-caching",), config=cfg),
     ]
@@ -266,13 +272,16 @@ def multi_turn(srv, conversations: int, turns: int, user_len: int, output_len: i
         for t in range(turns)
     ]
     out_tokens = sum(r["output_tokens"] for c in convs for r in c)
+    after = metrics(srv.base_url)
     return {
+        # what the recall tiers of cached windows hold at the end (recall servers; a gauge per worker)
+        "cached_tier_bytes": after.get("kvevict:recall_cached_tier_bytes", 0.0),
         "wall_s": wall,
         "output_tok_per_s": out_tokens / wall,
         "output_tokens": out_tokens,
         "per_turn": per_turn,
         "peak_kv_usage": sampler.peak_usage,
-        **_hit_rate(before, metrics(srv.base_url)),
+        **_hit_rate(before, after),
     }
 
 
@@ -316,12 +325,13 @@ def run_prefix(
     servers: tuple[str, ...] = SERVERS,
     log_dir: str = ".",
     progress: bool = False,
+    recall_prefill: str = "all",
 ) -> dict:
     """Both workloads on every server, and the multi-turn needle on stock and kvevict (when
     ``needle_conversations_n``: that many conversations of ``turns`` turns, ``needle_user_len``
     tokens of text per user turn, ``conversations`` at a time). ``stride``: the kvevict servers'
     compaction stride (None: the default, the budget). ``servers``: which of :data:`SERVERS` to
-    run (stock always)."""
+    run (stock always); ``recall_prefill``: the recall server's ``recall.prefill``."""
     unknown = set(servers) - set(SERVERS)
     if unknown:
         raise ValueError(f"unknown servers {sorted(unknown)}: choose from {', '.join(SERVERS)}")
@@ -329,7 +339,7 @@ def run_prefix(
     out_dir.mkdir(parents=True, exist_ok=True)
     common = common_args(kv_blocks, max_model_len, max(concurrency, conversations), chunk)
     results: dict[str, dict] = {}
-    specs = [sp for sp in _specs(policy, budget, stride) if sp.name == "stock" or sp.name in servers]
+    specs = [sp for sp in _specs(policy, budget, stride, recall_prefill) if sp.name == "stock" or sp.name in servers]
     needles = []
     if needle_conversations_n:
         from transformers import AutoTokenizer
@@ -354,7 +364,7 @@ def run_prefix(
             res["multi_turn"] = multi_turn(srv, conversations, turns, user_len, turn_output_len)
             if bar is not None:
                 bar.update(1)
-            if needles and spec.name in ("stock", "kvevict"):
+            if needles and spec.name in NEEDLE_SERVERS:
                 res["needle"] = needle_chat(srv, needles, turn_output_len, conversations)
             if spec.policy is not None:  # every request within its window bound (both workloads)
                 res["windows"] = window_peaks(srv.log())
@@ -376,6 +386,7 @@ def run_prefix(
         "policy": policy,
         "budget": budget,
         "stride": stride or budget,
+        "recall_prefill": recall_prefill,
         "chunk": chunk,
         "kv_blocks": kv_blocks,
         "block_size": BLOCK,
@@ -445,17 +456,23 @@ def format_table(report: dict) -> str:
             lines.append(
                 f"{name}: {w['requests']} requests released, at most {w['max_peak_blocks']} blocks held by one "
                 f"(window bound {w['max_bound_blocks']}), {w['over_bound']} over their bound"
+                + (
+                    f"; cached windows' recall tiers {r[name]['multi_turn']['cached_tier_bytes'] / 2**20:.1f} MiB "
+                    "after the chat"
+                    if r[name]["multi_turn"].get("cached_tier_bytes")
+                    else ""
+                )
             )
     if "needle" in r["stock"]:
         lines.append(
             f"multi-turn needle: {report['needle_conversations']} chats of {turns} turns "
             f"(+{report['needle_user_len']} text tokens per turn, the needle in the first, the question in the last; "
             f"last prompt {int(r['stock']['needle']['last_prompt_tokens'])} tokens): answered "
-            + ", ".join(f"{n} {r[n]['needle']['score']:.0%}" for n in ("stock", "kvevict") if "needle" in r[n])
-            + (
-                f" (windows served {_window_share(r['kvevict']['needle']):.0%} of kvevict's prompt tokens)"
-                if "needle" in r.get("kvevict", {})
-                else ""
+            + ", ".join(
+                f"{n} {r[n]['needle']['score']:.0%}"
+                + (f" (windows served {_window_share(r[n]['needle']):.0%})" if n != "stock" else "")
+                for n in NEEDLE_SERVERS
+                if "needle" in r.get(n, {})
             )
         )
     lines.append(
