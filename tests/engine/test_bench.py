@@ -105,12 +105,13 @@ def test_overhead_smoke(smollm2_model, tmp_path):
 @pytest.mark.slow
 def test_prefix_smoke(smollm2_model, tmp_path):
     """Shared prefixes (vLLM's own bench serve, prefix_repetition) and multi-turn chat on stock vLLM
-    and kvevict with prefix caching (pure blocks and compacted windows), with pure blocks only, and
-    without: kvevict reuses the windows it compacted (more than the pure prefix alone), the
-    cache-off server reuses nothing; the multi-turn needle runs on stock and kvevict."""
+    and kvevict with prefix caching (pure blocks and compacted windows), with recall (the windows
+    with their tiers), with pure blocks only, and without: kvevict reuses the windows it compacted
+    (more than the pure prefix alone), so does the recall server, the cache-off server reuses
+    nothing; the multi-turn needle runs on stock, kvevict and kvevict with recall."""
     r = _bench(tmp_path, "prefix")
     res = r["results"]
-    assert set(res) == {"stock", "kvevict", "kvevict-pure", "kvevict-nocache"}
+    assert set(res) == {"stock", "kvevict", "kvevict-recall", "kvevict-pure", "kvevict-nocache"}
     for _name, v in res.items():
         s, m = v["shared_prefix"], v["multi_turn"]
         assert s["completed"] == r["num_prompts"] and s["median_ttft_s"] > 0 and s["output_tok_per_s"] > 0
@@ -124,18 +125,21 @@ def test_prefix_smoke(smollm2_model, tmp_path):
     assert res["kvevict"]["multi_turn"]["prefix_hit_rate"] > res["kvevict-pure"]["multi_turn"]["prefix_hit_rate"]
     assert res["kvevict"]["multi_turn"]["compressed_hit_tokens"] > 0
     assert res["kvevict-pure"]["multi_turn"]["compressed_hit_tokens"] == 0
-    assert set(r["kvevict_over_stock"]) == {"kvevict", "kvevict-pure", "kvevict-nocache"}
-    for name in ("kvevict", "kvevict-pure", "kvevict-nocache"):  # every request within its window bound
+    recall = res["kvevict-recall"]["multi_turn"]
+    assert recall["compressed_hit_tokens"] > 0 and recall["cached_tier_bytes"] > 0
+    assert set(r["kvevict_over_stock"]) == {"kvevict", "kvevict-recall", "kvevict-pure", "kvevict-nocache"}
+    for name in ("kvevict", "kvevict-recall", "kvevict-pure", "kvevict-nocache"):  # within their window bound
         assert res[name]["windows"]["requests"] > 0 and res[name]["windows"]["over_bound"] == 0
     # The multi-turn needle: stock and kvevict answer the same conversations, kvevict on its windows.
-    needle = {n: res[n]["needle"] for n in ("stock", "kvevict")}
+    needle = {n: res[n]["needle"] for n in ("stock", "kvevict", "kvevict-recall")}
     assert all("needle" not in res[n] for n in ("kvevict-pure", "kvevict-nocache"))
     for n in needle.values():
         assert len(n["conversations"]) == r["needle_conversations"] and 0 <= n["score"] <= 1
         assert n["last_prompt_tokens"] > 2 * r["budget"]
-    assert [c["answer"] for c in needle["stock"]["conversations"]] == [
-        c["answer"] for c in needle["kvevict"]["conversations"]
-    ]
+    for n in ("kvevict", "kvevict-recall"):
+        assert [c["answer"] for c in needle["stock"]["conversations"]] == [
+            c["answer"] for c in needle[n]["conversations"]
+        ]
     assert needle["kvevict"]["compressed_hit_tokens"] > 0
 
 

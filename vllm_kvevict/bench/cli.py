@@ -177,8 +177,10 @@ PRESETS = {
             "shared_output_len": 8,
             "concurrency": 2,
             "conversations": 2,
-            "turns": 4,  # the history passes the first compaction point (512) in turn 2: turn 3 starts on its window
-            "user_len": 160,
+            # the history passes the first compaction point (512) in turn 2, before its prompt's end: turn 3
+            # starts on its window (with recall too)
+            "turns": 4,
+            "user_len": 200,
             "turn_output_len": 16,
             "needle_conversations": 2,
             "needle_user_len": 200,
