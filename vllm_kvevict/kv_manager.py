@@ -316,6 +316,10 @@ class KVEvictManager(FullAttentionManager):
         shares = st.settings.shares_windows and (self.copies or not st.settings.recall.enabled)
         return self.enable_caching and shares and st.fell_back_from is None
 
+    def _shares_tiers(self, st: RequestState) -> bool:
+        """Whether the request's windows are cached with their recall tiers."""
+        return st.settings.recall.enabled and self._caches_windows(st)
+
     def fell_back(self, request_id: str) -> None:
         """A worker replaced the request's policy by the safe policy in a step whose results the
         core has not yet seen: nothing of the request is cached from now on (its windows, tails and
@@ -628,9 +632,10 @@ class KVEvictManager(FullAttentionManager):
         users of one document arriving together then compute it once, as they would on stock
         vLLM, whose blocks are shared while they are computed (a compacted window exists only once
         the step that makes it has run). The wait ends when that request has processed the point
-        past the shared prefix (its copies are then cached) or is no longer running."""
+        past the shared prefix (its copies are then cached) or is no longer running. Requests that
+        cache their tails wait, and recall requests whose windows are cached with their tiers."""
         st = ENGINE.get(request.request_id)
-        if not self.copies or st is None or not st.settings.shares_tails:
+        if not self.copies or st is None or not (st.settings.shares_tails or self._shares_tiers(st)):
             return False
         settings, hbs = st.settings, self.block_pool.hash_block_size
         window = settings.window
