@@ -143,7 +143,7 @@ class KVEvictManager(FullAttentionManager):
         """A recall request whose windows are cached starts its attempt, on a cached window's
         tier (``tier_cache.Start``) or from scratch."""
         st = ENGINE.get(request_id)
-        if st is None or st.request is None or not self._caches_windows(st) or not st.settings.recall.enabled:
+        if st is None or st.request is None or not self._shares_tiers(st):
             return
         b, prompt = st.window_hit, st.request.num_prompt_tokens
         key = self.window_cache.tier_key(st.request, st.settings, b) if b else None
@@ -156,16 +156,20 @@ class KVEvictManager(FullAttentionManager):
         step's forward (no copy when the pool has no room to spare: that window is not cached)."""
         if not st.settings.recall.enabled:
             return
-        bs, pool, window = self.block_size, self.block_pool, st.settings.window
+        bs, window = self.block_size, st.settings.window
         blocks = self.req_to_blocks.get(request.request_id, [])
         for b in att.windows:
             if b > start or b in att.window_copies:
                 continue
             todo = blocks[evicted_tokens(b, request.num_prompt_tokens, window) // bs : b // bs]
-            if pool.get_num_free_blocks() - len(todo) < max(len(todo), pool.num_gpu_blocks // 8):
-                att.window_copies[b] = []
-                continue
-            att.window_copies[b] = [vllm_kv_cache.copy_aside(self, blk) for blk in todo]
+            room = self._room_to_copy(len(todo))
+            att.window_copies[b] = [vllm_kv_cache.copy_aside(self, blk) for blk in todo] if room else []
+
+    def _room_to_copy(self, n: int) -> bool:
+        """Whether the pool has room to spare for ``n`` copies aside: after them, at least as many
+        free blocks and an eighth of the pool."""
+        pool = self.block_pool
+        return pool.get_num_free_blocks() - n >= max(n, pool.num_gpu_blocks // 8)
 
     def _hit_copies(self, request_id: str, hit: int) -> tuple[int, int]:
         """The tokens ``[lo, hi)`` of a request's ``hit``-token prefix-cache hit that it copies
@@ -361,7 +365,7 @@ class KVEvictManager(FullAttentionManager):
             if key is not None and vllm_kv_cache.cached_block(pool, key) is not None:
                 continue
             todo.append((i, blk))
-        if not todo or pool.get_num_free_blocks() - len(todo) < max(len(todo), pool.num_gpu_blocks // 8):
+        if not todo or not self._room_to_copy(len(todo)):
             return
         for i, blk in todo:
             att.saves.append((p, i, vllm_kv_cache.copy_aside(self, blk)))

@@ -56,6 +56,7 @@ class StepPlan:
     #: by the step's first layer (:func:`vllm_kvevict.backends.evict.step_geometry`)
     geometries: dict[tuple, Any] = dataclasses.field(default_factory=dict, compare=False, repr=False)
     _slots: dict[tuple[int, Ranges], torch.Tensor] = dataclasses.field(default_factory=dict, compare=False, repr=False)
+    _copied: tuple[torch.Tensor, torch.Tensor] | None = dataclasses.field(default=None, compare=False, repr=False)
 
     def completes_prompt(self, r: int) -> bool:
         """Whether row ``r``'s prompt is completed in this step."""
@@ -63,9 +64,14 @@ class StepPlan:
 
     def copied_slots(self, block_size: int) -> tuple[torch.Tensor, torch.Tensor] | None:
         """The slots of the blocks copied before this step (:attr:`block_copies`): sources and
-        destinations, in the same order (None: none)."""
+        destinations, in the same order (None: none); made once for every layer of the step."""
         if not self.block_copies:
             return None
+        if self._copied is None:
+            self._copied = self._copied_slots(block_size)
+        return self._copied
+
+    def _copied_slots(self, block_size: int) -> tuple[torch.Tensor, torch.Tensor]:
         src, dst = (torch.tensor([p[i] for p in self.block_copies]) for i in (0, 1))
         within = torch.arange(block_size)
         return (src[:, None] * block_size + within).flatten(), (dst[:, None] * block_size + within).flatten()
