@@ -58,6 +58,8 @@ def test_the_store_follows_the_messages_in_order():
     assert len(store) == 2 and store.nbytes == 2 * 2 * TOKEN_BYTES  # a and b, a counted once
     store.apply([Keep("r0", 96, "k0"), Drop("k192")])  # nothing taken for r0: no tier under k0
     assert len(store) == 1 and store.nbytes == 2 * TOKEN_BYTES
+    store.apply([Start("r5", "gone")])  # a tier this worker does not hold: the request is told, once
+    assert store.started("r5") is None and store.lost("r5") and not store.lost("r5")
     store.apply([Start("r3", "k96")])
     store.take("r3", 192, "L0", (a, b))
     store.retain({"r4"})  # r3 is gone: what it took goes

@@ -21,6 +21,7 @@ from typing import Any
 
 import torch
 
+from vllm_kvevict.backends import fault
 from vllm_kvevict.backends.tier_store import TIERS, Tier
 from vllm_kvevict.config import KVEvictConfig
 from vllm_kvevict.kernels import torch_ops
@@ -183,6 +184,8 @@ def request_states(step: RunnerStep, L_prev: list[int], server: KVEvictConfig, b
             st.restart(L_prev[r])
             for key, entries in (TIERS.started(rid) or {}).items():  # a cached window's recall tier
                 st.layer(key).tier = Tier.of(entries, st.settings.recall.cap)
+            if TIERS.lost(rid):  # its window's tier is not here: the engine core hears of it
+                fault.fall_back(st, rid, st.settings.policy, RuntimeError("its window's recall tier is missing"))
         states.append(st)
     return states
 

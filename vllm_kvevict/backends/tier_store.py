@@ -162,6 +162,7 @@ class TierStore:
         self._cached: dict[Hashable, Snapshot] = {}
         self._starts: dict[str, Snapshot] = {}
         self._snapshotting: set[str] = set()  # requests whose attempt the core started (Start)
+        self._lost: set[str] = set()  # requests started on a tier this worker does not hold
         self._refs: dict[int, list[int]] = {}  # id of a cached tier's entry -> [tiers holding it, bytes]
         self.nbytes = 0  # host memory the cached tiers hold (an entry several share counted once)
 
@@ -196,12 +197,22 @@ class TierStore:
         if m.key is None:
             return
         snap = self._cached.get(m.key)
-        if snap is None:  # pragma: no cover - the core starts requests only on kept tiers
-            logger.warning("kvevict: request %s starts on a recall tier this worker does not hold", m.request_id)
-        self._starts[m.request_id] = snap or {}
+        if snap is None:  # the core starts requests only on kept tiers: never, unless the two disagree
+            self._lost.add(m.request_id)
+        else:
+            self._starts[m.request_id] = snap
+
+    def lost(self, request_id: str) -> bool:
+        """Whether ``request_id`` was started on a tier this worker does not hold (asked once, with
+        :meth:`started`): it cannot compute what it would alone, and falls back."""
+        if request_id not in self._lost:
+            return False
+        self._lost.discard(request_id)
+        return True
 
     def _forget(self, request_id: str) -> None:
         self._starts.pop(request_id, None)
+        self._lost.discard(request_id)
         self._snapshotting.discard(request_id)
         for k in [k for k in self._taken if k[0] == request_id]:
             del self._taken[k]
@@ -231,7 +242,7 @@ class TierStore:
     def retain(self, live: frozenset[str] | set[str]) -> None:
         """Forget what requests the model runner no longer holds took or were to start on (after
         this step's messages: a window cached as a request is freed is kept before it goes)."""
-        for rid in {k[0] for k in self._taken} | set(self._starts) | self._snapshotting:
+        for rid in {k[0] for k in self._taken} | set(self._starts) | self._snapshotting | self._lost:
             if rid not in live:
                 self._forget(rid)
 
