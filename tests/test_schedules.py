@@ -1133,16 +1133,61 @@ def _with_recall(mix: Mix) -> Mix:
     return dataclasses.replace(mix, requests=tuple(dataclasses.replace(r, override=RECALL) for r in mix.requests))
 
 
-@pytest.mark.parametrize("name", sorted(WINDOW_MIXES))
+#: Stride 96 with recall (its query window 32): a prompt ending 48 tokens or more after its last
+#: point ``b`` has its blocks after ``b`` copied before the step completing it (which starts at
+#: ``prompt_tail``'s end), cached as the tail of the window at ``b``. r0 (460 tokens): the window at
+#: 384 and the tail [384, 416); r1 (450) starts on the window and the block [384, 400) its document
+#: shares; a chat's next turn starts on the first turn's window at 192 and tail [192, 208).
+RECALL_TAIL_MIXES = {
+    "shared document": dataclasses.replace(
+        TAIL_MIXES["shared document"],
+        requests=(_r("doc0", 400, 60, 5, 0.0, 0), _r("doc0", 400, 50, 5, 0.0, 0, arrive=12)),
+    ),
+    "shared document (async)": dataclasses.replace(
+        TAIL_MIXES["shared document (async)"],
+        requests=(_r("doc0", 400, 60, 5, 0.0, 0), _r("doc0", 400, 50, 5, 0.0, 0, arrive=12)),
+    ),
+    "arriving while the tail is made": dataclasses.replace(
+        TAIL_MIXES["arriving while the tail is made"],
+        requests=(
+            _r("doc0", 400, 60, 5, 0.0, 0),
+            _r("doc0", 400, 50, 5, 0.0, 0, arrive=3),
+            _r("doc0", 400, 70, 5, 0.0, 0, arrive=30),
+        ),
+    ),
+    "chat turn": Mix(
+        False, 128, 4, 60, (_r("new", 0, 250, 120, 0.0, 0), _r("turn", 0, 40, 10, 0.0, 0, arrive=150)), stride=96
+    ),
+    "chat turn (async)": Mix(
+        True, 128, 4, 60, (_r("new", 0, 250, 120, 0.0, 0), _r("turn", 0, 40, 10, 0.0, 0, arrive=150)), stride=96
+    ),
+    "with preemption": dataclasses.replace(
+        TAIL_MIXES["with preemption"],
+        requests=(
+            _r("doc0", 400, 60, 40, 0.0, 0),
+            _r("doc0", 400, 50, 40, 0.0, 0, arrive=10),
+            _r("doc0", 400, 70, 40, 0.0, 0, arrive=10),
+            _r("turn", 0, 20, 40, 0.0, 0, arrive=40),
+        ),
+    ),
+}
+
+
+@pytest.mark.parametrize("name", sorted(WINDOW_MIXES) + [f"tail: {n}" for n in sorted(RECALL_TAIL_MIXES)])
 def test_recall_requests_start_on_cached_windows_with_their_tiers(vllm_config, name):
-    """The window mixes with recall: each request's windows before its prompt's end are cached (as
-    copies: the step completing its prompt re-selects its own window in place) with its tier, a
-    later request starts on a window with that window's tier, and no cached block ever holds what
-    a prompt's end recalled."""
-    worker = run_mix(vllm_config, _with_recall(WINDOW_MIXES[name]))
+    """The window mixes with recall: each request's window before its prompt's end is cached (as
+    copies: the step completing its prompt re-selects its own window in place) with its tier, and
+    its blocks after that point as the window's tail (copied before that step), a later request
+    starts on a window (and tail) with that window's tier, and no cached block ever holds what a
+    prompt's end recalled."""
+    tails = name.startswith("tail: ")
+    mix = RECALL_TAIL_MIXES[name.removeprefix("tail: ")] if tails else WINDOW_MIXES[name]
+    worker = run_mix(vllm_config, _with_recall(mix))
     assert not worker.violations, "\n".join(worker.violations[:10])
     assert worker.recall_starts > 0, "no recall request started on a cached window"
     assert worker.recalls > 0
+    if tails:
+        assert worker.tail_reads > 0, "no recall request started on a tail"
 
 
 @pytest.mark.parametrize("sliding", [40, 64])

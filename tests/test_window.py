@@ -19,6 +19,7 @@ from vllm_kvevict.window import (
     hit_end,
     next_point,
     peak_blocks,
+    prompt_tail,
     pure_hit_limit,
     settle_limit,
     step_limit,
@@ -69,24 +70,30 @@ def test_chunked_compacts_only_at_boundaries(cfg, prompt_len):
     cfg=configs("chunked"),
     prompt_len=st.integers(1, 800),
     saves=st.sampled_from([None, 0, 8, 64]),
+    recall_tail=st.sampled_from([None, 1, 32, 100]),
     data=st.data(),
 )
-def test_window_does_not_depend_on_the_chunks(cfg, prompt_len, saves, data):
+def test_window_does_not_depend_on_the_chunks(cfg, prompt_len, saves, recall_tail, data):
     """Steps cut at step_limit() never cross a compaction point: a request compacts at the same
     points whatever chunks the scheduler cuts (every L at which E moves is reached by some step).
     With ``saves`` (a request whose tails are cached), the step that reaches a point ``p`` starts
-    at ``hit_end(p)`` or later, so the blocks ``[E(p), hit_end(p))`` are complete before it."""
+    at ``hit_end(p)`` or later, so the blocks ``[E(p), hit_end(p))`` are complete before it; with
+    ``recall_tail`` too, the step completing the prompt starts at the end of its ``prompt_tail`` or
+    later."""
     L, points, total = 0, [], prompt_len + 200
+    tail = prompt_tail(prompt_len, cfg, recall_tail) if recall_tail is not None else None
     while L < total:
         n = data.draw(st.integers(1, 400))
-        limit = step_limit(L, prompt_len, cfg, saves)
+        limit = step_limit(L, prompt_len, cfg, saves, recall_tail)
         n = min(n, total - L, limit if limit is not None else n)
         s = step_window(L, L + n, prompt_len, cfg)
         if s.compacts:
             points.append(s.L)
-            if saves is not None:
-                cut = hit_end(s.L, cfg, saves)
-                assert L >= cut or s.e_new >= cut
+            if saves is not None and (recall_tail is None or s.L < prompt_len):
+                end = hit_end(s.L, cfg, saves)
+                assert L >= end or s.e_new >= end
+        if tail is not None and L < prompt_len <= L + n:
+            assert L >= tail[1]
         L += n
     expected = [
         x for x in range(1, total + 1) if evicted_tokens(x, prompt_len, cfg) > evicted_tokens(x - 1, prompt_len, cfg)

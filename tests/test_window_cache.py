@@ -99,5 +99,5 @@ def test_a_block_before_the_first_compaction_is_saved_as_pure(cache):
     settings = _settings()
     req = _request("a", DOC)
     # the compaction at 160 rewrites [64, 160): pure blocks; the one at 320, [224, 320): tails of 160
-    assert cache.save_key(req, settings, 160, 64) == vllm_kv_cache.pure_block_key(req.block_hashes[2], 0)
-    assert cache.save_key(req, settings, 320, 224) == cache.tail_key(req, settings, 160, 224)
+    assert cache.save_key(req, settings, 0, 64) == vllm_kv_cache.pure_block_key(req.block_hashes[2], 0)
+    assert cache.save_key(req, settings, 160, 224) == cache.tail_key(req, settings, 160, 224)

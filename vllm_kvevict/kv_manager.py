@@ -45,7 +45,9 @@ from vllm_kvevict.window import (
     draft_cut,
     evicted_tokens,
     first_boundary,
+    last_boundary,
     next_point,
+    prompt_tail,
     pure_hit_limit,
     settle_limit,
     step_limit,
@@ -72,9 +74,10 @@ class _Attempt:
     windows: list[int] = field(default_factory=list)
     #: tokens up to which the blocks computed after compaction points (tails) have been cached
     tails_done: int = 0
-    #: copies of blocks the compaction at ``p`` rewrites, waiting for that step to run:
-    #: ``(p, first token of the block, the copy)`` (the manager holds one reference to each copy)
-    saves: list[tuple[int, int, KVCacheBlock]] = field(default_factory=list)
+    #: copies of blocks a compaction (or recall) in a scheduled step rewrites, waiting for that
+    #: step to run: ``(tokens after it, the point they follow, first token of the block, the
+    #: copy)`` (the manager holds one reference to each copy)
+    saves: list[tuple[int, int, int, KVCacheBlock]] = field(default_factory=list)
     #: a waiting request has waited for this one's windows (:meth:`KVEvictManager.waits_for_window`):
     #: its compactions copy aside the blocks they rewrite (nobody else is known to want them)
     awaited: bool = False
@@ -145,21 +148,19 @@ class KVEvictManager(FullAttentionManager):
         st = ENGINE.get(request_id)
         if st is None or st.request is None or not self._shares_tiers(st):
             return
-        b, prompt = st.window_hit, st.request.num_prompt_tokens
+        b, prompt = last_boundary(st.window_hit, st.settings.window), st.request.num_prompt_tokens
         key = self.window_cache.tier_key(st.request, st.settings, b) if b else None
         self.tiers.start(request_id, key, evicted_tokens(b, prompt, st.settings.window) if b else 0)
 
     def _copy_windows(self, request, st: RequestState, att: _Attempt, start: int) -> None:
-        """With recall, the step completing the prompt re-selects the window in place, so a recall
-        request's windows are cached as copies, never as its own blocks: each window not yet
-        copied whose step comes before this one (``start`` tokens) is copied aside now, before this
-        step's forward (no copy when the pool has no room to spare: that window is not cached)."""
-        if not st.settings.recall.enabled:
-            return
+        """With recall, the step completing the prompt re-selects the window before it in place, so
+        that window is cached as a copy, never as the request's own blocks: copied aside before
+        the step after its point (``start`` tokens), before that step's forward (no copy when the
+        pool has no room to spare: that window is not cached)."""
         bs, window = self.block_size, st.settings.window
         blocks = self.req_to_blocks.get(request.request_id, [])
         for b in att.windows:
-            if b > start or b in att.window_copies:
+            if b > start or b in att.window_copies or not self._copied_window(st, b):
                 continue
             todo = blocks[evicted_tokens(b, request.num_prompt_tokens, window) // bs : b // bs]
             room = self._room_to_copy(len(todo))
@@ -175,15 +176,15 @@ class KVEvictManager(FullAttentionManager):
         """The tokens ``[lo, hi)`` of a request's ``hit``-token prefix-cache hit that it copies
         before its first step, because its next compaction rewrites them (``window.copy_range``;
         the lookup stopped the hit before any block computed in the step being scheduled), or with
-        recall the step completing its prompt does (a cached window it starts on, whole, when its
-        prompt ends before its next compaction moves past the window)."""
+        recall the step completing its prompt does (a cached window it starts on and its tail, whole,
+        when its prompt ends before its next compaction moves past the window)."""
         st = ENGINE.get(request_id)
         if not self.copies or st is None or st.request is None or hit <= 0:
             return (0, 0)
         prompt, window = st.request.num_prompt_tokens, st.settings.window
-        if st.settings.recall.enabled and st.window_hit:  # the step completing its prompt rewrites them
-            b = st.window_hit
-            return (evicted_tokens(b, prompt, window), b) if prompt <= b + window.step else (0, 0)
+        b = last_boundary(hit, window)
+        if st.settings.recall.enabled and st.window_hit and prompt <= b + window.step:
+            return (evicted_tokens(b, prompt, window), hit)  # the step completing its prompt rewrites them
         if not st.settings.shares_tails:
             return (0, 0)
         return copy_range(hit, prompt, prompt + st.request.max_tokens, window)
@@ -289,6 +290,7 @@ class KVEvictManager(FullAttentionManager):
             return
         if self._caches_windows(st):
             self._copy_windows(request, st, att, start)
+            self._save_prompt_tail(request, st.settings, att, start, num_tokens)
         e = evicted_tokens(num_tokens, request.num_prompt_tokens, st.settings.window)
         if e <= att.scheduled_e:
             return
@@ -324,6 +326,22 @@ class KVEvictManager(FullAttentionManager):
         """Whether the request's windows are cached with their recall tiers."""
         return st.settings.recall.enabled and self._caches_windows(st)
 
+    @staticmethod
+    def _copied_window(st: RequestState, b: int) -> bool:
+        """Whether the request's window at ``b`` is cached as a copy: with recall, the window at the
+        last point before the prompt's end, which the step completing the prompt re-selects."""
+        return (
+            st.settings.recall.enabled
+            and st.request is not None
+            and st.request.num_prompt_tokens <= b + st.settings.window.step
+        )
+
+    @staticmethod
+    def _recalls(st: RequestState, scheduled: int) -> bool:
+        """Whether a step completing the request's prompt, which with recall re-selects the window
+        and its tail in place, is among its first ``scheduled`` tokens."""
+        return st.settings.recall.enabled and st.request is not None and scheduled >= st.request.num_prompt_tokens
+
     def fell_back(self, request_id: str) -> None:
         """A worker replaced the request's policy by the safe policy in a step whose results the
         core has not yet seen: nothing of the request is cached from now on (its windows, tails and
@@ -345,30 +363,50 @@ class KVEvictManager(FullAttentionManager):
         ``hit_end``: ``window.step_limit``), computed in earlier steps, the workers copying them
         before this step's forward. Each copy is cached once the step has run
         (:meth:`_cache_windows`) as a tail of the window before ``p`` (a pure block before the first
-        compaction), so a later request with this prefix starts past them. Blocks whose key is cached
-        already (what the request itself started on) are not copied; nothing is when the pool has
-        no room to spare, or, unless the configuration says ``copy_rewritten: always``, when no
-        request has waited for this one's windows (``awaited``): a copy is held beside the window at
-        its fullest, and a conversation's next turn never reads one (it starts on the last window
-        and tail), so by default only a prefix others are known to share pays for it."""
+        compaction), so a later request with this prefix starts past them. Nothing is copied,
+        unless the configuration says ``copy_rewritten: always``, when no request has waited for
+        this one's windows (``awaited``): a copy is held beside the window at its fullest, and a
+        conversation's next turn never reads one (it starts on the last window and tail), so by
+        default only a prefix others are known to share pays for it."""
         if not (att.awaited or settings.config.copy_rewritten == "always"):
             return
-        bs, pool = self.block_size, self.block_pool
         e = evicted_tokens(p, request.num_prompt_tokens, settings.window)
+        self._copy_aside(request, settings, att, p - settings.window.step, e, min(start, settings.hit_end(p)), p)
+
+    def _save_prompt_tail(self, request, settings: RequestSettings, att: _Attempt, start: int, end: int) -> None:
+        """With recall, when the step just scheduled (``[start, end)``) completes the prompt, which
+        re-selects the window and its tail in place: copy aside the blocks computed after the last
+        point ``b`` in earlier steps (``window.prompt_tail``: ``step_limit`` ends the step before
+        there), cached once this step has run as the tail of the window at ``b``. The next turn of
+        a chat, whose prompt repeats this one's, starts on them."""
+        prompt = request.num_prompt_tokens
+        if not (self.copies and settings.shares_tails and settings.recall.enabled and start < prompt <= end):
+            return
+        tail = prompt_tail(prompt, settings.window, settings.recall.window)
+        if tail is not None:
+            self._copy_aside(request, settings, att, tail[0], tail[0], start, end)
+
+    def _copy_aside(self, request, settings: RequestSettings, att: _Attempt, b: int, lo: int, hi: int, ready: int):
+        """Copy aside the request's whole blocks in ``[lo, hi)``, computed after point ``b`` in
+        steps before the one just scheduled, which rewrites them; cached once the step reaching
+        ``ready`` tokens has run (:meth:`_cache_saves`). Blocks whose key is cached already (what
+        the request itself started on) are not copied; nothing is when the pool has no room to
+        spare."""
+        bs, pool = self.block_size, self.block_pool
         blocks = self.req_to_blocks.get(request.request_id, [])
         todo = []
-        for i in range(e, min(start, settings.hit_end(p), len(blocks) * bs), bs):
+        for i in range(lo, min(hi // bs * bs, len(blocks) * bs), bs):
             blk = blocks[i // bs]
             if blk.is_null or blk.block_hash is not None:
                 continue
-            key = self.window_cache.save_key(request, settings, p, i)
+            key = self.window_cache.save_key(request, settings, b, i)
             if key is not None and vllm_kv_cache.cached_block(pool, key) is not None:
                 continue
             todo.append((i, blk))
         if not todo or not self._room_to_copy(len(todo)):
             return
         for i, blk in todo:
-            att.saves.append((p, i, vllm_kv_cache.copy_aside(self, blk)))
+            att.saves.append((ready, b, i, vllm_kv_cache.copy_aside(self, blk)))
 
     def _cache_saves(self, request, settings: RequestSettings, att: _Attempt, processed: int) -> None:
         """Cache the copies whose step has run (``processed`` tokens) and let go of them: the pool's
@@ -377,8 +415,8 @@ class KVEvictManager(FullAttentionManager):
         if not ready:
             return
         att.saves = [s for s in att.saves if s[0] > processed]
-        for p, i, blk in ready:
-            key = self.window_cache.save_key(request, settings, p, i)
+        for _, b, i, blk in ready:
+            key = self.window_cache.save_key(request, settings, b, i)
             if key is not None:
                 vllm_kv_cache.cache_block(self.block_pool, key, blk)
         self.block_pool.free_blocks([blk for *_, blk in ready])
@@ -528,7 +566,8 @@ class KVEvictManager(FullAttentionManager):
         if self._caches_windows(st):
             processed = vllm_kv_cache.processed_tokens(request)
             self._cache_windows(request_id, att, processed, at_free=True)
-            if self.copies and st.settings.shares_tails:  # no compaction will rewrite them now
+            # no compaction will rewrite them now, nor recall unless the prompt's end was scheduled
+            if self.copies and st.settings.shares_tails and not self._recalls(st, request.num_computed_tokens):
                 blocks = self.req_to_blocks.get(request_id, [])
                 self.window_cache.cache_last_tail(request, st.settings, processed, blocks)
 
@@ -538,14 +577,18 @@ class KVEvictManager(FullAttentionManager):
         ``[E(b) + stride, b + stride)``, above ``b`` since the stride is at least ``W``), and a
         request hitting them reads them in a later step. A window whose last tokens are not yet
         known to the core (async scheduling) is dropped, as is one whose blocks are going back.
-        With recall, a window is cached as the copies made before the step after it (at the
-        request's free, its own blocks). Then the tails computed since (``WindowCache.cache_tails``)."""
+        With recall, the window before the prompt's end is cached as the copies made before the
+        step after it (at the request's free, if none was made, its own blocks). Then the tails
+        computed since (``WindowCache.cache_tails``), with recall those below the prompt's window."""
         st = ENGINE.get(request_id)
         if st is None or st.request is None or not self._caches_windows(st):
             return
         blocks = self.req_to_blocks.get(request_id, [])
-        copied = at_free or not st.settings.recall.enabled  # with recall: once copied (_copy_windows)
-        ready = [b for b in att.windows if b <= processed and (copied or b in att.window_copies)]
+        ready = [  # the window before the prompt's end with recall: once copied (_copy_windows)
+            b
+            for b in att.windows
+            if b <= processed and (at_free or b in att.window_copies or not self._copied_window(st, b))
+        ]
         if ready:
             att.windows = [b for b in att.windows if b not in ready]
             for b in ready:
@@ -553,22 +596,26 @@ class KVEvictManager(FullAttentionManager):
         if att.saves:
             self._cache_saves(st.request, st.settings, att, processed)
         if st.settings.shares_tails:  # the blocks computed after a compaction point (window_cache)
-            att.tails_done = self.window_cache.cache_tails(st.request, st.settings, att.tails_done, processed, blocks)
+            request, window = st.request, st.settings.window
+            # with recall, its own blocks from the prompt's window on are re-selected: copies only
+            below = evicted_tokens(request.num_prompt_tokens, request.num_prompt_tokens, window)
+            upto = min(processed, below) if st.settings.recall.enabled else processed
+            att.tails_done = self.window_cache.cache_tails(request, st.settings, att.tails_done, upto, blocks)
 
     def _cache_window(self, st: RequestState, att: _Attempt, b: int, blocks: list, at_free: bool) -> None:
-        """Cache the window at ``b``: the request's blocks, or with recall their copies (made before
-        the step after ``b``; its own blocks once it is freed, when nothing will rewrite them), and
-        the workers keep its tier under the window's key (``tier_cache.Keep``)."""
+        """Cache the window at ``b``: the request's blocks, or with recall before the prompt's end
+        their copies (:meth:`_copied_window`; its own blocks once it is freed before any step after
+        ``b`` was scheduled), and the workers keep its tier under the window's key
+        (``tier_cache.Keep``)."""
         settings, request = st.settings, st.request
-        if settings.recall.enabled:
+        if self._copied_window(st, b) and (b in att.window_copies or not at_free):
             copies = att.window_copies.get(b)
-            if not copies and not at_free:
+            if not copies:  # none made (no room): its own blocks are re-selected at the prompt's end
                 self._let_go(att, [b])
                 self.tiers.forget(request.request_id, b)
                 return
-            if copies:
-                e = evicted_tokens(b, request.num_prompt_tokens, settings.window) // self.block_size
-                blocks = [*blocks[:e], *copies]
+            e = evicted_tokens(b, request.num_prompt_tokens, settings.window) // self.block_size
+            blocks = [*blocks[:e], *copies]
         cached = self.window_cache.cache_window(request, settings, b, blocks)
         if settings.recall.enabled and not cached:
             self.tiers.forget(request.request_id, b)
@@ -614,15 +661,16 @@ class KVEvictManager(FullAttentionManager):
         def usable(t: int) -> bool:
             return not self._padded_and_cut(request, t) and others_hold(t) and with_tier(t)
 
-        def with_tier(t: int) -> bool:  # recall: the window's tier is kept (no tails: t is its point)
+        def with_tier(t: int) -> bool:  # recall: the tier of the window at the point b <= t is kept
             if not settings.recall.enabled:
                 return True
             if not self.copies or not settings.starts_on_window_at(t, prompt):
                 return False
-            e = evicted_tokens(t, prompt, window)
-            if prompt <= t + window.step and not self._copies_fit(settings, (t - e) // bs):
-                return False  # its copies of the window would never fit beside its window bound
-            return self.tiers.pin(self.window_cache.tier_key(request, settings, t))
+            b = last_boundary(t, window)
+            e = evicted_tokens(b, prompt, window)
+            if prompt <= b + window.step and not self._copies_fit(settings, (t - e) // bs):
+                return False  # its copies of the window and tail would never fit beside its window bound
+            return self.tiers.pin(self.window_cache.tier_key(request, settings, b))
 
         hit = self.window_cache.find(request, settings, num_tokens, tail_end if settings.shares_tails else None, usable)
         if hit is not None:
@@ -671,9 +719,10 @@ class KVEvictManager(FullAttentionManager):
         ``step_limit``, ``settle_limit``, ``draft_cut``)."""
         settings = self.state_of(request).settings
         saves = settings.policy.needs.window if self.copies and settings.shares_tails else None
+        recall_tail = settings.recall.window if saves is not None and settings.recall.enabled else None
         prompt = request.num_prompt_tokens
         for limit in (
-            step_limit(start, prompt, settings.window, saves),
+            step_limit(start, prompt, settings.window, saves, recall_tail),
             settle_limit(start, vllm_kv_cache.processed_tokens(request), prompt, settings.window),
         ):
             if limit is not None:

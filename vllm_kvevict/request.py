@@ -117,11 +117,11 @@ class RequestSettings:
         """Whether the blocks this request computes after a compaction point (or before its first)
         are cached and a later request may start past the window (or the pure prefix) on them: a
         request that shares windows, whose policy keeps no per-slot state (a tail token's state
-        keeps changing with every later query), without recall (the step completing its prompt
-        rewrites its whole window, tail included). Those below ``window.tail_end`` are cached as
-        they are; those its next compaction rewrites, up to ``window.hit_end``, are copied aside
-        first."""
-        return self.shares_windows and not self.policy.needs.state and not self.config.recall.enabled
+        keeps changing with every later query). Those below ``window.tail_end`` are cached as they
+        are; those its next compaction rewrites, up to ``window.hit_end``, are copied aside first,
+        and with recall those after the last point before the prompt's end (the step completing
+        the prompt rewrites the window and its tail: ``window.prompt_tail``)."""
+        return self.shares_windows and not self.policy.needs.state
 
     @property
     def tier_state_bytes(self) -> int:

@@ -159,23 +159,43 @@ def pure_hit_limit(prompt_len: int, total_len: int, cfg: WindowConfig) -> int | 
     return _floor_evict(b1, cfg)
 
 
-def step_limit(L: int, prompt_len: int, cfg: WindowConfig, saves: int | None = None) -> int | None:
+def prompt_tail(prompt_len: int, cfg: WindowConfig, query_window: int) -> tuple[int, int] | None:
+    """With recall, the tail ``[b, end)`` of the window at the last point ``b`` before the prompt's
+    end that is copied aside before the step completing the prompt (which re-selects the window
+    and tail ``[E, L)`` in place): the blocks up to where a request starting on them still computes
+    recall's ``query_window`` queries (and a block) itself. None when no window lies before it."""
+    if not cfg.enabled or cfg.trigger != "chunked" or prompt_len < 1:
+        return None
+    bs = cfg.block_size
+    b, end = last_boundary(prompt_len - 1, cfg), bs * ((prompt_len - max(bs, query_window)) // bs)
+    return (b, end) if first_boundary(cfg) <= b < end else None
+
+
+def step_limit(
+    L: int, prompt_len: int, cfg: WindowConfig, saves: int | None = None, recall_tail: int | None = None
+) -> int | None:
     """The most tokens a step may compute from ``L`` without crossing a compaction point (``None``:
     no limit: eviction off, or a ``once`` or ``decode=False`` window past its prompt). A
     ``once`` window compacts at the end of its prompt, which a request resumed after preemption
     (prompt and generated tokens to recompute) must reach at the end of a step too. ``saves``
     (the query window of a request whose tails are cached): nor past :func:`hit_end` of the next
-    point, when the blocks before it are copied aside."""
+    point, when the blocks before it are copied aside; ``recall_tail`` (recall's query window, for
+    such a request with recall, whose windows from its prompt's end on are not cached): instead,
+    at the points from there on, nor past the end of its :func:`prompt_tail`, so that the step
+    completing the prompt starts there."""
     if not cfg.enabled or (not cfg.decode and L >= prompt_len):
         return None
     if cfg.trigger != "chunked":  # the prompt's end, where it compacts (if anything is evicted there)
         return prompt_len - L if L < prompt_len and _floor_evict(prompt_len, cfg) > 0 else None
     limit = cfg.step - L % cfg.step
-    if saves is not None:
+    if saves is not None and (recall_tail is None or L + limit < prompt_len):  # recall: no windows after
         p = L + limit
         cut = hit_end(p, cfg, saves)
         if L < cut and evicted_tokens(L, prompt_len, cfg) < evicted_tokens(p, prompt_len, cfg) < cut:
             limit = cut - L
+    tail = prompt_tail(prompt_len, cfg, recall_tail) if recall_tail is not None else None
+    if tail is not None and L < tail[1] < L + limit:
+        limit = tail[1] - L
     return limit
 
 

@@ -46,14 +46,13 @@ class WindowCache:
         block_hash = request.block_hashes[(i + self.block_size) // self.pool.hash_block_size - 1]
         return vllm_kv_cache.tail_block_key(self.hash_algo, block_hash, b, settings.window_salt, self.group_id)
 
-    def save_key(self, request, settings: RequestSettings, p: int, i: int):
-        """The key of the request's block at token ``i``, before its compaction point ``p``: a tail
-        of the window at the point before, or a pure block before the first compaction (None while
-        the core does not know its tokens)."""
+    def save_key(self, request, settings: RequestSettings, b: int, i: int):
+        """The key of the request's block at token ``i``, after its compaction point ``b``: a tail
+        of the window at ``b``, or a pure block before the first compaction (None while the core
+        does not know its tokens)."""
         bs, hbs = self.block_size, self.pool.hash_block_size
         if len(request.block_hashes) * hbs < i + bs:
             return None
-        b = p - settings.window.step
         if evicted_tokens(b, request.num_prompt_tokens, settings.window) == 0:
             return vllm_kv_cache.pure_block_key(request.block_hashes[(i + bs) // hbs - 1], self.group_id)
         return self.tail_key(request, settings, b, i)

@@ -19,7 +19,7 @@ import pytest
 
 from tests.engine.evict_common import complete, computed_alone, make_prompt, pool_server, released_line, same_as_alone
 from vllm_kvevict.testing.server import VLLMServer
-from vllm_kvevict.window import WindowConfig, last_boundary, window_bound_blocks
+from vllm_kvevict.window import WindowConfig, last_boundary, prompt_tail, window_bound_blocks
 
 pytestmark = [pytest.mark.engine, pytest.mark.timeout(1200)]
 
@@ -57,6 +57,14 @@ def _point(prompt_len: int) -> int:
     return last_boundary(min(prompt_len - 1, prompt_len - RECALL_WINDOW), WINDOW)
 
 
+def _tail_end(prompt_len: int) -> int:
+    """Where the tail a recall request of ``prompt_len`` tokens caches ends: its blocks after the
+    last point before its prompt's end, copied before the step completing it, up to where a
+    request starting there still computes recall's window of queries (else the point)."""
+    tail = prompt_tail(prompt_len, WINDOW, RECALL_WINDOW)
+    return tail[1] if tail is not None else last_boundary(prompt_len - 1, WINDOW)
+
+
 def test_shared_document_starts_on_the_window_and_its_tier(server, vocab):
     doc = make_prompt(700, 11, vocab)
     mine = doc + make_prompt(60, 12, vocab)
@@ -67,6 +75,25 @@ def test_shared_document_starts_on_the_window_and_its_tier(server, vocab):
     out = complete(server, mine, 24)
     assert out["cached_tokens"] == _point(len(mine)) == 672
     same_as_alone(out, alone)
+    assert _hits(server) == hits + 1
+    assert released_line(server, out["id"])[2] <= BOUND
+
+
+def test_shared_document_starts_on_the_tail_copied_before_the_prompts_end(server, vocab):
+    """A prompt ending 64 tokens or more after its last point: the step completing it starts at
+    the end of its tail (``prompt_tail``), the blocks after the point copied before it (it
+    re-selects them in place); a request whose document covers that tail starts past the window."""
+    doc = make_prompt(810, 41, vocab)
+    mine = doc + make_prompt(60, 42, vocab)
+    alone = computed_alone(server, mine, 24)
+    first = complete(server, doc + make_prompt(50, 43, vocab), 24)  # 860 tokens: the window at 768, tail to 800
+    released_line(server, first["id"])
+    hits = _hits(server)
+    out = complete(server, mine, 24)
+    assert out["cached_tokens"] == _tail_end(860) == 800
+    same_as_alone(out, alone)
+    assert _hits(server) == hits + 1
+    assert released_line(server, out["id"])[2] <= BOUND
     assert _hits(server) == hits + 1
     assert released_line(server, out["id"])[2] <= BOUND
 
@@ -88,9 +115,9 @@ def test_a_request_needs_recalls_queries_after_the_window(server, vocab):
 
 def test_chat_turns_start_on_the_window_the_last_turn_cached(server, vocab):
     """Each turn repeats the previous prompt and answer: it starts on the last window the previous
-    turn cached before its prompt's end (the windows after it depend on where that prompt ended),
-    with that window's tier; the previous turn's own recall, which rewrote its window in place when
-    its prompt completed, did so on copies."""
+    turn cached before its prompt's end (the windows after it depend on where that prompt ended)
+    and its tail, with that window's tier; the previous turn's own recall, which rewrote its window
+    and tail in place when its prompt completed, did so on copies."""
     history = make_prompt(500, 16, vocab)
     last = None
     for t in range(3):
@@ -99,9 +126,8 @@ def test_chat_turns_start_on_the_window_the_last_turn_cached(server, vocab):
         if last is not None:
             released_line(server, complete(server, last, 20)["id"])  # the last turn, its windows cached again
         out = complete(server, prompt, 20)
-        if last is not None:  # the last window cached before the last turn's prompt ended
-            point = min(_point(len(prompt)), last_boundary(len(last) - 1, WINDOW))
-            assert out["cached_tokens"] == point, (t, out["cached_tokens"])
+        if last is not None:  # the last window and tail cached before the last turn's prompt ended
+            assert out["cached_tokens"] == _tail_end(len(last)) > last_boundary(len(last) - 1, WINDOW), t
         same_as_alone(out, alone)
         assert released_line(server, out["id"])[2] <= BOUND
         last, history = prompt, prompt + out["tokens"]
