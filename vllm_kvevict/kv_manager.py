@@ -367,11 +367,26 @@ class KVEvictManager(FullAttentionManager):
         unless the configuration says ``copy_rewritten: always``, when no request has waited for
         this one's windows (``awaited``): a copy is held beside the window at its fullest, and a
         conversation's next turn never reads one (it starts on the last window and tail), so by
-        default only a prefix others are known to share pays for it."""
-        if not (att.awaited or settings.config.copy_rewritten == "always"):
+        default only a prefix others are known to share pays for it. With recall they are copied
+        at the last point before the prompt's end when no tail follows it (:meth:`_recall_saves`)."""
+        if not (att.awaited or settings.config.copy_rewritten == "always" or self._recall_saves(request, settings, p)):
             return
         e = evicted_tokens(p, request.num_prompt_tokens, settings.window)
         self._copy_aside(request, settings, att, p - settings.window.step, e, min(start, settings.hit_end(p)), p)
+
+    @staticmethod
+    def _recall_saves(request, settings: RequestSettings, p: int) -> bool:
+        """Whether a recall request copies aside what its compaction at ``p`` rewrites, whoever
+        waits: at its last point before the prompt's end, when its prompt ends too soon after it
+        for a tail (``window.prompt_tail``). A request with its prompt but another question starts
+        on the window before ``p`` (recall's queries must follow where it starts), and without the
+        copies would compute again the stride before ``p``, each chunk over the tier."""
+        prompt, window = request.num_prompt_tokens, settings.window
+        return (
+            settings.recall.enabled
+            and p < prompt <= p + window.step
+            and prompt_tail(prompt, window, settings.recall.window) is None
+        )
 
     def _save_prompt_tail(self, request, settings: RequestSettings, att: _Attempt, start: int, end: int) -> None:
         """With recall, when the step just scheduled (``[start, end)``) completes the prompt, which

@@ -66,14 +66,19 @@ def _tail_end(prompt_len: int) -> int:
 
 
 def test_shared_document_starts_on_the_window_and_its_tier(server, vocab):
-    doc = make_prompt(700, 11, vocab)
-    mine = doc + make_prompt(60, 12, vocab)
+    """The first request (780 tokens) ends too soon after its last point, 768, for a tail: its
+    compaction there copies ``[672, 736)`` aside, the tail of the window at 672. A request with the
+    document and another question (760 tokens: recall's queries must follow where it starts, so
+    not the window at 768) starts on the window at 672 and that tail up to 704 (the last block
+    boundary that leaves it recall's 32 queries)."""
+    doc = make_prompt(740, 11, vocab)
+    mine = doc + make_prompt(20, 12, vocab)
     alone = computed_alone(server, mine, 24)
-    first = complete(server, doc + make_prompt(80, 13, vocab), 24)  # computes the document, caches its windows
+    first = complete(server, doc + make_prompt(40, 13, vocab), 24)  # computes the document, caches its windows
     released_line(server, first["id"])
     hits = _hits(server)
     out = complete(server, mine, 24)
-    assert out["cached_tokens"] == _point(len(mine)) == 672
+    assert out["cached_tokens"] == 704 and _point(len(mine)) == 672
     same_as_alone(out, alone)
     assert _hits(server) == hits + 1
     assert released_line(server, out["id"])[2] <= BOUND
@@ -96,6 +101,21 @@ def test_shared_document_starts_on_the_tail_copied_before_the_prompts_end(server
     assert released_line(server, out["id"])[2] <= BOUND
     assert _hits(server) == hits + 1
     assert released_line(server, out["id"])[2] <= BOUND
+
+
+def test_tenants_do_not_start_on_each_others_windows(server, vocab):
+    """A window and its tier are keyed on vLLM's prefix hashes, which carry the request's
+    ``cache_salt``: a tenant with another salt computes the document itself, one with the same salt
+    starts on the window."""
+    doc = make_prompt(740, 51, vocab)
+    mine = doc + make_prompt(20, 52, vocab)
+    first = complete(server, doc + make_prompt(40, 53, vocab), 8, extra={"cache_salt": "tenant-a"})
+    released_line(server, first["id"])
+    other = complete(server, mine, 8, extra={"cache_salt": "tenant-b"})
+    assert other["cached_tokens"] == 0
+    released_line(server, other["id"])
+    same = complete(server, mine, 8, extra={"cache_salt": "tenant-a"})
+    assert same["cached_tokens"] == 704
 
 
 def test_a_request_needs_recalls_queries_after_the_window(server, vocab):
@@ -165,5 +185,5 @@ def test_a_window_whose_tier_was_dropped_is_not_started_on(gqa_model, tmp_path_f
         out = complete(srv, mine, 16)
         assert out["cached_tokens"] == BUDGET  # its pure prefix: the first compaction's E
         same_as_alone(out, alone)
-        control = complete(srv, doc2[:700] + make_prompt(60, 34, vocab), 16)
-        assert control["cached_tokens"] == 672  # the second document's windows kept their tiers
+        control = complete(srv, doc2[:740] + make_prompt(20, 34, vocab), 16)
+        assert control["cached_tokens"] == 704  # the second document's window at 672 and tail kept their tiers

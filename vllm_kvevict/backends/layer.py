@@ -73,10 +73,16 @@ class LayerEviction:
 
     def before(self, query: torch.Tensor, kv_cache: torch.Tensor, plan: StepPlan) -> None:
         """Before the layer's attention: the per-slot positions and state of the blocks vLLM copied
-        for this step; recall's re-selection of the windows of prompts that complete in it."""
+        for this step, and the positions of the hits of requests starting in it (before recall
+        re-selects a window and tail a request starts on: they then hold other tokens); recall's
+        re-selection of the windows of prompts that complete in it."""
         if plan.block_copies:
             with _guarded(plan):
                 self.slots.copy_blocks(kv_cache, plan)
+        in_order = plan.in_order(kv_cache.shape[2]) if plan.starts and plan.states else None
+        if in_order is not None:
+            with _guarded(plan):
+                self.slots.positions(kv_cache)[in_order[0]] = in_order[1].to(torch.int32)[:, None]
         if plan.states and plan.recall_ends:
             with _eviction_time(query.device), profiling.timed("recall_s", query.device), _guarded(plan):
                 self.recall.before_attention(query, kv_cache, plan)
@@ -103,9 +109,9 @@ class LayerEviction:
             self._report(kv_cache, plan, kept)
 
     def _record_positions(self, kv_cache, plan: StepPlan) -> torch.Tensor | None:
-        """The slot positions with this step's written slots recorded (and, for requests starting
-        on a hit, their slots in logical order); None when the positions cannot be had (their rows
-        fall back, windows left as they are)."""
+        """The slot positions with this step's written slots recorded (those of hits were, before
+        attention); None when the positions cannot be had (their rows fall back, windows left as
+        they are)."""
         try:
             slot_pos = self.slots.positions(kv_cache)
         except Exception as err:  # noqa: BLE001 - no positions to score by: windows left as they are
@@ -113,9 +119,6 @@ class LayerEviction:
             return None
         slots, positions = plan.written
         slot_pos[slots] = positions
-        in_order = plan.in_order(kv_cache.shape[2]) if plan.starts else None
-        if in_order is not None:
-            slot_pos[in_order[0]] = in_order[1].to(slot_pos)[:, None]
         return slot_pos
 
     def _policies(self, kv_cache, plan: StepPlan) -> list:
