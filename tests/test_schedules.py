@@ -1157,10 +1157,11 @@ RECALL_TAIL_MIXES = {
     ),
     # stride W = 48: r0 (420 tokens) ends too soon after its point 384 for a tail, so its
     # compaction there copies [336, 368) aside though nobody waits (r1 comes later): the tail of
-    # the window at 336, empty otherwise; r1 (410) starts at 368, recall's queries after
-    "a question shorter than recall's queries": dataclasses.replace(
+    # the window at 336, empty otherwise; r1 (384 tokens: it cannot start on the window at 384)
+    # starts at 352 on it, recall's queries after
+    "a prompt ending at the next point": dataclasses.replace(
         WINDOW_MIXES["shared document"],
-        requests=(_r("doc0", 400, 20, 5, 0.0, 0), _r("doc0", 400, 10, 5, 0.0, 0, arrive=40)),
+        requests=(_r("doc0", 400, 20, 5, 0.0, 0), _r("doc0", 380, 4, 5, 0.0, 0, arrive=40)),
     ),
     "chat turn": Mix(
         False, 128, 4, 60, (_r("new", 0, 250, 120, 0.0, 0), _r("turn", 0, 40, 10, 0.0, 0, arrive=150)), stride=96

@@ -8,7 +8,7 @@ import random
 
 import torch
 
-from vllm_kvevict.backends.tier_store import Tier, TierEntry, TierStore
+from vllm_kvevict.backends.tier_store import LayerSnapshot, Tier, TierEntry, TierStore
 from vllm_kvevict.tier_cache import Drop, End, Forget, Keep, Start, TierCache
 
 H, D = 2, 4
@@ -54,7 +54,7 @@ def test_the_store_follows_the_messages_in_order():
     store.take("r1", 192, "L0", (a, b))
     store.take("r1", 288, "L0", (a, b))
     store.apply([Keep("r1", 96, "k96"), Keep("r1", 192, "k192"), Forget("r1", 288), Start("r2", "k192"), End("r1")])
-    assert store.started("r2") == {"L0": (a, b)} and store.started("r2") is None
+    assert store.started("r2") == {"L0": LayerSnapshot((a, b))} and store.started("r2") is None
     assert len(store) == 2 and store.nbytes == 2 * 2 * TOKEN_BYTES  # a and b, a counted once
     store.apply([Keep("r0", 96, "k0"), Drop("k192")])  # nothing taken for r0: no tier under k0
     assert len(store) == 1 and store.nbytes == 2 * TOKEN_BYTES
@@ -87,7 +87,8 @@ def test_the_cores_model_counts_what_the_workers_hold():
                 cache.start(rid, key, kept.get(key, 0))
                 messages = cache.messages()
                 store.apply(messages)
-                live[rid] = (Tier.of(tuple((store.started(rid) or {}).get("L0", ())), cap), kept.get(key, 0))
+                started = (store.started(rid) or {}).get("L0")
+                live[rid] = (Tier.of(started.entries if started else (), cap), kept.get(key, 0))
             tier, dropped = live[rid]
             tier.add(_entry(step * 10, 2), cap)
             live[rid] = (tier, dropped + 2)

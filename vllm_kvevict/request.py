@@ -107,10 +107,12 @@ class RequestSettings:
         prompt ended)."""
         return not self.config.recall.enabled or b < prompt_len
 
-    def starts_on_window_at(self, b: int, prompt_len: int) -> bool:
-        """Whether the request may start on a cached window at ``b``: with recall, only where the
-        rest of its prompt holds recall's ``window`` queries (it has seen none before ``b``)."""
-        return not self.config.recall.enabled or b <= prompt_len - self.config.recall.window
+    def starts_on_window_at(self, t: int, prompt_len: int) -> bool:
+        """Whether the request may start on a cached window (and tail) at ``t``: with recall, at a
+        compaction point (the tier cached there carries the queries recall scores by), or where
+        the rest of its prompt holds recall's ``window`` queries (it has seen none in the tail)."""
+        recall = self.config.recall
+        return not recall.enabled or t % self.window.step == 0 or t <= prompt_len - recall.window
 
     @property
     def shares_tails(self) -> bool:

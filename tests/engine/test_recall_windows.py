@@ -53,8 +53,8 @@ def _hits(srv: VLLMServer) -> float:
 
 def _point(prompt_len: int) -> int:
     """The window a recall request of ``prompt_len`` tokens starts on: the last compaction point
-    that leaves recall's window of queries to its own prompt."""
-    return last_boundary(min(prompt_len - 1, prompt_len - RECALL_WINDOW), WINDOW)
+    before its prompt's end (the tier cached there carries the queries recall scores by)."""
+    return last_boundary(prompt_len - 1, WINDOW)
 
 
 def _tail_end(prompt_len: int) -> int:
@@ -68,9 +68,9 @@ def _tail_end(prompt_len: int) -> int:
 def test_shared_document_starts_on_the_window_and_its_tier(server, vocab):
     """The first request (780 tokens) ends too soon after its last point, 768, for a tail: its
     compaction there copies ``[672, 736)`` aside, the tail of the window at 672. A request with the
-    document and another question (760 tokens: recall's queries must follow where it starts, so
-    not the window at 768) starts on the window at 672 and that tail up to 704 (the last block
-    boundary that leaves it recall's 32 queries)."""
+    document and another question (760 tokens: its prompt ends before 768) starts on the window at
+    672 and that tail up to 704 (the last block boundary that leaves it recall's 32 queries: it
+    has seen none in the tail)."""
     doc = make_prompt(740, 11, vocab)
     mine = doc + make_prompt(20, 12, vocab)
     alone = computed_alone(server, mine, 24)
@@ -118,18 +118,19 @@ def test_tenants_do_not_start_on_each_others_windows(server, vocab):
     assert same["cached_tokens"] == 704
 
 
-def test_a_request_needs_recalls_queries_after_the_window(server, vocab):
+def test_a_request_ending_just_after_a_window_starts_on_it(server, vocab):
     """A request whose prompt ends fewer than recall's ``window`` tokens after a cached window
-    starts on the window before it (it would have seen none of those queries)."""
+    starts on it: the tier cached there carries the queries before the point, which its recall
+    scores by with its own."""
     doc = make_prompt(700, 14, vocab)
     first = complete(server, doc + make_prompt(80, 15, vocab), 8)
     released_line(server, first["id"])
-    mine = doc[:680]  # 8 tokens past the point 672: the window at 576
+    mine = doc[:680]  # 8 tokens past the point 672
     alone = computed_alone(server, mine, 16)
     first = complete(server, doc + make_prompt(80, 15, vocab), 8)  # the windows again (the reset dropped them)
     released_line(server, first["id"])
     out = complete(server, mine, 16)
-    assert out["cached_tokens"] == _point(len(mine)) == 576
+    assert out["cached_tokens"] == _point(len(mine)) == 672
     same_as_alone(out, alone)
 
 

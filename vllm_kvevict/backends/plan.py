@@ -182,8 +182,9 @@ def request_states(step: RunnerStep, L_prev: list[int], server: KVEvictConfig, b
         st = WORKER.open(rid, lambda: resolve(server, extra, block_size))  # called here, if at all
         if rid in step.starts:
             st.restart(L_prev[r])
-            for key, entries in (TIERS.started(rid) or {}).items():  # a cached window's recall tier
-                st.layer(key).tier = Tier.of(entries, st.settings.recall.cap)
+            for key, snap in (TIERS.started(rid) or {}).items():  # a cached window's recall tier
+                ls = st.layer(key)
+                ls.tier, ls.recall_queries = Tier.of(snap.entries, st.settings.recall.cap), snap.queries
             if TIERS.lost(rid):  # its window's tier is not here: the engine core hears of it
                 fault.fall_back(st, rid, st.settings.policy, RuntimeError("its window's recall tier is missing"))
         states.append(st)

@@ -204,15 +204,17 @@ class Recall:
 
     def _snapshot(self, plan, rows: list[int]) -> None:
         """A snapshot of this layer's tier of each of ``rows`` whose request shares its windows,
-        compacted at a point before its prompt's end in this step."""
+        compacted at a point before its prompt's end in this step, with its latest queries (this
+        step's among them: :meth:`rows` ran before the compaction)."""
         if not plan.req_ids or plan.prompt_lens is None:
             return
         for r in rows:
             st = plan.states[r]
             b = plan.seq_lens[r]
             if st.settings.shares_windows and b < plan.prompt_lens[r] and not st.recall_failed:
-                tier = st.layers[self.key].tier
-                TIERS.take(plan.req_ids[r], b, self.key, tier.snapshot() if tier is not None else ())
+                ls = st.layers[self.key]
+                entries = ls.tier.snapshot() if ls.tier is not None else ()
+                TIERS.take(plan.req_ids[r], b, self.key, entries, ls.recall_queries)
 
     def _bound_tiers(self, plan, rows: list[int]) -> None:
         """Keep every tier of this worker within ``recall.max_bytes`` (the server's; the default
@@ -364,7 +366,7 @@ class Recall:
             if st.settings.recall.prefill == "all":  # the question attends to window and tier after all
                 continue
             Q = query[qsl[r] : qsl[r + 1]].transpose(0, 1)  # [H_q, m, d]
-            if ls.recall_queries is not None:  # none in the first step of a request started on a window
+            if ls.recall_queries is not None:  # a request started on a window: those cached with its tier
                 Q = torch.cat([ls.recall_queries, Q], dim=1)
             Qw = Q[:, -st.settings.recall.window :]
             tier_of, ls.tier = ls.tier, None

@@ -15,7 +15,7 @@ from __future__ import annotations
 
 from collections.abc import Hashable, Iterable
 from dataclasses import dataclass, field
-from typing import Any
+from typing import Any, NamedTuple
 
 import torch
 
@@ -149,8 +149,17 @@ def best_entries(e: TierEntry, cap: int) -> TierEntry:
     return e.map(lambda t: t[idx, h])
 
 
-#: One request's tier at one point: per layer (its key in a request's state), the tier's entries.
-Snapshot = dict[Hashable, tuple[TierEntry, ...]]
+class LayerSnapshot(NamedTuple):
+    """One layer's tier of a request at a compaction point: its entries, and the request's latest
+    queries recall scores by (``[H_q, <= window, d]``; None: none kept), with which a request
+    starting on the window there has seen what it would have seen had it computed the prefix."""
+
+    entries: tuple[TierEntry, ...]
+    queries: torch.Tensor | None = None
+
+
+#: One request's tier at one point: per layer (its key in a request's state), its snapshot.
+Snapshot = dict[Hashable, LayerSnapshot]
 
 
 class TierStore:
@@ -166,11 +175,19 @@ class TierStore:
         self._refs: dict[int, list[int]] = {}  # id of a cached tier's entry -> [tiers holding it, bytes]
         self.nbytes = 0  # host memory the cached tiers hold (an entry several share counted once)
 
-    def take(self, request_id: str, point: int, layer: Hashable, entries: tuple[TierEntry, ...]) -> None:
-        """One layer's tier of ``request_id`` right after its compaction at ``point`` (kept only for a
-        request whose windows the engine core caches: it started the attempt with a Start)."""
+    def take(
+        self,
+        request_id: str,
+        point: int,
+        layer: Hashable,
+        entries: tuple[TierEntry, ...],
+        queries: torch.Tensor | None = None,
+    ) -> None:
+        """One layer's tier of ``request_id`` right after its compaction at ``point``, with its latest
+        queries (kept only for a request whose windows the engine core caches: it started the
+        attempt with a Start)."""
         if request_id in self._snapshotting:
-            self._taken.setdefault((request_id, point), {})[layer] = entries
+            self._taken.setdefault((request_id, point), {})[layer] = LayerSnapshot(entries, queries)
 
     def apply(self, messages: Iterable[Message]) -> None:
         """The engine core's messages for the step about to be built, in order."""
@@ -219,15 +236,15 @@ class TierStore:
 
     def _cache(self, key: Hashable, snap: Snapshot) -> None:
         self._cached[key] = snap
-        for entries in snap.values():
-            for e in entries:
+        for layer in snap.values():  # the queries (a few KiB a layer) are not counted
+            for e in layer.entries:
                 ref = self._refs.setdefault(id(e), [0, sum(t.nbytes for t in e.tensors())])
                 ref[0] += 1
                 self.nbytes += ref[1] if ref[0] == 1 else 0
 
     def _uncache(self, key: Hashable) -> None:
-        for entries in self._cached.pop(key, {}).values():
-            for e in entries:
+        for layer in self._cached.pop(key, {}).values():
+            for e in layer.entries:
                 ref = self._refs[id(e)]
                 ref[0] -= 1
                 if ref[0] == 0:
