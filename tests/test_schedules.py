@@ -1138,15 +1138,15 @@ def _with_recall(mix: Mix) -> Mix:
 #: ``prompt_tail``'s end), cached as the tail of the window at ``b``. r0 (460 tokens): the window at
 #: 384 and the tail [384, 416); r1 (450) starts on the window and the block [384, 400) its document
 #: shares; a chat's next turn starts on the first turn's window at 192 and tail [192, 208).
+_RECALL_DOC = dataclasses.replace(
+    TAIL_MIXES["shared document"], requests=(_r("doc0", 400, 60, 5, 0.0, 0), _r("doc0", 400, 50, 5, 0.0, 0, arrive=12))
+)
+_RECALL_CHAT = Mix(
+    False, 128, 4, 60, (_r("new", 0, 250, 120, 0.0, 0), _r("turn", 0, 40, 10, 0.0, 0, arrive=150)), stride=96
+)
 RECALL_TAIL_MIXES = {
-    "shared document": dataclasses.replace(
-        TAIL_MIXES["shared document"],
-        requests=(_r("doc0", 400, 60, 5, 0.0, 0), _r("doc0", 400, 50, 5, 0.0, 0, arrive=12)),
-    ),
-    "shared document (async)": dataclasses.replace(
-        TAIL_MIXES["shared document (async)"],
-        requests=(_r("doc0", 400, 60, 5, 0.0, 0), _r("doc0", 400, 50, 5, 0.0, 0, arrive=12)),
-    ),
+    "shared document": _RECALL_DOC,
+    "shared document (async)": dataclasses.replace(_RECALL_DOC, async_scheduling=True),
     "arriving while the tail is made": dataclasses.replace(
         TAIL_MIXES["arriving while the tail is made"],
         requests=(
@@ -1163,12 +1163,8 @@ RECALL_TAIL_MIXES = {
         WINDOW_MIXES["shared document"],
         requests=(_r("doc0", 400, 20, 5, 0.0, 0), _r("doc0", 380, 4, 5, 0.0, 0, arrive=40)),
     ),
-    "chat turn": Mix(
-        False, 128, 4, 60, (_r("new", 0, 250, 120, 0.0, 0), _r("turn", 0, 40, 10, 0.0, 0, arrive=150)), stride=96
-    ),
-    "chat turn (async)": Mix(
-        True, 128, 4, 60, (_r("new", 0, 250, 120, 0.0, 0), _r("turn", 0, 40, 10, 0.0, 0, arrive=150)), stride=96
-    ),
+    "chat turn": _RECALL_CHAT,
+    "chat turn (async)": dataclasses.replace(_RECALL_CHAT, async_scheduling=True),
     "with preemption": dataclasses.replace(
         TAIL_MIXES["with preemption"],
         requests=(

@@ -378,9 +378,10 @@ class KVEvictManager(FullAttentionManager):
     def _recall_saves(request, settings: RequestSettings, p: int) -> bool:
         """Whether a recall request copies aside what its compaction at ``p`` rewrites, whoever
         waits: at its last point before the prompt's end, when its prompt ends too soon after it
-        for a tail (``window.prompt_tail``). A request with its prompt but another question starts
-        on the window before ``p`` (recall's queries must follow where it starts), and without the
-        copies would compute again the stride before ``p``, each chunk over the tier."""
+        for a tail (``window.prompt_tail``), i.e. its own question likely runs across ``p``. A
+        request with its document but another question then shares no window at ``p`` (that
+        window's key covers this request's question): it starts on the window before ``p`` and,
+        without the copies, would compute the stride before ``p`` again, each chunk over the tier."""
         prompt, window = request.num_prompt_tokens, settings.window
         return (
             settings.recall.enabled
