@@ -276,6 +276,26 @@ def test_a_trim_is_fair_across_requests_and_policies():
     assert layers[0].tokens == 100 and layers[1].tokens == 0
 
 
+@pytest.mark.parametrize("m, block", [(9, 4), (40, 256), (1, 3)])
+def test_attend_after_equals_attend_by_positions(m, block):
+    """A prefill chunk over the window's kept tokens and the tier (every one before the chunk, each
+    KV head its own positions) and its own tokens: ``attend_after``, one mask for every head, is
+    :func:`attend` over the same keys by their positions."""
+    from vllm_kvevict.kernels.torch_ops import attend, attend_after
+
+    g = torch.Generator().manual_seed(5)
+    H, G, n, d = 3, 2, 57, 8
+    L0 = 100  # the chunk's first position
+    K, V = torch.randn(H, n + m, d, generator=g), torch.randn(H, n + m, d, generator=g)
+    Q = torch.randn(H * G, m, d, generator=g)
+    before = torch.stack([torch.randperm(L0, generator=g)[:n] for _ in range(H)])  # per head, unordered
+    k_pos = torch.cat([before, torch.arange(L0, L0 + m).expand(H, m)], dim=1)
+    q_pos = torch.arange(L0, L0 + m)
+    want = attend(Q, K, V, q_pos, k_pos, G, 0.3)
+    got = attend_after(Q, K[:, :n], V[:, :n], K[:, n:], V[:, n:], G, 0.3, block=block)
+    torch.testing.assert_close(got, want, atol=1e-5, rtol=1e-5)
+
+
 @pytest.mark.parametrize("softcap, sinks", [(None, False), (30.0, False), (None, True)])
 def test_attend_is_the_attention_of_each_query_head(softcap, sinks):
     """``recall.prefill: all`` computes a chunk's attention over window and tier with

@@ -847,10 +847,10 @@ PATHS = {
         False, 256, 4, 60, (_r("doc0", 80, 16, 1, 1.0, 0), _r("doc0", 200, 20, 3, 0.0, 3, arrive=3))
     ),
     "aborted before the core saw it compact": Mix(
-        False, 256, 4, 60, (_r("doc0", 112, 16, 1, 0.0, 0, abort=3), _r("doc0", 200, 20, 3, 0.0, 3, arrive=1))
+        False, 256, 4, 60, (_r("doc0", 112, 16, 1, 0.0, 0, abort=2), _r("doc0", 200, 20, 3, 0.0, 3, arrive=1))
     ),
-    # r1's prefill (96 tokens, stride 48; cut at 80, where its first compaction's blocks are copied
-    # aside) compacts at its end while r0 (eviction off, 11 blocks) and r1 fill the 17-block pool;
+    # r1's prefill (96 tokens, stride 48) compacts at its end while r0 (eviction off, 11 blocks)
+    # and r1 fill the 17-block pool;
     # in the next step r0 decodes into a new block, so FCFS preempts r1 before it is scheduled again
     "preempted before the core saw it compact": Mix(
         False,
@@ -859,7 +859,7 @@ PATHS = {
         18,
         (
             _r("new", 0, 160, 100, 0.0, 3),
-            _r("doc0", 80, 16, 20, 0.0, 0, arrive=15),
+            _r("doc0", 80, 16, 20, 0.0, 0, arrive=16),
             _r("doc0", 96, 30, 2, 0.0, 3, arrive=40),
         ),
     ),

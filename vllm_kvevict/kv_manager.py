@@ -360,33 +360,46 @@ class KVEvictManager(FullAttentionManager):
     def _save(self, request, settings: RequestSettings, att: _Attempt, start: int, p: int) -> None:
         """Copy aside the request's blocks that its compaction at ``p``, in the step just scheduled,
         rewrites: ``[E(p), min(start, hit_end(p)))`` (the scheduler ends the step before at
-        ``hit_end``: ``window.step_limit``), computed in earlier steps, the workers copying them
-        before this step's forward. Each copy is cached once the step has run
-        (:meth:`_cache_windows`) as a tail of the window before ``p`` (a pure block before the first
-        compaction), so a later request with this prefix starts past them. Nothing is copied,
-        unless the configuration says ``copy_rewritten: always``, when no request has waited for
-        this one's windows (``awaited``): a copy is held beside the window at its fullest, and a
-        conversation's next turn never reads one (it starts on the last window and tail), so by
-        default only a prefix others are known to share pays for it. With recall they are copied
-        at the last point before the prompt's end when no tail follows it (:meth:`_recall_saves`)."""
-        if not (att.awaited or settings.config.copy_rewritten == "always" or self._recall_saves(request, settings, p)):
+        ``hit_end`` when it expects the copies: ``window.step_limit``, :meth:`step_tokens`),
+        computed in earlier steps, the workers copying them before this step's forward. Each copy
+        is cached once the step has run (:meth:`_cache_windows`) as a tail of the window before
+        ``p`` (a pure block before the first compaction), so a later request with this prefix
+        starts past them. Only when :meth:`_copies_at` says so."""
+        if not self._copies_at(request, settings, att, p):
             return
         e = evicted_tokens(p, request.num_prompt_tokens, settings.window)
         self._copy_aside(request, settings, att, p - settings.window.step, e, min(start, settings.hit_end(p)), p)
 
-    @staticmethod
-    def _recall_saves(request, settings: RequestSettings, p: int) -> bool:
+    def _copies_at(self, request, settings: RequestSettings, att: _Attempt | None, p: int) -> bool:
+        """Whether the request copies aside what its compaction at ``p`` rewrites. Not unless the
+        configuration says ``copy_rewritten: always`` or a request has waited for this one's
+        windows (``awaited``): a copy is held beside the window at its fullest, and a
+        conversation's next turn never reads one (it starts on the last window and tail), so by
+        default only a prefix others are known to share pays for it (and the step cut before the
+        copies with it). With recall, also at the last point before the prompt's end when no tail
+        follows it (:meth:`_recall_saves`)."""
+        return (
+            settings.config.copy_rewritten == "always"
+            or (att is not None and att.awaited)
+            or self._recall_saves(request, settings, p)
+        )
+
+    def _recall_saves(self, request, settings: RequestSettings, p: int) -> bool:
         """Whether a recall request copies aside what its compaction at ``p`` rewrites, whoever
         waits: at its last point before the prompt's end, when its prompt ends too soon after it
-        for a tail (``window.prompt_tail``), i.e. its own question likely runs across ``p``. A
-        request with its document but another question then shares no window at ``p`` (that
-        window's key covers this request's question): it starts on the window before ``p`` and,
-        without the copies, would compute the stride before ``p`` again, each chunk over the tier."""
+        for a tail (``window.prompt_tail``), i.e. its own question likely runs across ``p``, and it
+        computed the stride before ``p`` itself (started on no hit past ``p - stride``). A request
+        with its document but another question then shares no window at ``p`` (that window's key
+        covers this request's question): it starts on the window before ``p`` and, without the
+        copies, would compute the stride before ``p`` again, each chunk over the tier. One that
+        started past ``p - stride`` would copy its own question's first blocks alone, which no
+        other request shares, for a step more."""
         prompt, window = request.num_prompt_tokens, settings.window
         return (
             settings.recall.enabled
             and p < prompt <= p + window.step
             and prompt_tail(prompt, window, settings.recall.window) is None
+            and self.state_of(request).shared <= p - window.step
         )
 
     def _save_prompt_tail(self, request, settings: RequestSettings, att: _Attempt, start: int, end: int) -> None:
@@ -734,9 +747,11 @@ class KVEvictManager(FullAttentionManager):
         speculative drafts, not up to a compaction point with drafts in the step (``window``'s
         ``step_limit``, ``settle_limit``, ``draft_cut``)."""
         settings = self.state_of(request).settings
-        saves = settings.policy.needs.window if self.copies and settings.shares_tails else None
-        recall_tail = settings.recall.window if saves is not None and settings.recall.enabled else None
-        prompt = request.num_prompt_tokens
+        tails = self.copies and settings.shares_tails
+        prompt, p = request.num_prompt_tokens, last_boundary(start, settings.window) + settings.window.step
+        copies = tails and self._copies_at(request, settings, self._attempts.get(request.request_id), p)
+        saves = settings.policy.needs.window if copies else None
+        recall_tail = settings.recall.window if tails and settings.recall.enabled else None
         for limit in (
             step_limit(start, prompt, settings.window, saves, recall_tail),
             settle_limit(start, vllm_kv_cache.processed_tokens(request), prompt, settings.window),

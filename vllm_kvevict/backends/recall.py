@@ -283,21 +283,29 @@ class Recall:
         tier = tier_of.peek()
         if tier is None:
             return
-        _, K, V, pos = self._with_tier(kv_cache, plan, r, plan.e_prev[r], plan.seq_lens[r], tier)
         a, b = plan.query_start_loc[r], plan.query_start_loc[r + 1]
         hd = self.heads
         Q = query[a:b].transpose(0, 1)  # [H_q, m, d]
-        o = torch_ops.attend(
-            Q,
-            K.transpose(0, 1),
-            V.transpose(0, 1),
-            plan.positions[a:b].long(),
-            pos.T,
-            hd.G,
-            hd.scale,
-            hd.softcap,
-            hd.sinks,
-        )
+        if hd.softcap or hd.sinks is not None:  # per-score terms: the general statement
+            _, K, V, pos = self._with_tier(kv_cache, plan, r, plan.e_prev[r], plan.seq_lens[r], tier)
+            o = torch_ops.attend(
+                Q,
+                K.transpose(0, 1),
+                V.transpose(0, 1),
+                plan.positions[a:b].long(),
+                pos.T,
+                hd.G,
+                hd.scale,
+                hd.softcap,
+                hd.sinks,
+            )
+        else:  # the window's kept tokens and the tier precede the chunk, its own tokens the last m slots
+            bs, m = kv_cache.shape[2], b - a
+            slots = plan.slots(((r, plan.e_prev[r], plan.seq_lens[r]),), bs)
+            K_w, V_w = self.layout.gather(kv_cache, slots // bs, slots % bs)  # [n, H, d]
+            K_b = torch.cat([K_w[:-m], tier.K.to(K_w.device, K_w.dtype)]).transpose(0, 1)
+            V_b = torch.cat([V_w[:-m], tier.V.to(V_w.device, V_w.dtype)]).transpose(0, 1)
+            o = torch_ops.attend_after(Q, K_b, V_b, K_w[-m:].transpose(0, 1), V_w[-m:].transpose(0, 1), hd.G, hd.scale)
         out.view(out.shape[0], hd.num_heads, -1)[a:b] = o.transpose(0, 1).to(out.dtype)
 
     def _with_tier(self, kv_cache, plan, r: int, start: int, end: int, tier: TierEntry):

@@ -222,6 +222,37 @@ def attend(
     return out
 
 
+def attend_after(
+    Q: torch.Tensor,
+    K_before: torch.Tensor,
+    V_before: torch.Tensor,
+    K_own: torch.Tensor,
+    V_own: torch.Tensor,
+    G: int,
+    scale: float,
+    block: int = 256,
+) -> torch.Tensor:
+    """:func:`attend` of a prefill chunk's queries ``Q [H_q, m, d]`` when every key of ``K_before``,
+    ``V_before`` ``[H_kv, n, d]`` precedes every query and ``K_own``, ``V_own`` ``[H_kv, m, d]`` are
+    the queries' own tokens in their order (causal by index): one mask for every head, so no
+    positions are compared and SDPA runs its fused kernel (no soft-cap, no sinks)."""
+    Hq, m, _ = Q.shape
+    n, dv = K_before.shape[1], V_before.shape[2]
+    K = torch.cat([K_before, K_own], dim=1).float()
+    V = torch.cat([V_before, V_own], dim=1).float()
+    Qf = Q.float()
+    out = torch.empty(Hq, m, dv, dtype=torch.float32, device=V.device)
+    for a in range(0, m, block):
+        b = min(m, a + block)
+        mask = torch.ones(b - a, n + b, dtype=torch.bool, device=V.device)
+        mask[:, n:] = mask[:, n:].tril(diagonal=a)  # query a + i sees its own tokens up to a + i
+        o = F.scaled_dot_product_attention(
+            Qf[None, :, a:b], K[None, :, : n + b], V[None, :, : n + b], mask, scale=scale, enable_gqa=True
+        )
+        out[:, a:b] = o[0]
+    return out
+
+
 def column_sums(
     Q: torch.Tensor,
     K: torch.Tensor,
