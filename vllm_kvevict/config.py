@@ -133,7 +133,7 @@ class RecallConfig(BaseModel):
     enabled: bool = Field(False, description="keep evicted tokens and recall the best of them at the prompt's end")
     # No per-request cap by default: a policy's score need not foresee the question (SnapKV's does not), so
     # a cap that drops its lowest-scored tokens loses needles recall would bring back (docs/policies.md,
-    # "Recall on issue 26's grid"); host memory is bounded per worker by max_bytes.
+    # "Recall grid"); host memory is bounded per worker by max_bytes.
     cap: int = Field(
         MAX_BUDGET,
         ge=0,

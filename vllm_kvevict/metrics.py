@@ -20,6 +20,8 @@ gauges are dropped.
 | ``kvevict:fallbacks_total`` | counter | policy, rank | workers, when a request's policy fails |
 | ``kvevict:prefix_hits_total`` | counter | policy | engine core, when an evicting request starts on a hit |
 | ``kvevict:prefix_hit_tokens_total`` | counter | policy | engine core, the tokens of those hits |
+| ``kvevict:compressed_hits_total`` | counter | policy | engine core, when an evicting request starts on a cached compacted window |
+| ``kvevict:compressed_hit_tokens_total`` | counter | policy | engine core, the tokens of those hits |
 | ``kvevict:eviction_seconds`` | histogram | rank | workers, per model step (every layer and request) |
 | ``kvevict:window_blocks_held`` | gauge | | engine core: blocks held by requests with a bounded window |
 | ``kvevict:window_blocks_bound`` | gauge | | engine core: the sum of those requests' window bounds |
