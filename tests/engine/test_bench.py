@@ -156,3 +156,81 @@ def test_speculative_smoke(smollm2_model, tmp_path):
         assert (res["blocks_freed"] > 0) == name.startswith("kvevict"), name
     assert all(res["acceptance"] > 0 for name, res in r["results"].items() if name.endswith("+ngram"))
     assert set(r["ngram_speedup"]) == {"stock", "kvevict"}
+
+
+def test_running_server(smollm2_model, tmp_path, monkeypatch):
+    """throughput, memory and prefix against a server already running (--base-url, and
+    --stock-base-url on the same one), at the smallest sizes: nothing else is started, each kvevict
+    request evicts with its own budget (the server's default budget, larger than every prompt here,
+    leaves the 'stock' runs alone), and the reports carry the server's own KV cache from /metrics."""
+    from vllm_kvevict.bench import cli
+    from vllm_kvevict.testing.server import VLLMServer, cpu_args
+
+    args = [
+        *cpu_args("1073741824"),
+        "--max-model-len",
+        "4096",
+        "--attention-backend",
+        "kvevict",
+        "--additional-config",
+        json.dumps({"kvevict": {"policy": "keydiff", "budget": 1024}}),
+    ]
+    out = tmp_path / "out"
+    with VLLMServer(smollm2_model, args, log_path=tmp_path / "server.log", served_model_name="smol") as srv:
+
+        def no_start(self):
+            raise AssertionError(f"the benchmark started a server: {self.command()}")
+
+        monkeypatch.setattr(VLLMServer, "start", no_start)
+        urls = ["--base-url", srv.base_url, "--stock-base-url", srv.base_url, "--out", str(out)]
+
+        def bench(*argv: str) -> dict:
+            assert cli.main([argv[0], *urls, *argv[1:]]) == 0
+            report = json.loads((out / f"{argv[0]}.json").read_text())
+            assert (out / f"{argv[0]}.png").stat().st_size > 10_000
+            for side in ("kvevict", "stock"):  # the server's own, from /v1/models and /metrics
+                assert report["remote"][side] == {
+                    "base_url": srv.base_url,
+                    "served_model_name": "smol",
+                    "block_size": 32,
+                    "kv_blocks": report["remote"][side]["kv_blocks"],
+                    "prefix_caching": True,
+                }
+                assert report["remote"][side]["kv_blocks"] > 100
+            assert report["served_model_name"] == "smol" and report["model"] == str(smollm2_model)
+            return report
+
+        r = bench("throughput", "--num-prompts", "2", "--input-len", "128", "--output-len", "8")
+        assert set(r["results"]) == {"stock", "kvevict-0.25"}
+        for res in r["results"].values():
+            assert res["output_tokens"] == 2 * 8 and len(res["requests"]) == 2
+            assert res["output_tok_per_s"] > 0 and res["req_per_s"] > 0 and res["ttft"]["median_s"] > 0
+            assert res["peak_running"] >= 1 and 0 < res["peak_kv_usage"] <= 1
+        assert r["results"]["stock"]["blocks_freed"] == 0 and r["results"]["kvevict-0.25"]["blocks_freed"] > 0
+        assert r["kvevict_over_stock"]["kvevict-0.25"]["output_tok_per_s"] > 0
+        assert r["kv_blocks"] > 0 and r["kv_prompts"] > 0 and r["max_num_batched_tokens"] is None
+
+        r = bench("memory", "--input-len", "256", "--output-len", "16", "--budget", "64")
+        stock, kv = r["series"]["stock"], r["series"]["kvevict"]
+        assert r["sequence_blocks"] == 9 and r["chunk"] is None
+        # the window bound and the blocks held: the plugin's gauges, sampled (no engine peak remotely)
+        assert 0 < kv["window_peak_blocks"] <= r["window_bound_blocks"] < stock["peak_blocks"] <= 9
+        assert 0 < kv["peak_blocks"] and "engine_peak_blocks" not in kv
+        assert stock["latency_s"] > 0 and kv["latency_s"] > 0
+
+        r = bench(
+            "prefix",
+            *("--budget", "64", "--num-prompts", "2", "--max-concurrency", "2"),
+            *("--prefix-repetition-prefix-len", "128", "--prefix-repetition-suffix-len", "16"),
+            *("--prefix-repetition-output-len", "4", "--conversations", "1", "--turns", "2"),
+            *("--user-len", "96", "--turn-output-len", "4", "--needle-conversations", "0"),
+        )
+        assert set(r["results"]) == {"stock", "kvevict"} and set(r["kvevict_over_stock"]) == {"kvevict"}
+        for res in r["results"].values():
+            s, m = res["shared_prefix"], res["multi_turn"]
+            assert s["completed"] == 2 and s["median_ttft_s"] > 0 and s["output_tok_per_s"] > 0
+            assert m["output_tokens"] == 1 * 2 * 4 and m["output_tok_per_s"] > 0 and len(m["per_turn"]) == 2
+            assert "windows" not in res and "needle" not in res  # the window peaks: in the server's log only
+        assert r["results"]["stock"]["blocks_freed"] == 0 and r["results"]["kvevict"]["blocks_freed"] > 0
+        assert all(v > 0 for v in r["kvevict_over_stock"]["kvevict"].values())
+    assert not list(out.glob("server-*.log"))

