@@ -42,6 +42,8 @@ _registered = False
 
 def check_config(vllm_config) -> None:
     """Validate the kvevict configuration as vLLM finalises its own (first thing, every process)."""
+    # The model name on the plugin's metrics, as on vLLM's (the API server's collector reads it).
+    metrics.set_model_name(getattr(getattr(vllm_config, "model_config", None), "served_model_name", None))
     data, source = raw_config(getattr(vllm_config, "additional_config", None))
     selected = vllm_attention.custom_selected(vllm_config)
     if data is None and not selected:
@@ -195,7 +197,16 @@ def check_request(vllm_config, params):
     """Resolve a request's ``kvevict_*`` keys once (:func:`vllm_kvevict.request.resolve`), before
     vLLM processes its inputs: a bad key is refused (HTTP 400 naming it, a
     :class:`RequestConfigError`). Returns what checks the processed request (its prompt tokenized):
-    :func:`check_fits_pool` with these settings; None when there is nothing more to check."""
+    :func:`check_fits_pool` with these settings; None when there is nothing more to check. Every
+    refusal is counted (``kvevict:requests_refused_total``, by the key it names)."""
+    try:
+        return _check_keys(vllm_config, params)
+    except Exception as err:  # anything raised here is answered with a 400 (vllm_compat.engine)
+        metrics.count_refused(getattr(err, "key", None), "invalid")
+        raise
+
+
+def _check_keys(vllm_config, params):
     extra = getattr(params, "extra_args", None)
     if not vllm_attention.custom_selected(vllm_config):
         overrides = request_overrides(extra)  # a bad key is refused as such, first
@@ -228,7 +239,22 @@ def check_request(vllm_config, params):
 
 def _check_processed(vllm_config, settings: RequestSettings, request) -> None:
     """The processed request (its prompt tokenized): streaming input refused with eviction, and
-    :func:`check_fits_pool`."""
+    :func:`check_fits_pool` (a refusal counted as ``too_large``)."""
+    try:
+        _check_streaming(settings, request)
+    except Exception as err:
+        metrics.count_refused(getattr(err, "key", None), "invalid")
+        raise
+    try:
+        _check_request_fits(vllm_config, settings, request)
+    except Exception as err:
+        metrics.count_refused(
+            getattr(err, "key", None), "too_large" if isinstance(err, RequestConfigError) else "invalid"
+        )
+        raise
+
+
+def _check_streaming(settings: RequestSettings, request) -> None:
     if getattr(request, "resumable", False) and settings.evicts:
         # vLLM's streaming input (AsyncLLM.generate with an input stream, the realtime API)
         # extends a live request's prompt while it keeps its blocks: the prompt's length, which
@@ -240,6 +266,9 @@ def _check_processed(vllm_config, settings: RequestSettings, request) -> None:
             "kvevict_enabled to false for this one",
             "kvevict_enabled",
         )
+
+
+def _check_request_fits(vllm_config, settings: RequestSettings, request) -> None:
     sp = getattr(request, "sampling_params", None)
     if sp is None:
         return
@@ -396,6 +425,7 @@ def register() -> None:
     # Every process records into the metrics directory the first one (the API server) made; the
     # API server serves them on vLLM's /metrics.
     vllm_metrics.install_collector(metrics.Collector(metrics.setup_directory()))
+    vllm_metrics.install_engine_index(metrics.set_engine)
     _install_excepthook()
     if envs.KVEVICT_TEST_FAULT or envs.KVEVICT_TEST_HOLD is not None:  # the engine tests' hooks
         from vllm_kvevict.testing import hooks

@@ -90,7 +90,8 @@ def test_compose_file():
 
     text = (DOCKER / "compose.yaml").read_text()
     services = yaml.safe_load(text)["services"]
-    assert set(services) == {"kvevict-cpu", "kvevict-cuda"}
+    # prometheus and grafana: the profile `monitoring` (tests/test_monitoring.py)
+    assert set(services) == {"kvevict-cpu", "kvevict-cuda", "prometheus", "grafana"}
     cpu, cuda = services["kvevict-cpu"], services["kvevict-cuda"]
     for svc, dockerfile in ((cpu, "docker/Dockerfile.cpu"), (cuda, "docker/Dockerfile")):
         context = (DOCKER / svc["build"]["context"]).resolve()

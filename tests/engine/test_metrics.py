@@ -3,7 +3,8 @@
 and checked against what the engine did: blocks freed equal the sum of the per-request release
 lines, tokens evicted are those blocks' slots, one compaction per window move (counted from the
 kept-set dumps of the workers), a fault counted once per policy, the eviction-time histogram fed
-by every compacting step, and the blocks-held gauge back to zero when nothing runs."""
+by every compacting step, the blocks-held gauge back to zero when nothing runs, a refused request
+counted by its key, and every series labelled with the model and engine as vLLM's own."""
 
 from __future__ import annotations
 
@@ -17,7 +18,7 @@ from prometheus_client.parser import text_string_to_metric_families
 
 from tests.conftest import CPU_SERVER_ARGS
 from tests.engine.evict_common import RELEASED, complete, make_prompt
-from vllm_kvevict.metrics import BUCKETS
+from vllm_kvevict.metrics import BUCKETS, REFUSED_KEYS, REFUSED_REASONS
 from vllm_kvevict.testing.hf_reference import attempts_for, load_attempts
 from vllm_kvevict.testing.server import VLLMServer, wait_until
 
@@ -53,10 +54,13 @@ def run(gqa_model, hf_model, tmp_path_factory):
         before = _scrape(srv)
         vocab = hf_model.config.vocab_size
         outs = [complete(srv, make_prompt(n, seed, vocab), 40, xargs) for n, seed, xargs, _ in REQUESTS]
+        with pytest.raises(Exception, match="kvevict_budget"):  # refused with a 400: counted by its key
+            complete(srv, make_prompt(50, 46, vocab), 4, {"kvevict_budget": 0})
         # Each request's release line is logged right after its last output: wait for all of them.
         wait_until(lambda: len(RELEASED.findall(srv.log())) >= len(REQUESTS), 60, "every release line")
         wait_until(lambda: _value(_scrape(srv), "kvevict:window_blocks_held") == 0, 60, "no evicting request held")
         yield {
+            "model_name": srv.served_model_name,
             "before": before,
             "after": _scrape(srv),
             "outs": outs,
@@ -145,3 +149,26 @@ def test_eviction_time_and_gauges(run):
     assert inf == _value(a, "kvevict:eviction_seconds_count")
     assert _value(a, "kvevict:eviction_seconds_bucket", le=str(BUCKETS[0])) <= inf  # cumulative
     assert _value(a, "kvevict:window_blocks_held") == 0 and _value(a, "kvevict:window_blocks_bound") == 0
+
+
+def test_series_carry_vllms_model_and_engine_labels_and_refusals_are_counted(run):
+    """Every ``kvevict:*`` series has ``model_name`` (the served name) and ``engine`` as vLLM's
+    ``vllm:*`` have them (the API server's refusal counter: no engine); the one refused request
+    is counted by its key and reason, every other key and reason exported at 0."""
+    after = run["after"]
+    ours = [dict(ls) | {"__name__": n} for n, ls in after if n.startswith("kvevict:")]
+    assert ours
+    for labels in ours:
+        assert labels["model_name"] == run["model_name"], labels
+        refused = labels["__name__"] == "kvevict:requests_refused_total"
+        assert labels.get("engine") == (None if refused else "0"), labels
+    theirs = {(dict(ls)["model_name"], dict(ls)["engine"]) for n, ls in after if n == "vllm:num_requests_running"}
+    assert theirs == {(run["model_name"], "0")}
+    refused = {
+        (dict(ls)["key"], dict(ls)["reason"]): v
+        for (n, ls), v in after.items()
+        if n == "kvevict:requests_refused_total"
+    }
+    assert len(refused) == len(REFUSED_KEYS) * len(REFUSED_REASONS)
+    assert {k: v for k, v in refused.items() if v} == {("budget", "invalid"): 1}
+    assert _value(run["before"], "kvevict:requests_refused_total") == 0
