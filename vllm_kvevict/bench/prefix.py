@@ -406,18 +406,8 @@ def run_prefix(
     block_size = block_size_of(platform_args(platform), server_args)
     results: dict[str, dict] = {}
     specs = [sp for sp in _specs(policy, budget, stride, recall_prefill) if sp.name == "stock" or sp.name in servers]
-    needles = []
-    if needle_conversations_n:
-        from transformers import AutoTokenizer
-
-        needles = needle_conversations(
-            AutoTokenizer.from_pretrained(model), needle_conversations_n, turns, needle_user_len
-        )
-    bar = None
-    if progress:
-        from tqdm import tqdm
-
-        bar = tqdm(total=2 * len(specs), desc="prefix", unit="run")
+    needles = _needles(model, needle_conversations_n, turns, needle_user_len)
+    bar = _bar(progress, 2 * len(specs))
     for spec in specs:
         with serve(model, spec, common, log_dir, server_args, served_model_name) as srv:
             res = {
@@ -437,6 +427,42 @@ def run_prefix(
             results[spec.name] = res
     if bar is not None:
         bar.close()
+    return _report(
+        results,
+        model=model,
+        policy=policy,
+        budget=budget,
+        stride=stride or budget,
+        recall_prefill=recall_prefill,
+        chunk=chunk,
+        kv_blocks=kv_blocks,
+        block_size=block_size,
+        workload=(prefix_len, suffix_len, num_prompts, shared_output_len, concurrency, conversations, turns),
+        more=(user_len, turn_output_len, needle_conversations_n, needle_user_len),
+    )
+
+
+def _needles(tokenizer: str, conversations: int, turns: int, user_len: int) -> list[dict]:
+    """The needle conversations (:func:`needle_conversations`), none when ``conversations`` is 0."""
+    if not conversations:
+        return []
+    from transformers import AutoTokenizer
+
+    return needle_conversations(AutoTokenizer.from_pretrained(tokenizer), conversations, turns, user_len)
+
+
+def _bar(progress: bool, total: int):
+    """A tqdm progress bar of ``total`` runs, or None."""
+    if not progress:
+        return None
+    from tqdm import tqdm
+
+    return tqdm(total=total, desc="prefix", unit="run")
+
+
+def _report(results: dict, workload: tuple, more: tuple, **head) -> dict:
+    """The JSON of a run: ``head`` (the servers' settings), the workload, the results and each
+    kvevict server's ratios to stock."""
     stock = results["stock"]
     ratios = {}
     for name in [n for n in SERVERS[1:] if n in results]:
@@ -447,26 +473,12 @@ def run_prefix(
             / stock["shared_prefix"]["output_tok_per_s"],
             "chat_output_tok_per_s": r["multi_turn"]["output_tok_per_s"] / stock["multi_turn"]["output_tok_per_s"],
         }
+    names = ("prefix_len", "suffix_len", "num_prompts", "shared_output_len", "concurrency", "conversations", "turns")
+    more_names = ("user_len", "turn_output_len", "needle_conversations", "needle_user_len")
     return {
-        "model": model,
-        "policy": policy,
-        "budget": budget,
-        "stride": stride or budget,
-        "recall_prefill": recall_prefill,
-        "chunk": chunk,
-        "kv_blocks": kv_blocks,
-        "block_size": block_size,
-        "prefix_len": prefix_len,
-        "suffix_len": suffix_len,
-        "num_prompts": num_prompts,
-        "shared_output_len": shared_output_len,
-        "concurrency": concurrency,
-        "conversations": conversations,
-        "turns": turns,
-        "user_len": user_len,
-        "turn_output_len": turn_output_len,
-        "needle_conversations": needle_conversations_n,
-        "needle_user_len": needle_user_len,
+        **head,
+        **dict(zip(names, workload)),
+        **dict(zip(more_names, more)),
         "results": results,
         "kvevict_over_stock": ratios,
     }
@@ -509,18 +521,8 @@ def _run_remote(
     tok = tokenizer or kv.model
     specs = _specs(policy, budget)[:2]
     runs = Runs(tok, [], log_dir, remote)
-    needles = []
-    if needle_conversations_n:
-        from transformers import AutoTokenizer
-
-        needles = needle_conversations(
-            AutoTokenizer.from_pretrained(tok), needle_conversations_n, turns, needle_user_len
-        )
-    bar = None
-    if progress:
-        from tqdm import tqdm
-
-        bar = tqdm(total=2 * len(specs), desc="prefix", unit="run")
+    needles = _needles(tok, needle_conversations_n, turns, needle_user_len)
+    bar = _bar(progress, 2 * len(specs))
     results: dict[str, dict] = {}
     for spec in specs:
         with runs.server(spec) as srv:
@@ -553,39 +555,21 @@ def _run_remote(
             results[spec.name] = res
     if bar is not None:
         bar.close()
-    stock = results["stock"]
-    r = results["kvevict"]
-    ratios = {
-        "kvevict": {
-            "shared_median_ttft": r["shared_prefix"]["median_ttft_s"] / stock["shared_prefix"]["median_ttft_s"],
-            "shared_output_tok_per_s": r["shared_prefix"]["output_tok_per_s"]
-            / stock["shared_prefix"]["output_tok_per_s"],
-            "chat_output_tok_per_s": r["multi_turn"]["output_tok_per_s"] / stock["multi_turn"]["output_tok_per_s"],
-        }
-    }
     return {
-        "model": tok,
-        "served_model_name": kv.served_model_name,
-        "policy": policy,
-        "budget": budget,
-        "stride": None,  # the server's
-        "recall_prefill": None,
-        "chunk": None,
-        "kv_blocks": kv.kv_blocks,
-        "block_size": kv.block_size,
-        "prefix_len": prefix_len,
-        "suffix_len": suffix_len,
-        "num_prompts": num_prompts,
-        "shared_output_len": shared_output_len,
-        "concurrency": concurrency,
-        "conversations": conversations,
-        "turns": turns,
-        "user_len": user_len,
-        "turn_output_len": turn_output_len,
-        "needle_conversations": needle_conversations_n,
-        "needle_user_len": needle_user_len,
-        "results": results,
-        "kvevict_over_stock": ratios,
+        **_report(
+            results,
+            model=tok,
+            served_model_name=kv.served_model_name,
+            policy=policy,
+            budget=budget,
+            stride=None,  # the server's
+            recall_prefill=None,
+            chunk=None,
+            kv_blocks=kv.kv_blocks,
+            block_size=kv.block_size,
+            workload=(prefix_len, suffix_len, num_prompts, shared_output_len, concurrency, conversations, turns),
+            more=(user_len, turn_output_len, needle_conversations_n, needle_user_len),
+        ),
         "remote": remote.info(),
     }
 
