@@ -1,6 +1,6 @@
 # SPDX-License-Identifier: Apache-2.0
 """The markdown table of a quality grid's rows file (``kvevict-bench quality --rows FILE``), as in
-docs/policies.md ("Recall on issue 26's grid"): for each prompt length, configuration and budget,
+docs/policies.md ("Recall grid"): for each prompt length, configuration and budget,
 the score (mean over tasks; per task; needle at depth 1 / elsewhere), its share of no eviction's
 score on the same prompts, and the number of prompts per task behind it; ``--plot`` also draws the
 shares (one panel per length, a policy's configs in one colour: with recall solid, without dashed,

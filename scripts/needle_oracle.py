@@ -16,7 +16,7 @@ loses the answer.
     python scripts/needle_oracle.py --length 3200 --ratio 0.1 --depths 0,0.25,0.5 --seeds 1,2
     python scripts/needle_oracle.py --task niah_multikey --length 7500 --depths 0.5 --seeds 2 --generate
 
-docs/policies.md ("Where recall loses the needle", "Recall on issue 26's grid") has what it showed.
+docs/policies.md ("Where recall loses the needle", "Recall grid") has what it showed.
 """
 
 from __future__ import annotations

@@ -88,7 +88,7 @@ PRESETS = {
             "depths": 3,
             "seeds": "1",
         },
-        # issue 26's grid: every policy that drops tokens, with and without recall, at 5, 10 and 25 % of
+        # the recall grid (docs/policies.md): every policy that drops tokens, with and without recall, at 5, 10 and 25 % of
         # ~3,000- and ~7,500-token prompts, 20 prompts per task and length (run it in parts: --rows)
         "recall-grid": {
             "configs": RECALL_CONFIGS.replace(",kvmerger", ""),

@@ -233,7 +233,7 @@ def summarize(rows, configs, keys, tasks, lengths, n_depths, seeds, items) -> di
                 per_depth.setdefault(part, {}).setdefault(name, {})[key] = mean(
                     [r["score"] for r in sel if (r.get("depth") == 1.0) == at_end]
                 )
-    # each config's score as a share of no eviction's, per prompt length (what issue 26's targets are in)
+    # each config's score as a share of no eviction's, per prompt length (what the recall grid's targets are in)
     share: dict[str, dict[str, dict[str, float | None]]] = {}
     for name in [c for c in configs if c != REFERENCE]:
         for key in keys:
