@@ -162,11 +162,11 @@ def test_model_and_engine_labels_as_vllms(tmp_path, monkeypatch):
 
 
 def test_refusals_counted_by_a_bounded_key(tmp_path):
+    """``kvevict:requests_refused_total{key, reason}``: the key a 400 names, less ``kvevict_``,
+    from a fixed set (a client's made-up key is ``other``); every key and reason exported at 0."""
     from vllm_kvevict.config import REQUEST_KEYS
 
     assert set(metrics.REFUSED_KEYS[:-2]) == {k.removeprefix("kvevict_") for k in REQUEST_KEYS}
-    """``kvevict:requests_refused_total{key, reason}``: the key a 400 names, less ``kvevict_``,
-    from a fixed set (a client's made-up key is ``other``); every key and reason exported at 0."""
     rec = metrics.Recorder(str(tmp_path), "api", 0, None)
     first = _scrape(str(tmp_path), full=True)
     for key in metrics.REFUSED_KEYS:

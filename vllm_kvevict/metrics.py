@@ -64,6 +64,7 @@ from pathlib import Path
 import numpy as np
 
 from vllm_kvevict import envs
+from vllm_kvevict.config import REQUEST_KEYS
 from vllm_kvevict.policies import POLICIES
 
 METRICS_DIR_ENV = "KVEVICT_METRICS_DIR"
@@ -98,7 +99,7 @@ REFUSED = (
 )
 #: the ``key`` label of ``requests_refused``: the request keys (less ``kvevict_``), vLLM's
 #: ``max_tokens`` (named when no kvevict key made a request too large), anything else ``other``
-_REQUEST_KEYS = ("enabled", "policy", "params", "budget", "trigger", "recall")  # config.REQUEST_KEYS, less kvevict_
+_REQUEST_KEYS = tuple(REQUEST_KEYS.values())  # the per-request keys, less kvevict_
 REFUSED_KEYS = (*_REQUEST_KEYS, "max_tokens", "other")
 REFUSED_REASONS = ("invalid", "too_large")
 #: vLLM's labels, first on every series (``engine`` only on what an engine core or its workers record)
