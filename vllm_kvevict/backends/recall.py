@@ -303,9 +303,9 @@ class Recall:
             bs, m = kv_cache.shape[2], b - a
             slots = plan.slots(((r, plan.e_prev[r], plan.seq_lens[r]),), bs)
             K_w, V_w = self.layout.gather(kv_cache, slots // bs, slots % bs)  # [n, H, d]
-            K_b = torch.cat([K_w[:-m], tier.K.to(K_w.device, K_w.dtype)]).transpose(0, 1)
-            V_b = torch.cat([V_w[:-m], tier.V.to(V_w.device, V_w.dtype)]).transpose(0, 1)
-            o = torch_ops.attend_after(Q, K_b, V_b, K_w[-m:].transpose(0, 1), V_w[-m:].transpose(0, 1), hd.G, hd.scale)
+            K = torch.cat([K_w[:-m], tier.K.to(K_w.device, K_w.dtype), K_w[-m:]]).transpose(0, 1)
+            V = torch.cat([V_w[:-m], tier.V.to(V_w.device, V_w.dtype), V_w[-m:]]).transpose(0, 1)
+            o = torch_ops.attend_after(Q, K, V, hd.G, hd.scale)
         out.view(out.shape[0], hd.num_heads, -1)[a:b] = o.transpose(0, 1).to(out.dtype)
 
     def _with_tier(self, kv_cache, plan, r: int, start: int, end: int, tier: TierEntry):

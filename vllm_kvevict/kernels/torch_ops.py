@@ -223,24 +223,15 @@ def attend(
 
 
 def attend_after(
-    Q: torch.Tensor,
-    K_before: torch.Tensor,
-    V_before: torch.Tensor,
-    K_own: torch.Tensor,
-    V_own: torch.Tensor,
-    G: int,
-    scale: float,
-    block: int = 256,
+    Q: torch.Tensor, K: torch.Tensor, V: torch.Tensor, G: int, scale: float, block: int = 256
 ) -> torch.Tensor:
-    """:func:`attend` of a prefill chunk's queries ``Q [H_q, m, d]`` when every key of ``K_before``,
-    ``V_before`` ``[H_kv, n, d]`` precedes every query and ``K_own``, ``V_own`` ``[H_kv, m, d]`` are
-    the queries' own tokens in their order (causal by index): one mask for every head, so no
-    positions are compared and SDPA runs its fused kernel (no soft-cap, no sinks)."""
+    """:func:`attend` of a prefill chunk's queries ``Q [H_q, m, d]`` over ``K``, ``V``
+    ``[H_kv, n + m, d]`` whose first ``n`` keys precede every query and whose last ``m`` are the
+    queries' own tokens in their order (causal by index): one mask for every head, so no positions
+    are compared and SDPA runs its fused kernel (no soft-cap, no sinks)."""
     Hq, m, _ = Q.shape
-    n, dv = K_before.shape[1], V_before.shape[2]
-    K = torch.cat([K_before, K_own], dim=1).float()
-    V = torch.cat([V_before, V_own], dim=1).float()
-    Qf = Q.float()
+    n, dv = K.shape[1] - m, V.shape[2]
+    K, V, Qf = K.float(), V.float(), Q.float()
     out = torch.empty(Hq, m, dv, dtype=torch.float32, device=V.device)
     for a in range(0, m, block):
         b = min(m, a + block)
