@@ -116,7 +116,8 @@ def stack(smollm2_model, tmp_path_factory):
                 complete(srv, make_prompt(700 + 50 * i, 60 + i, vocab), 32, xargs)
             with pytest.raises(Exception, match="kvevict_budget"):  # refused: 400 naming the key
                 complete(srv, make_prompt(300, 70, vocab), 8, {"kvevict_budget": 0})
-            time.sleep(5)  # a few more scrapes and rule evaluations
+            last = time.time()  # then a few more scrapes and rule evaluations, the refusal among them
+            wait_until(lambda: _scraped_since(prom, target, last) >= 3, 60, "three scrapes after the last request")
             yield {"prom": prom, "target": target, "start": start, "end": time.time(), "server": srv, "base": base}
         finally:
             proc.terminate()
@@ -138,6 +139,19 @@ def _up(prom: str, target: str) -> bool:
     except OSError:
         return False
     return bool(result) and result[0]["value"][1] == "1"
+
+
+def _scraped_since(prom: str, target: str, t: float) -> int:
+    """How many times Prometheus has scraped ``target`` since ``t`` (0 before the refusal shows)."""
+    window = max(1, math.ceil(time.time() - t))
+    try:
+        refused = _get(prom, "/api/v1/query", query='sum(kvevict:requests_refused_total{key="budget"})')["result"]
+        if not refused or float(refused[0]["value"][1]) < 1:
+            return 0
+        got = _get(prom, "/api/v1/query", query=f'count_over_time(up{{instance="{target}"}}[{window}s])')["result"]
+    except OSError:
+        return 0
+    return int(float(got[0]["value"][1])) if got else 0
 
 
 def _substitute(expr: str, target: str) -> str:
