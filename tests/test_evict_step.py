@@ -20,6 +20,7 @@ from vllm_kvevict.backends import flash_layout as flash_cache
 from vllm_kvevict.backends.evict import RowWork, evict_step
 from vllm_kvevict.backends.plan import StepPlan
 from vllm_kvevict.config import parse_config
+from vllm_kvevict.kernels.torch_ops import ragged
 from vllm_kvevict.policies import POLICIES as POLICY_CLASSES
 from vllm_kvevict.policies.base import RowInputs, step_queries
 from vllm_kvevict.request import RequestState, resolve
@@ -182,8 +183,8 @@ def test_one_selection_equals_per_row(monkeypatch, kernels):
         want = _run("flash", torch.float32)
     calls, attn_calls = [], []
     select, column_sums = ops.select_topk, ops.column_sums
-    monkeypatch.setattr(ops, "select_topk", lambda *a: calls.append(a[2].numel() - 1) or select(*a))
-    monkeypatch.setattr(ops, "column_sums", lambda *a: attn_calls.append(a[4].numel() - 1) or column_sums(*a))
+    monkeypatch.setattr(ops, "select_topk", lambda *a: calls.append(ragged(a[2]).rows) or select(*a))
+    monkeypatch.setattr(ops, "column_sums", lambda *a: attn_calls.append(ragged(a[4]).rows) or column_sums(*a))
     got = _run("flash", torch.float32)
     assert calls == [len(COMPACT) - 1]  # every compacting row but kvmerger's, at once
     assert attn_calls == [sum(p in ("h2o", "kvmerger", "snapkv", "tova", "criticalkv") for p in POLICIES)]

@@ -179,6 +179,7 @@ def _step(monkeypatch, batched: bool, kernels: str):
     from vllm_kvevict.backends.evict import RowWork, evict_step
     from vllm_kvevict.backends.plan import StepPlan
     from vllm_kvevict.kernels import ops
+    from vllm_kvevict.kernels.torch_ops import ragged
     from vllm_kvevict.policies import get_policy
     from vllm_kvevict.policies.base import RowInputs
 
@@ -187,7 +188,7 @@ def _step(monkeypatch, batched: bool, kernels: str):
         monkeypatch.setenv("KVEVICT_BATCHED", "0")
     calls = []
     select = ops.select_topk
-    monkeypatch.setattr(ops, "select_topk", lambda *a: calls.append(a[2].numel() - 1) or select(*a))
+    monkeypatch.setattr(ops, "select_topk", lambda *a: calls.append(ragged(a[2]).rows) or select(*a))
     NB, H, bs, D = 40, 2, 16, 64
     g = torch.Generator().manual_seed(3)
     cache = torch.randn(NB, H, bs, 2 * D, generator=g).to(DEV)

@@ -23,6 +23,7 @@ import torch
 
 from vllm_kvevict import envs
 from vllm_kvevict.kernels import ops, torch_ops
+from vllm_kvevict.kernels.torch_ops import Ragged, on_device
 from vllm_kvevict.policies.base import KVView, Policy, RowInputs
 
 Gather = Callable[
@@ -34,20 +35,25 @@ Write = Callable[[torch.Tensor, torch.Tensor, torch.Tensor], None]  # (slots, K,
 @dataclass(frozen=True)
 class Geometry:
     """Where a set of rows' windows are, the same in every layer of a step: computed once per step
-    (:func:`step_geometry`), so a layer's eviction does only its math."""
+    from the plan's host lists (:func:`step_geometry`), so a layer's eviction does only its math
+    and never reads the device to learn a size."""
 
     rows: torch.Tensor  # [R] the rows, in work order
     starts: torch.Tensor  # [R] e_prev
     ends: torch.Tensor  # [R] L
+    cu: Ragged  # the rows' packed tokens: row r owns [cu.host[r], cu.host[r + 1])
     blocks: torch.Tensor  # [N] physical block of every window token, packed by row
     offsets: torch.Tensor  # [N]
     slots: torch.Tensor  # [N] blocks * block_size + offsets
-    bounds: list[int]  # [R + 1] row r owns the packed tokens [bounds[r], bounds[r + 1])
     out: list[int]  # the compacting rows
-    cu_keep: torch.Tensor  # [len(out) + 1] over their kept counts L - e_new
+    cu_keep: Ragged  # over their kept counts L - e_new
     out_rows: torch.Tensor  # [len(out)]
     dst: torch.Tensor  # [len(out)] e_new of each
     dst_slots: torch.Tensor  # [sum keep] the slots of their logical tokens [e_new, L), packed
+
+    @property
+    def bounds(self) -> tuple[int, ...]:
+        return self.cu.host
 
 
 def step_geometry(plan, work: list[RowWork], block_size: int) -> Geometry:
@@ -57,26 +63,26 @@ def step_geometry(plan, work: list[RowWork], block_size: int) -> Geometry:
     geo = plan.geometries.get(key)
     if geo is not None:
         return geo
-    dev = plan.block_table.device
-    rows = torch.tensor([w.row for w in work], device=dev)
-    starts = torch.tensor([plan.e_prev[w.row] for w in work], device=dev)
-    ends = torch.tensor([plan.seq_lens[w.row] for w in work], device=dev)
-    blocks, offs, cu = torch_ops.logical_tokens(plan.block_table, rows, starts, ends, block_size)
+    dev, table = plan.block_table.device, plan.block_table
+    starts_h = [plan.e_prev[w.row] for w in work]
+    ends_h = [plan.seq_lens[w.row] for w in work]
+    cu = Ragged.of([b - a for a, b in zip(starts_h, ends_h)], dev)
+    rows, starts, ends = (on_device(v, dev) for v in ([w.row for w in work], starts_h, ends_h))
+    blocks, offs, _ = torch_ops.logical_tokens(table, rows, starts, ends, block_size, cu)
     out = [w.row for w in work if w.compact]
-    keep = torch.tensor([plan.seq_lens[r] - plan.e_new[r] for r in out], device=dev, dtype=torch.long)
-    out_rows = torch.tensor(out, device=dev, dtype=torch.long)
-    dst = torch.tensor([plan.e_new[r] for r in out], device=dev, dtype=torch.long)
-    b, o, _ = torch_ops.logical_tokens(plan.block_table, out_rows, dst, dst + keep, block_size)
+    cu_keep = Ragged.of([plan.seq_lens[r] - plan.e_new[r] for r in out], dev)
+    out_rows, dst = on_device(out, dev), on_device([plan.e_new[r] for r in out], dev)
+    b, o, _ = torch_ops.logical_tokens(table, out_rows, dst, dst + cu_keep.dev.diff(), block_size, cu_keep)
     geo = plan.geometries[key] = Geometry(
         rows,
         starts,
         ends,
+        cu,
         blocks,
         offs,
         blocks * block_size + offs,
-        cu.tolist(),
         out,
-        torch_ops.cu_from_lengths(keep),
+        cu_keep,
         out_rows,
         dst,
         b * block_size + o,
@@ -141,7 +147,7 @@ def evict_step(
     sel = _Selection()
     groups, row_views = _row_views(work, t, layer, G, batched)
     if batched:  # every row's attention rows in one call (view.attn)
-        _attention(work, row_views, t.bounds, t.K, t.pos, G)
+        _attention(plan, work, row_views, t.bounds, t.K, t.pos, G)
     observed = _score_rows(plan, work, row_views, t, sel, batched)
     _score_groups(plan, work, groups, t, sel, layer)
     _select(plan, work, t, sel)
@@ -165,7 +171,7 @@ class _Tokens:
     pos: torch.Tensor  # [N, H]
     state: dict[str, torch.Tensor]  # [N, H] each, the rows' overlays applied
     slots: torch.Tensor  # [N] physical slots
-    bounds: list[int]
+    bounds: tuple[int, ...]
 
 
 @dataclass
@@ -183,7 +189,7 @@ def _read(plan, geo: Geometry, work, gather, views, slot_pos, slot_state, overla
     """The rows' K, V, positions and per-slot state: through the block table where the layout has
     views, else gathered at explicit slots."""
     if views is not None:  # one read for every row, through the block table
-        K, V, _ = ops.gather_paged(views[0], views[1], plan.block_table, geo.rows, geo.starts, geo.ends)
+        K, V, _ = ops.gather_paged(views[0], views[1], plan.block_table, geo.rows, geo.starts, geo.ends, geo.cu)
     else:
         K, V = gather(geo.blocks, geo.offsets)  # [N, H, D]
     state = {k: s[geo.slots] for k, s in slot_state.items()}
@@ -246,10 +252,11 @@ def _score_groups(plan, work, groups: dict, t: _Tokens, sel: _Selection, layer: 
     """Policies that score from keys and positions (``Policy.ragged``): all their rows at once."""
     for idxs in groups.values():
         policy = work[idxs[0]].policy
-        tok, g_cu = _packed(t.bounds, idxs, t.K.device)
-        L = torch.tensor([plan.seq_lens[work[i].row] for i in idxs])
-        scores = policy.score_ragged(t.K[tok], t.pos[tok].long(), g_cu, L, layer)
-        sel.to_select += zip(idxs, scores.split([t.bounds[i + 1] - t.bounds[i] for i in idxs]))
+        tok, g_cu = _packed(plan, t.bounds, idxs, t.K.device)
+        lens = tuple(plan.seq_lens[work[i].row] for i in idxs)
+        L = _per_step(plan, ("L", lens), lambda: on_device(lens, t.K.device))
+        scores = policy.score_ragged(t.K[tok], t.pos[tok].long(), g_cu.dev, L, layer)
+        sel.to_select += zip(idxs, scores.split(g_cu.lengths))
 
 
 def _hand_to_recall(work, t: _Tokens, sel: _Selection, evicted: dict) -> None:
@@ -265,12 +272,13 @@ def _select(plan, work, t: _Tokens, sel: _Selection) -> None:
     if not sel.to_select:
         return
     sel_rows = [work[i].row for i, _ in sel.to_select]
-    tok, s_cu = _packed(t.bounds, [i for i, _ in sel.to_select], t.K.device)
-    keep = torch.tensor([plan.seq_lens[r] - plan.e_new[r] for r in sel_rows], device=t.K.device)
-    idx, cu_keep = ops.select_topk(torch.cat([s for _, s in sel.to_select]), t.pos[tok].long(), s_cu, keep)
-    ck = cu_keep.tolist()
-    for j, ((i, _), r) in enumerate(zip(sel.to_select, sel_rows)):
-        sel.kept_tok[r] = idx[ck[j] : ck[j + 1]] + t.bounds[i]
+    tok, s_cu = _packed(plan, t.bounds, [i for i, _ in sel.to_select], t.K.device)
+    keep = [plan.seq_lens[r] - plan.e_new[r] for r in sel_rows]
+    idx, _ = ops.select_topk(torch.cat([s for _, s in sel.to_select]), t.pos[tok].long(), s_cu, keep)
+    at = 0
+    for (i, _), r, k in zip(sel.to_select, sel_rows, keep):
+        sel.kept_tok[r] = idx[at : at + k] + t.bounds[i]
+        at += k
 
 
 def _write_observed(work, t: _Tokens, observed, slot_state, overlays) -> None:
@@ -302,9 +310,10 @@ def _dropped(r, i, bounds, kept_tok, row_scores, K_all, V_all, pos_all, state_al
 
 
 def _attention(
+    plan,
     work: list[RowWork],
     row_views: list[tuple[int, KVView]],
-    bounds: list[int],
+    bounds: tuple[int, ...],
     K_all: torch.Tensor,
     pos_all: torch.Tensor,
     G: int,
@@ -317,30 +326,39 @@ def _attention(
     dev = K_all.device
     Q = torch.cat([q[0].transpose(0, 1) for _, _, q in need])  # [M, H_q, d]
     q_pos = torch.cat([q[1].to(dev) for _, _, q in need])
-    cu_q = torch_ops.cu_from_lengths(torch.tensor([q[0].shape[1] for _, _, q in need], device=dev))
-    tok, cu_k = _packed(bounds, [i for i, _, _ in need], dev)
+    m = tuple(q[0].shape[1] for _, _, q in need)
+    cu_q = _per_step(plan, ("queries", m), lambda: Ragged.of(m, dev))
+    tok, cu_k = _packed(plan, bounds, [i for i, _, _ in need], dev)
     K, pos = K_all[tok], pos_all[tok]
     v0 = need[0][1]
     A = ops.column_sums(Q, K, q_pos, pos.long(), cu_q, cu_k, G, v0.attn_scale, v0.softcap, v0.sinks)  # [N, H_q]
-    ck = cu_k.tolist()
+    ck = cu_k.host
     for j, (_, view, _) in enumerate(need):
         view.attn = A[ck[j] : ck[j + 1]].T
 
 
-def _packed(bounds: list[int], idxs: list[int], device) -> tuple[torch.Tensor | slice, torch.Tensor]:
+def _per_step(plan, key: tuple, make: Callable[[], object]):
+    """What ``make`` returns, made by the step's first layer and kept on the plan for the others
+    (host lists turned into device tensors: made once, not copied again in every layer)."""
+    got = plan.geometries.get(key)
+    if got is None:
+        got = plan.geometries[key] = make()
+    return got
+
+
+def _packed(plan, bounds: tuple[int, ...], idxs: list[int], device) -> tuple[torch.Tensor | slice, Ragged]:
     """The packed tokens of work rows ``idxs`` (row ``i`` owns ``[bounds[i], bounds[i + 1])``), in
-    that order, and their ``cu``: a slice (no copy) when the rows are consecutive, as when one
+    that order, and their offsets: a slice (no copy) when the rows are consecutive, as when one
     policy serves every row."""
-    if idxs == list(range(idxs[0], idxs[-1] + 1)):
-        lo = bounds[idxs[0]]
-        return slice(lo, bounds[idxs[-1] + 1]), torch.tensor(
-            [bounds[i] - lo for i in [*idxs, idxs[-1] + 1]], device=device
-        )
-    tok, _, cu = torch_ops.ranges(
-        torch.tensor([bounds[i] for i in idxs], device=device),
-        torch.tensor([bounds[i + 1] for i in idxs], device=device),
-    )
-    return tok, cu
+
+    def make():
+        cu = Ragged.of([bounds[i + 1] - bounds[i] for i in idxs], device)
+        if idxs == list(range(idxs[0], idxs[-1] + 1)):
+            return slice(bounds[idxs[0]], bounds[idxs[-1] + 1]), cu
+        starts = on_device([bounds[i] for i in idxs], device)
+        return torch_ops.ranges(starts, starts + cu.dev.diff(), cu)[0], cu
+
+    return _per_step(plan, ("packed", bounds, tuple(idxs)), make)
 
 
 def _write_kept(plan, geo: Geometry, kept_tok, merged, src: tuple, dst: tuple) -> None:
@@ -368,7 +386,7 @@ def _write_kept(plan, geo: Geometry, kept_tok, merged, src: tuple, dst: tuple) -
     if views is not None:
         # One block-table kernel per tensor; ``idx`` already indexes the packed tokens, so every
         # row's source offset is 0.
-        zero = torch.zeros(len(out) + 1, dtype=torch.long, device=dev)
+        zero = _per_step(plan, ("zero", len(out)), lambda: torch.zeros(len(out) + 1, dtype=torch.long, device=dev))
         nb = views[0].shape[0]
         for cache, src, i in (
             (views[0], K_src, idx_kv),

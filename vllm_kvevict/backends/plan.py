@@ -63,18 +63,19 @@ class StepPlan:
         """Whether row ``r``'s prompt is completed in this step."""
         return self.prompt_lens is not None and self.L_prev[r] < self.prompt_lens[r] <= self.seq_lens[r]
 
-    def copied_slots(self, block_size: int) -> tuple[torch.Tensor, torch.Tensor] | None:
+    def copied_slots(self, block_size: int, device=None) -> tuple[torch.Tensor, torch.Tensor] | None:
         """The slots of the blocks copied before this step (:attr:`block_copies`): sources and
-        destinations, in the same order (None: none); made once for every layer of the step."""
+        destinations, in the same order (None: none), on ``device`` (the block table's by
+        default); made once for every layer of the step."""
         if not self.block_copies:
             return None
         if self._copied is None:
-            self._copied = self._copied_slots(block_size)
+            self._copied = self._copied_slots(block_size, device if device is not None else self.block_table.device)
         return self._copied
 
-    def _copied_slots(self, block_size: int) -> tuple[torch.Tensor, torch.Tensor]:
-        src, dst = (torch.tensor([p[i] for p in self.block_copies]) for i in (0, 1))
-        within = torch.arange(block_size)
+    def _copied_slots(self, block_size: int, device) -> tuple[torch.Tensor, torch.Tensor]:
+        src, dst = (torch_ops.on_device([p[i] for p in self.block_copies], device) for i in (0, 1))
+        within = torch.arange(block_size, device=device)
         return (src[:, None] * block_size + within).flatten(), (dst[:, None] * block_size + within).flatten()
 
     @property
@@ -90,9 +91,10 @@ class StepPlan:
 
     @cached_property
     def written(self) -> tuple[torch.Tensor, torch.Tensor]:
-        """The slots this step's tokens were written to and their positions ``[n, 1]`` (int32)."""
-        valid = self.slot_mapping >= 0
-        return self.slot_mapping[valid], self.positions[valid].to(torch.int32)[:, None]
+        """The slots this step's tokens were written to and their positions ``[n, 1]`` (int32). A
+        token vLLM writes nowhere (a padding slot, -1) is sent to slot 0, in vLLM's null block,
+        which no request holds and nothing reads: filtering it out would read the device."""
+        return self.slot_mapping.clamp(min=0), self.positions.to(torch.int32)[:, None]
 
     @cached_property
     def recall_ends(self) -> list[int]:
@@ -112,8 +114,9 @@ class StepPlan:
         slots = self._slots.get(key)
         if slots is None:
             dev = self.block_table.device
-            rows, starts, ends = (torch.tensor(col, device=dev) for col in zip(*ranges))
-            blocks, offs, _ = torch_ops.logical_tokens(self.block_table, rows, starts, ends, block_size)
+            rows, starts, ends = (torch_ops.on_device(col, dev) for col in zip(*ranges))
+            cu = torch_ops.Ragged.of([b - a for _, a, b in ranges], dev)
+            blocks, offs, _ = torch_ops.logical_tokens(self.block_table, rows, starts, ends, block_size, cu)
             slots = self._slots[key] = blocks * block_size + offs
         return slots
 
@@ -254,9 +257,10 @@ def shifted_metadata(cm, plan: StepPlan, block_size: int):
     if not any(plan.e_prev):
         return cm
     n = cm.num_reqs
-    e_prev = torch.tensor(plan.e_prev, dtype=cm.seq_lens.dtype, device=cm.seq_lens.device)
+    e_prev = torch_ops.on_device(plan.e_prev, cm.seq_lens.device, cm.seq_lens.dtype)
     seq_lens = cm.seq_lens.clone()
     seq_lens[:n] -= e_prev
     bt = cm.block_table_tensor.clone()
     bt[:n] = shift_block_table(cm.block_table_tensor[:n], (e_prev // block_size).to(torch.long))
-    return dataclasses.replace(cm, seq_lens=seq_lens, block_table_tensor=bt, max_seq_len=int(seq_lens[:n].max()))
+    longest = max(L - e for L, e in zip(plan.seq_lens, plan.e_prev))  # on the host: no device read
+    return dataclasses.replace(cm, seq_lens=seq_lens, block_table_tensor=bt, max_seq_len=longest)

@@ -55,10 +55,10 @@ class SlotStore:
     def copy_blocks(self, kv_cache: torch.Tensor, plan: StepPlan) -> None:
         """What vLLM's block copies of this step (copy-on-write, before its forward) do to the KV,
         to the per-slot positions, state and snapshots: a copied window keeps its positions."""
-        copied = plan.copied_slots(kv_cache.shape[2])
+        copied = plan.copied_slots(kv_cache.shape[2], kv_cache.device)
         if copied is None:
             return
-        src, dst = (s.to(kv_cache.device) for s in copied)
+        src, dst = copied
         for t in (self._positions, *self.state.values(), *self._snapshots.values()):
             if t is not None:
                 t[dst] = t[src]

@@ -26,6 +26,7 @@ import torch
 
 from vllm_kvevict import envs
 from vllm_kvevict.kernels import torch_ops
+from vllm_kvevict.kernels.torch_ops import Ragged
 
 OPS = (
     "gather_paged",
@@ -107,25 +108,36 @@ def fused(op: str) -> Callable[[F], F]:
     return register
 
 
-def gather_paged(k_cache, v_cache, block_table, rows, starts, ends):
-    return backend_for(k_cache, "gather_paged").gather_paged(k_cache, v_cache, block_table, rows, starts, ends)
+# ``cu`` arguments: a :class:`~vllm_kvevict.kernels.torch_ops.Ragged` (offsets on the host and the
+# device: nothing waits on the device to size an output or a grid, as in the eviction step) or a
+# tensor (read from the device once: tests, benchmarks).
 
 
-def select_topk(scores, pos, cu, keep):
+def gather_paged(k_cache, v_cache, block_table, rows, starts, ends, cu: Ragged | None = None):
+    mod = backend_for(k_cache, "gather_paged")
+    if mod.__name__.endswith("cuda_ops"):  # the extension sizes its output itself
+        return mod.gather_paged(k_cache, v_cache, block_table, rows, starts, ends)
+    return mod.gather_paged(k_cache, v_cache, block_table, rows, starts, ends, cu)
+
+
+def select_topk(scores, pos, cu: Ragged | torch.Tensor, keep):
     mod = backend_for(scores, "select_topk")
+    cu = torch_ops.ragged(cu)
     if (
         mod is not torch_ops
         and scores.is_cuda
         and envs.KVEVICT_KERNELS in ("auto", "cuda")
-        and cu.numel() > 1
-        and int((cu[1:] - cu[:-1]).max()) > SELECT_TRITON_MAX_ROW
+        and cu.longest > SELECT_TRITON_MAX_ROW
     ):
         mod = torch_ops
     return mod.select_topk(scores, pos, cu, keep)
 
 
 def scatter_paged(dst, src, idx, cu, cu_keep, block_table, rows, dst_start):
-    return backend_for(dst, "scatter_paged").scatter_paged(dst, src, idx, cu, cu_keep, block_table, rows, dst_start)
+    mod = backend_for(dst, "scatter_paged")
+    if mod.__name__.endswith("cuda_ops"):  # the extension takes tensors
+        cu, cu_keep = (c.dev if isinstance(c, Ragged) else c for c in (cu, cu_keep))
+    return mod.scatter_paged(dst, src, idx, cu, cu_keep, block_table, rows, dst_start)
 
 
 def column_sums(Q, K, q_pos, k_pos, cu_q, cu_k, G, scale, softcap=None, sinks=None):

@@ -26,6 +26,10 @@ registered with :func:`vllm_kvevict.kernels.ops.fused`.
 
 from __future__ import annotations
 
+import itertools
+from collections.abc import Sequence
+from dataclasses import dataclass
+
 import numpy as np
 import torch
 import torch.nn.functional as F
@@ -35,10 +39,63 @@ EPS = 1e-8
 ROW_CHUNK = 256
 
 
-def row_ids(cu: torch.Tensor) -> torch.Tensor:
-    """``[N]``: the row of each packed token."""
-    lens = cu[1:] - cu[:-1]
-    return torch.repeat_interleave(torch.arange(lens.numel(), device=cu.device), lens)
+def on_device(values: Sequence[int], device, dtype: torch.dtype = torch.long) -> torch.Tensor:
+    """Host integers as a tensor on ``device``: on a GPU copied from pinned memory without waiting
+    (``torch.tensor(values, device="cuda")`` would wait for the copy, a host sync)."""
+    t = torch.tensor(values, dtype=dtype)
+    device = torch.device(device)
+    if device.type == "cuda":
+        return t.pin_memory().to(device, non_blocking=True)
+    return t.to(device)
+
+
+@dataclass(frozen=True)
+class Ragged:
+    """The row offsets ``cu`` of a ragged set twice: on the host (``host``: output sizes, grids,
+    Python loops) and on the device (``dev``: indexing). Made from the host's lengths, so no
+    operation reads the device to learn a shape, which on a GPU would wait for every kernel queued
+    before it (a host sync)."""
+
+    host: tuple[int, ...]
+    dev: torch.Tensor
+
+    @classmethod
+    def of(cls, lengths: Sequence[int], device) -> Ragged:
+        host = (0, *itertools.accumulate(int(n) for n in lengths))
+        return cls(host, on_device(host, device))
+
+    @property
+    def rows(self) -> int:
+        return len(self.host) - 1
+
+    @property
+    def total(self) -> int:
+        return self.host[-1]
+
+    @property
+    def lengths(self) -> list[int]:
+        return [b - a for a, b in itertools.pairwise(self.host)]
+
+    @property
+    def longest(self) -> int:
+        return max(self.lengths, default=0)
+
+
+def ragged(cu: Ragged | torch.Tensor) -> Ragged:
+    """``cu`` as :class:`Ragged`. A tensor's offsets are read from the device (a host sync): for
+    callers outside the eviction step (tests, benchmarks), which pass tensors."""
+    return cu if isinstance(cu, Ragged) else Ragged(tuple(int(c) for c in cu.tolist()), cu)
+
+
+def row_ids(cu: Ragged | torch.Tensor, total: int | None = None) -> torch.Tensor:
+    """``[N]``: the row of each packed token. ``total`` (``N``, known from a shape or the host)
+    spares the device read of the output size; a :class:`Ragged` carries it."""
+    if isinstance(cu, Ragged):
+        offsets, total = cu.dev, cu.total
+    else:
+        offsets = cu
+    lens = offsets[1:] - offsets[:-1]
+    return torch.repeat_interleave(torch.arange(lens.numel(), device=offsets.device), lens, output_size=total)
 
 
 def cu_from_lengths(lengths: torch.Tensor) -> torch.Tensor:
@@ -63,21 +120,29 @@ def complement(n: int, kept: torch.Tensor) -> torch.Tensor:
     return order[: n - kept.shape[0]]
 
 
-def ranges(starts: torch.Tensor, ends: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
-    """The integers ``[starts[r], ends[r])`` of every row ``r``, packed; the row of each; ``cu``."""
-    cu = cu_from_lengths((ends - starts).long())
+def ranges(
+    starts: torch.Tensor, ends: torch.Tensor, cu: Ragged | None = None
+) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
+    """The integers ``[starts[r], ends[r])`` of every row ``r``, packed; the row of each; ``cu``
+    (``cu``: the rows' offsets where the host knows them, else read from the device)."""
+    cu = cu if cu is not None else ragged(cu_from_lengths((ends - starts).long()))
     rid = row_ids(cu)
-    return starts.long()[rid] + torch.arange(int(cu[-1]), device=cu.device) - cu[:-1][rid], rid, cu
+    return starts.long()[rid] + torch.arange(cu.total, device=cu.dev.device) - cu.dev[:-1][rid], rid, cu.dev
 
 
 def logical_tokens(
-    block_table: torch.Tensor, rows: torch.Tensor, starts: torch.Tensor, ends: torch.Tensor, block_size: int
+    block_table: torch.Tensor,
+    rows: torch.Tensor,
+    starts: torch.Tensor,
+    ends: torch.Tensor,
+    block_size: int,
+    cu: Ragged | None = None,
 ) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
     """(physical block, offset) of every logical token ``[starts[r], ends[r])`` of each row, packed;
-    and ``cu``."""
-    tok, rid, cu = ranges(starts, ends)
+    and ``cu`` (given where the host knows it: :func:`ranges`)."""
+    tok, rid, cu_dev = ranges(starts, ends, cu)
     blocks = block_table[rows.long()[rid], tok // block_size].long()
-    return blocks, tok % block_size, cu
+    return blocks, tok % block_size, cu_dev
 
 
 def gather_paged(
@@ -87,11 +152,13 @@ def gather_paged(
     rows: torch.Tensor,
     starts: torch.Tensor,
     ends: torch.Tensor,
+    cu: Ragged | None = None,
 ) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
     """``K, V [N, H, D]`` and ``cu [R + 1]`` of each row's logical tokens ``[starts[r], ends[r])``;
-    ``k_cache``/``v_cache``: ``[num_blocks, block_size, H, D]`` (views are fine)."""
-    blocks, offs, cu = logical_tokens(block_table, rows, starts, ends, k_cache.shape[1])
-    return k_cache[blocks, offs], v_cache[blocks, offs], cu
+    ``k_cache``/``v_cache``: ``[num_blocks, block_size, H, D]`` (views are fine); ``cu``: the rows'
+    offsets where the host knows them (no device read to size the outputs)."""
+    blocks, offs, cu_dev = logical_tokens(block_table, rows, starts, ends, k_cache.shape[1], cu)
+    return k_cache[blocks, offs], v_cache[blocks, offs], cu_dev
 
 
 def sort_keys(scores: torch.Tensor, pos: torch.Tensor) -> torch.Tensor:
@@ -102,39 +169,54 @@ def sort_keys(scores: torch.Tensor, pos: torch.Tensor) -> torch.Tensor:
     return (ordered << 31) | pos.long()
 
 
+def keep_counts(cu: Ragged, keep: Sequence[int] | torch.Tensor) -> list[int]:
+    """Each row's kept count on the host, at most its length (a tensor ``keep`` is read from the
+    device: callers outside the eviction step)."""
+    kept = keep.tolist() if isinstance(keep, torch.Tensor) else keep
+    return [min(int(k), n) for k, n in zip(kept, cu.lengths, strict=True)]
+
+
 def select_topk(
-    scores: torch.Tensor, pos: torch.Tensor, cu: torch.Tensor, keep: torch.Tensor
+    scores: torch.Tensor, pos: torch.Tensor, cu: Ragged | torch.Tensor, keep: Sequence[int] | torch.Tensor
 ) -> tuple[torch.Tensor, torch.Tensor]:
     """The ``keep[r]`` highest-scoring tokens of each row, per head, ties to the larger position
     (positions are distinct within a row and head, so (score, position) orders them totally).
 
     Returns ``(idx, cu_keep)``: ``idx [sum keep, H]`` row-local indices, ascending within each row
     and head; rows ``[cu_keep[r], cu_keep[r + 1])``. ``keep[r] >= n_r`` keeps the whole row.
+    ``cu`` and ``keep`` known on the host (:class:`Ragged`, a list): nothing reads the device.
     """
     N, H = scores.shape
-    R = cu.numel() - 1
-    keep = torch.minimum(keep.long().to(cu.device), cu[1:] - cu[:-1])
+    cu = ragged(cu)
+    kept_n = keep_counts(cu, keep)
+    cu_keep = Ragged.of(kept_n, scores.device)
     key = sort_keys(scores, pos)
-    if R == 1:  # one row: its top keys, in token order
-        top = torch.topk(key, int(keep[0]), dim=0, sorted=False).indices
-        return torch.sort(top, dim=0).values, cu_from_lengths(keep)
-    kept = torch.zeros(N, H, dtype=torch.bool, device=scores.device)
+    if cu.rows == 1:  # one row: its top keys, in token order
+        top = torch.topk(key, kept_n[0], dim=0, sorted=False).indices
+        return torch.sort(top, dim=0).values, cu_keep.dev
     rid = row_ids(cu)
     order = torch.argsort(key, dim=0, descending=True, stable=True)  # best first, per head
     order = torch.gather(order, 0, torch.argsort(rid[order], dim=0, stable=True))  # grouped by row
-    row_start = cu[:-1][rid]  # [N]: each token's row's first index
-    rank = torch.arange(N, device=cu.device)[:, None] - row_start[:, None]  # rank within its row
-    kept.scatter_(0, order, (rank < keep[rid][:, None]).expand(N, H))
-    tok = kept.T.nonzero()[:, 1].view(H, int(keep.sum())).T  # [sum keep, H]: each head's kept tokens, in order
-    return (tok - row_start[tok]).contiguous(), cu_from_lengths(keep)
+    row_start = cu.dev[:-1][rid]  # [N]: each token's row's first index
+    rank = torch.arange(N, device=scores.device)[:, None] - row_start[:, None]  # rank within its row
+    kept = torch.zeros(N, H, dtype=torch.bool, device=scores.device)
+    kept.scatter_(0, order, (rank < cu_keep.dev.diff()[rid][:, None]).expand(N, H))
+    # Each head's kept tokens in token order: a kept token's place is the kept tokens before it
+    # (rows are consecutive, so row r's start at cu_keep[r]); the dropped write one spare row.
+    total = cu_keep.total
+    place = torch.where(kept, kept.cumsum(0) - 1, total)
+    tok = torch.empty(total + 1, H, dtype=torch.long, device=scores.device)
+    tok.scatter_(0, place, torch.arange(N, device=scores.device)[:, None].expand(N, H))
+    tok = tok[:total]
+    return (tok - row_start[tok]).contiguous(), cu_keep.dev
 
 
 def scatter_paged(
     dst: torch.Tensor,
     src: torch.Tensor,
     idx: torch.Tensor,
-    cu: torch.Tensor,
-    cu_keep: torch.Tensor,
+    cu: Ragged | torch.Tensor,
+    cu_keep: Ragged | torch.Tensor,
     block_table: torch.Tensor,
     rows: torch.Tensor,
     dst_start: torch.Tensor,
@@ -142,13 +224,16 @@ def scatter_paged(
     """``dst[block, offset, h] = src[cu[r] + idx[j, h], h]`` for the ``j``-th kept token of row ``r``,
     written at logical token ``dst_start[r] + j``. ``dst``: ``[num_blocks, block_size, H(, D)]``
     (a view of the cache, or a per-slot state reshaped so); ``src``: ``[N, H(, D)]``."""
-    R = rows.numel()
-    keep = cu_keep[1:] - cu_keep[:-1]
-    blocks, offs, _ = logical_tokens(block_table, rows, dst_start.long(), dst_start.long() + keep, dst.shape[1])
+    cu_keep = ragged(cu_keep)
+    cu_src = cu.dev if isinstance(cu, Ragged) else cu
+    assert rows.numel() == cu_keep.rows == cu_src.numel() - 1
+    keep = cu_keep.dev[1:] - cu_keep.dev[:-1]
+    blocks, offs, _ = logical_tokens(
+        block_table, rows, dst_start.long(), dst_start.long() + keep, dst.shape[1], cu_keep
+    )
     rid = row_ids(cu_keep)
     h = torch.arange(src.shape[1], device=src.device)[None, :]
-    assert R == cu.numel() - 1
-    dst[blocks[:, None], offs[:, None], h] = src[cu[:-1][rid][:, None] + idx, h].to(dst.dtype)
+    dst[blocks[:, None], offs[:, None], h] = src[cu_src[:-1][rid][:, None] + idx, h].to(dst.dtype)
 
 
 def attention_probs(
@@ -180,10 +265,9 @@ def attention_probs(
         sink = sinks.to(s.device, torch.float32).view(H, G, 1, 1).expand(H, G, m, 1)
         p = torch.softmax(torch.cat([s, sink], dim=-1), dim=-1)[..., :n]
         return p.reshape(Hq, m, n)
-    p = torch.softmax(s, dim=-1)
-    if n == 0 or bool((q_pos[None, :] < k_pos.min(dim=1, keepdim=True).values).any()):
-        p = p.nan_to_num_(0.0)  # some query sees no key: its row is 0, not NaN
-    return p.view(Hq, m, n)
+    # A query that sees no key: its row is 0, not NaN (always cleared: asking whether one does
+    # would read the device)
+    return torch.softmax(s, dim=-1).nan_to_num_(0.0).view(Hq, m, n)
 
 
 def attend(
@@ -249,8 +333,8 @@ def column_sums(
     K: torch.Tensor,
     q_pos: torch.Tensor,
     k_pos: torch.Tensor,
-    cu_q: torch.Tensor,
-    cu_k: torch.Tensor,
+    cu_q: Ragged | torch.Tensor,
+    cu_k: Ragged | torch.Tensor,
     G: int,
     scale: float,
     softcap: float | None = None,
@@ -264,7 +348,7 @@ def column_sums(
     every row get 0. The rows' matmuls differ in shape, so this loops over rows (the one loop in
     this module), ``ROW_CHUNK`` queries at a time; the Triton kernel does every row in one launch."""
     out = torch.zeros(K.shape[0], Q.shape[1], dtype=torch.float32, device=K.device)
-    cq, ck = cu_q.tolist(), cu_k.tolist()
+    cq, ck = ragged(cu_q).host, ragged(cu_k).host
     for r in range(len(cq) - 1):
         k0, k1 = ck[r], ck[r + 1]
         Kr, kp = K[k0:k1].transpose(0, 1), k_pos[k0:k1].transpose(0, 1)

@@ -25,7 +25,7 @@ import torch
 import triton
 import triton.language as tl
 
-from vllm_kvevict.kernels.torch_ops import EPS, cu_from_lengths
+from vllm_kvevict.kernels.torch_ops import EPS, Ragged, cu_from_lengths, keep_counts, ragged
 
 TILE = 128
 
@@ -74,25 +74,24 @@ def _gather_kernel(
     tl.store(ov_ptr + dst, tl.load(v_ptr + src, mask=md), mask=md)
 
 
-def gather_paged(k_cache, v_cache, block_table, rows, starts, ends):
+def gather_paged(k_cache, v_cache, block_table, rows, starts, ends, cu: Ragged | None = None):
     assert k_cache.stride() == v_cache.stride()
     nb, bs, H, D = k_cache.shape
-    lens = (ends - starts).long()
-    cu = cu_from_lengths(lens)
-    N = int(cu[-1])
+    rc = cu if cu is not None else ragged(cu_from_lengths((ends - starts).long()))
+    offsets, N = rc.dev, rc.total
     K = torch.empty(N, H, D, dtype=k_cache.dtype, device=k_cache.device)
     V = torch.empty_like(K)
     R = rows.numel()
     if N == 0:
-        return K, V, cu
-    grid = (R, triton.cdiv(int(lens.max()), TILE), H)
+        return K, V, offsets
+    grid = (R, triton.cdiv(rc.longest, TILE), H)
     _gather_kernel[grid](
         k_cache,
         v_cache,
         block_table,
         rows,
         starts,
-        cu,
+        offsets,
         K,
         V,
         *k_cache.stride(),
@@ -103,7 +102,7 @@ def gather_paged(k_cache, v_cache, block_table, rows, starts, ends):
         BLOCK_D=triton.next_power_of_2(D),
         H=H,
     )
-    return K, V, cu
+    return K, V, offsets
 
 
 #: keydiff: tokens per row chunk, on average over the set, and at most this many chunks per row (as
@@ -257,15 +256,14 @@ def _select_kernel(s_ptr, p_ptr, cu_ptr, keep_ptr, cuk_ptr, out_ptr, H: tl.const
 
 def select_topk(scores, pos, cu, keep):
     N, H = scores.shape
-    lens = cu[1:] - cu[:-1]
-    keep = torch.minimum(keep.long().to(cu.device), lens)
-    cu_keep = cu_from_lengths(keep)
-    out = torch.empty(int(cu_keep[-1]), H, dtype=torch.int64, device=scores.device)
+    cu = ragged(cu)
+    kept = Ragged.of(keep_counts(cu, keep), scores.device)
+    out = torch.empty(kept.total, H, dtype=torch.int64, device=scores.device)
     if N:
-        _select_kernel[(cu.numel() - 1, H)](
-            scores.float().contiguous(), pos.contiguous(), cu, keep, cu_keep, out, H=H, TILE_T=TILE
+        _select_kernel[(cu.rows, H)](
+            scores.float().contiguous(), pos.contiguous(), cu.dev, kept.dev.diff(), kept.dev, out, H=H, TILE_T=TILE
         )
-    return out, cu_keep
+    return out, kept.dev
 
 
 @triton.jit
@@ -311,16 +309,16 @@ def scatter_paged(dst, src, idx, cu, cu_keep, block_table, rows, dst_start):
     D = dst.shape[3] if dst.dim() == 4 else 1
     strides = list(dst.stride()) + ([0] if dst.dim() == 3 else [])
     src = src.reshape(src.shape[0], H, D).contiguous()
-    keep = cu_keep[1:] - cu_keep[:-1]
-    if int(cu_keep[-1]) == 0:
+    kept = ragged(cu_keep)
+    if kept.total == 0:
         return
-    grid = (rows.numel(), triton.cdiv(int(keep.max()), TILE), H)
+    grid = (rows.numel(), triton.cdiv(kept.longest, TILE), H)
     _scatter_kernel[grid](
         dst,
         src,
         idx.contiguous(),
-        cu,
-        cu_keep,
+        cu.dev if isinstance(cu, Ragged) else cu,
+        kept.dev,
         block_table,
         rows,
         dst_start,
@@ -497,12 +495,13 @@ def column_sums(Q, K, q_pos, k_pos, cu_q, cu_k, G: int, scale: float, softcap: f
     M, Hq, D = Q.shape
     N, H = K.shape[:2]
     out = torch.zeros(N, Hq, dtype=torch.float32, device=K.device)
-    R = cu_q.numel() - 1
+    rq, rk = ragged(cu_q), ragged(cu_k)
+    R = rq.rows
     if M == 0 or N == 0 or R == 0:
         return out
     Q, K = Q.contiguous(), K.contiguous()
     qp, kp = q_pos.long().contiguous(), k_pos.long().contiguous()
-    cu_q, cu_k = cu_q.long().contiguous(), cu_k.long().contiguous()
+    cu_q, cu_k = rq.dev.long().contiguous(), rk.dev.long().contiguous()
     lse = torch.empty(M, Hq, dtype=torch.float32, device=K.device)
     BQ, BK = 32, 64
     cap = float(softcap) if softcap else 1.0
@@ -517,7 +516,7 @@ def column_sums(Q, K, q_pos, k_pos, cu_q, cu_k, G: int, scale: float, softcap: f
         scale=float(scale),
         softcap=cap,
     )
-    m_max, n_max = int((cu_q[1:] - cu_q[:-1]).max()), int((cu_k[1:] - cu_k[:-1]).max())
+    m_max, n_max = rq.longest, rk.longest
     if m_max == 0 or n_max == 0:
         return out
     _lse_kernel[(Hq, R, triton.cdiv(m_max, BQ))](Q, K, qp, kp, cu_q, cu_k, lse, **common)
