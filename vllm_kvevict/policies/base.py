@@ -31,6 +31,7 @@ import torch
 from pydantic import BaseModel, ConfigDict
 
 from vllm_kvevict.kernels import ops
+from vllm_kvevict.kernels.torch_ops import Ragged, on_device
 
 #: Upper bound of token-count parameters (sink/recent tokens): far above any budget a server runs
 #: with, far below what overflows the int32 positions and the index arithmetic.
@@ -210,9 +211,8 @@ class Policy(Generic[P]):
         :meth:`score_ragged`; this derives the one-row form from it (the row is the whole view)."""
         if type(self).score_ragged is Policy.score_ragged:  # pragma: no cover - abstract
             raise NotImplementedError(f"{type(self).__name__} implements neither score nor score_ragged")
-        n = view.K.shape[1]
-        cu = torch.tensor([0, n], device=view.K.device)
-        L = torch.tensor([view.length])
+        dev = view.K.device
+        cu, L = on_device([0, view.K.shape[1]], dev), on_device([view.length], dev)
         return self.score_ragged(view.K.transpose(0, 1), view.pos.transpose(0, 1), cu, L, view.layer).transpose(0, 1)
 
     def score_ragged(
@@ -250,14 +250,14 @@ class Policy(Generic[P]):
         if view.attn is not None:
             return view.attn
         Q, q_pos = view.queries()
-        one = lambda n: torch.tensor([0, n], device=view.K.device)  # noqa: E731 - a single row
+        dev = view.K.device
         return ops.column_sums(
             Q.transpose(0, 1),
             view.K.transpose(0, 1),
-            q_pos.to(view.K.device),
+            q_pos.to(dev),
             view.pos.T,
-            one(Q.shape[1]),
-            one(view.K.shape[1]),
+            Ragged.of([Q.shape[1]], dev),  # a single row
+            Ragged.of([view.K.shape[1]], dev),
             view.G,
             view.attn_scale,
             view.softcap,

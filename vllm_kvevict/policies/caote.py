@@ -24,7 +24,7 @@ from pydantic import Field
 from vllm_kvevict.policies.base import KVView, Needs, Policy, PolicyParams
 from vllm_kvevict.policies.h2o import H2O, h2o_observe
 from vllm_kvevict.policies.h2o import STATE as H2O_STATE
-from vllm_kvevict.policies.snapkv import SnapKVParams, snapkv_needs, snapkv_scores
+from vllm_kvevict.policies.snapkv import SnapKVParams, snapkv_needs, snapkv_scores, window_slots
 from vllm_kvevict.policies.tova import TOVA, tova_scores
 
 Base = Literal["h2o", "tova", "snapkv"]
@@ -58,6 +58,10 @@ class BaseScorePolicy(Policy[BP]):
     def observe(self, view: KVView) -> None:
         if self.params.base == "h2o":
             h2o_observe(view, self.attention(view))
+
+    def protected_slots(self, view: KVView) -> int:
+        """How many slots per head :meth:`base_scores` protects (SnapKV's window; the others none)."""
+        return window_slots(view, self.params.snapkv) if self.params.base == "snapkv" else 0
 
     def base_scores(self, view: KVView) -> tuple[torch.Tensor, torch.Tensor | None]:
         """Non-negative finite base scores ``[H_kv, n]`` and the protected mask (or None)."""

@@ -73,7 +73,7 @@ class CriticalKV(BaseScorePolicy[CriticalKVParams]):
         if protected is None:
             protected = torch.zeros_like(A, dtype=torch.bool)
         keep = view.kept
-        b = keep - int(protected[0].sum())
+        b = keep - self.protected_slots(view)
         b1 = math.floor(self.params.alpha * b)
         inf = float("inf")
         # Stage 1: the window and the top floor(alpha b) by attention.

@@ -30,7 +30,7 @@ def keydiff_scores(K: torch.Tensor, cu: torch.Tensor) -> torch.Tensor:
     # bits on every run and whichever rows share the call
     lens = cu[1:] - cu[:-1]
     mu = torch.segment_reduce(k_hat, "sum", lengths=lens, axis=0) / lens.clamp_min(1)[:, None, None].float()
-    mu = mu.expand_as(k_hat) if cu.numel() == 2 else mu[row_ids(cu)]
+    mu = mu.expand_as(k_hat) if cu.numel() == 2 else mu[row_ids(cu, K.shape[0])]
     return -((K * mu).sum(-1) / (mu.norm(dim=-1) * norm).clamp_min(EPS))
 
 

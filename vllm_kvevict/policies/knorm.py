@@ -37,6 +37,6 @@ class KNorm(Policy[KNormParams]):
     needs = Needs(decode=True)
 
     def score_ragged(self, K: torch.Tensor, pos, cu, L, layer) -> torch.Tensor:
-        length = L.to(pos.device)[row_ids(cu)][:, None]  # each token's row length
+        length = L.to(pos.device)[row_ids(cu, K.shape[0])][:, None]  # each token's row length
         protected = (pos < self.params.sink_tokens) | (pos >= length - self.params.recent_tokens)
         return (-key_norms(K)).masked_fill(protected, float("inf"))

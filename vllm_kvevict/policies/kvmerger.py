@@ -82,38 +82,44 @@ class KVMerger(Policy[KVMergerParams]):
         return torch.stack(kept_all), (torch.stack(K_all).to(view.K.dtype), torch.stack(V_all).to(view.V.dtype))
 
     def _merge_head(self, K, V, a, pos, prot, keep):
+        """One head's merge, in shapes fixed by ``n`` (nothing read back from the device): up to
+        ``n`` sets, those past the last empty."""
         p, n = self.params, K.shape[0]
         cos = torch.nn.functional.cosine_similarity(K[1:], K[:-1], dim=-1, eps=1e-8)  # link i: (i, i+1)
         can = (cos > p.threshold) & ~prot[1:] & ~prot[:-1]
-        n_links = int(can.sum())
-        if n - n_links <= keep:  # merging every link leaves too few: merge the n - keep most similar
-            order = torch.argsort(cos.masked_fill(~can, float("-inf")), descending=True, stable=True)
-            link = torch.zeros_like(can)
-            link[order[: n - keep]] = True
-        else:
-            link = can
+        # At most n - keep links merge, the most similar: all that can when fewer can.
+        order = torch.argsort(cos.masked_fill(~can, float("-inf")), descending=True, stable=True)
+        rank = torch.empty_like(order).scatter_(0, order, torch.arange(n - 1, device=K.device))
+        link = can & (rank < n - keep)
         # Sets: maximal runs joined by links; set id of token i = number of non-links before it.
         sid = torch.cat([torch.zeros(1, dtype=torch.long, device=K.device), torch.cumsum(~link, 0)])
-        n_sets = int(sid[-1]) + 1
         # Pivot of each set: largest accumulated attention, ties to the newer (later) token.
-        top = torch.full((n_sets,), float("-inf"), device=K.device).scatter_reduce(0, sid, a, "amax")
+        top = torch.full((n,), float("-inf"), device=K.device).scatter_reduce(0, sid, a, "amax")
         idx = torch.arange(n, device=K.device)
-        best = torch.full((n_sets,), -1, dtype=torch.long, device=K.device)
+        best = torch.full((n,), -1, dtype=torch.long, device=K.device)
         best = best.scatter_reduce(0, sid, torch.where(a == top[sid], idx, -1), "amax")
         pivot = best[sid]  # [n] each token's pivot
         g = torch.exp(-((K[pivot] - K) ** 2).sum(-1) / (2 * p.sigma**2))
-        # Sums over each set (contiguous runs): segmented, not index_add_ (atomics on CUDA), so the
-        # merged values are the same bits on every run.
-        size = torch.bincount(sid, minlength=n_sets)
-        denom = torch.segment_reduce(g, "sum", lengths=size)
-        w = g / denom[sid]
-        Km = torch.segment_reduce(w[:, None] * K, "sum", lengths=size)
-        Vm = torch.segment_reduce(w[:, None] * V, "sum", lengths=size)
+        end = torch.zeros(n, dtype=torch.long, device=K.device).scatter_reduce(0, sid, idx + 1, "amax")
+        size = end - torch.zeros_like(end).scatter_reduce(0, sid, idx, "amin", include_self=False)
+        size = size.masked_fill(best < 0, 0)
+        w = g / _run_sums(g, end, size)[sid]
+        Km = _run_sums(w[:, None] * K, end, size)
+        Vm = _run_sums(w[:, None] * V, end, size)
         if p.value_scale == "set_size":
             Vm *= size[:, None].float()
-        # Too many entries: evict the unprotected sets with the lowest pivot attention.
-        set_score = a[best].masked_fill(prot[best], float("inf"))
+        # Too many entries: evict the unprotected sets with the lowest pivot attention (the empty
+        # sets lowest of all: at least keep sets are not empty).
+        set_score = a[best].masked_fill(prot[best], float("inf")).masked_fill(best < 0, float("-inf"))
         chosen = topk_newer(set_score[None], keep, pos[best][None])[0]
         kept = best[chosen]
         order = torch.argsort(kept)
         return kept[order], Km[chosen][order], Vm[chosen][order]
+
+
+def _run_sums(x: torch.Tensor, end: torch.Tensor, size: torch.Tensor) -> torch.Tensor:
+    """``[n, ...]``: the sum of ``x [n, ...]`` over each set, a run of consecutive tokens ending
+    before ``end`` of ``size`` tokens (0 for an empty set). Differences of a float64 running sum:
+    the same bits on every run, whichever device (no atomics), and no set count read back."""
+    cs = torch.nn.functional.pad(x.double().cumsum(0), (0, 0) * (x.dim() - 1) + (1, 0))
+    return (cs[end] - cs[end - size]).to(x.dtype)

@@ -48,6 +48,12 @@ class SnapKVParams(PolicyParams):
         return self.window + 1
 
 
+def window_slots(view: KVView, p: SnapKVParams) -> int:
+    """How many of the view's slots hold the observation window: its last, in every head (the
+    newest tokens, kept by every compaction), so known on the host, not counted on the device."""
+    return min(p.window, view.length, view.pos.shape[1])
+
+
 def snapkv_scores(view: KVView, A: torch.Tensor, p: SnapKVParams) -> tuple[torch.Tensor, torch.Tensor]:
     """Finite scores ``[H_kv, n]`` (prefix: pooled window attention; window: its raw mean
     attention) and the mask of the protected window slots; ``A [H_q, n]``: the window's attention
@@ -55,10 +61,7 @@ def snapkv_scores(view: KVView, A: torch.Tensor, p: SnapKVParams) -> tuple[torch
     A = A / view.queries()[0].shape[1]  # mean over the window
     kpos = view.pos.repeat_interleave(view.G, dim=0)
     in_win = kpos >= view.length - p.window
-    n_win = int(in_win[0].sum())
-    if not bool((in_win.sum(dim=-1) == n_win).all() and in_win[:, kpos.shape[1] - n_win :].all()):
-        raise AssertionError("snapkv: the window's tokens must be the last slots of every head")
-    n_pre = A.shape[1] - n_win
+    n_pre = A.shape[1] - window_slots(view, p)
     pooled = torch.cat([pool1d(A[:, :n_pre], p.kernel, p.pooling), A[:, n_pre:]], dim=1)
     return group_mean(pooled, view.G), in_win[:: view.G]
 
