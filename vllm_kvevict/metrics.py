@@ -183,10 +183,16 @@ class Recorder:
         self.values = np.memmap(self.path, dtype=np.float64, mode="r+", shape=(LAYOUT.size,))
         self._step_seconds = 0.0
         self._cuda_events: list = []
+        self._later: list = []  # (name, policy, tensor): counts read when the step ends
 
     def inc(self, name: str, policy: str, amount: float = 1.0) -> None:
         if policy in POLICY_LABELS:
             self.values[LAYOUT.counters[name] + POLICY_LABELS.index(policy)] += amount
+
+    def inc_later(self, name: str, policy: str, amount) -> None:
+        """:meth:`inc` by a count still on the device (a tensor): read when the step ends
+        (:meth:`end_step`), so nothing waits for the device mid-step."""
+        self._later.append((name, policy, amount))
 
     def refused(self, key: str | None, reason: str) -> None:
         """Count a request refused with a 400 naming ``key`` (any string: bounded here)."""
@@ -233,6 +239,9 @@ class Recorder:
             self._cuda_events[-1][1].synchronize()
             seconds += sum(s.elapsed_time(e) for s, e in self._cuda_events) / 1e3
             self._cuda_events.clear()
+        for name, policy, amount in self._later:
+            self.inc(name, policy, float(amount))
+        self._later.clear()
         self._step_seconds = 0.0
         if seconds > 0:
             self.observe(seconds)

@@ -36,7 +36,9 @@ from vllm_kvevict.backends.dump import dump_kept
 from vllm_kvevict.backends.layout import CacheLayout, Heads
 from vllm_kvevict.backends.slots import SlotStore
 from vllm_kvevict.backends.tier_store import TIERS, Tier, TierEntry, best_entries, merge_entries
+from vllm_kvevict.backends.tier_store import on_device as tier_on_device
 from vllm_kvevict.kernels import ops, torch_ops
+from vllm_kvevict.kernels.torch_ops import Ragged
 from vllm_kvevict.policies.attention import pool1d
 from vllm_kvevict.request import WORKER
 
@@ -123,10 +125,8 @@ def recall_scores(
     model's learned attention sinks in each softmax. One ragged
     :func:`~vllm_kvevict.kernels.ops.column_sums` (never ``[H, w, n]`` at once)."""
     dev = K.device
-    one = lambda n: torch.tensor([0, n], device=dev)  # noqa: E731 - a single row
-    A = ops.column_sums(
-        Q.transpose(0, 1), K, q_pos.to(dev), pos, one(Q.shape[1]), one(K.shape[0]), G, scale, softcap, sinks
-    )  # [n, H_q]
+    cu_q, cu_k = Ragged.of([Q.shape[1]], dev), Ragged.of([K.shape[0]], dev)  # one row
+    A = ops.column_sums(Q.transpose(0, 1), K, q_pos.to(dev), pos, cu_q, cu_k, G, scale, softcap, sinks)  # [n, H_q]
     s = A.view(A.shape[0], -1, G).mean(-1)  # [n, H]
     if kernel > 1 and s.shape[0] > 1:
         order = torch.argsort(pos, dim=0, stable=True)  # [n, H]: candidates by position, per head
@@ -140,8 +140,7 @@ def select_recalled(scores: torch.Tensor, pos: torch.Tensor, keep: int, protect_
     observation window itself (positions ``>= protect_from``) always, then the best scores (ties:
     the newer)."""
     s = scores.masked_fill(pos >= protect_from, float("inf"))
-    cu = torch.tensor([0, s.shape[0]], device=s.device)
-    idx, _ = ops.select_topk(s, pos, cu, torch.tensor([keep], device=s.device))  # ascending index
+    idx, _ = ops.select_topk(s, pos, Ragged.of([s.shape[0]], s.device), [keep])  # ascending index
     return torch.gather(idx, 0, torch.argsort(torch.gather(pos, 0, idx), dim=0, stable=True))
 
 
@@ -283,6 +282,7 @@ class Recall:
         tier = tier_of.peek()
         if tier is None:
             return
+        tier = tier_on_device(tier, kv_cache.device)
         a, b = plan.query_start_loc[r], plan.query_start_loc[r + 1]
         hd = self.heads
         Q = query[a:b].transpose(0, 1)  # [H_q, m, d]
@@ -353,7 +353,7 @@ class Recall:
         pos_sel, recalled, _ = got
         rec = metrics.worker_recorder()
         if rec is not None:
-            rec.inc("recalled_tokens", plan.states[r].settings.config.policy, float(recalled))
+            rec.inc_later("recalled_tokens", plan.states[r].settings.config.policy, recalled)
         return pos_sel
 
     def before_attention(self, query, kv_cache, plan) -> None:
@@ -412,7 +412,7 @@ class Recall:
         end: int,
         q_end: int | None = None,
         losers: bool = False,
-    ) -> tuple[torch.Tensor, int, TierEntry | None] | None:
+    ) -> tuple[torch.Tensor, torch.Tensor, TierEntry | None] | None:
         """Re-select row ``r``'s window slots ``[start, end)`` from what they hold and ``tier_of``, by
         the attention of the queries ``Qw`` (the last before ``q_end``, default ``end``), and write
         the winners there in position order. Returns the kept positions ``[end - start, H]``, how
@@ -462,5 +462,5 @@ class Recall:
             lo = torch_ops.complement(K.shape[0], idx)
             lost = TierEntry(K[lo, h], V[lo, h], pos[lo, h], scores[lo, h], {k: v[lo, h] for k, v in state_all.items()})
         state = {k: v[idx, h] for k, v in state_all.items()}
-        recalled = int((idx >= slots.shape[0]).sum())
+        recalled = (idx >= slots.shape[0]).sum()  # on the device: read when the step ends (metrics)
         return slots, K[idx, h], V[idx, h], pos[idx, h], state, recalled, lost

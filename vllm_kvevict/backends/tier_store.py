@@ -21,6 +21,7 @@ import torch
 
 from vllm_kvevict._logging import logger
 from vllm_kvevict.kernels import ops
+from vllm_kvevict.kernels.torch_ops import Ragged
 from vllm_kvevict.tier_cache import Drop, End, Forget, Keep, Message, Start
 
 
@@ -94,9 +95,7 @@ class Tier:
         is empty afterwards."""
         chunks, self.chunks = self.chunks, []
         e = merge_entries(chunks, self.cap)
-        if e is None or device is None or torch.device(device).type == "cpu":
-            return e
-        return e.map(lambda t: (t if t.is_pinned() else t.pin_memory()).to(device, non_blocking=True))
+        return e if e is None or device is None else on_device(e, device)
 
     def peek(self) -> TierEntry | None:
         """The whole tier as one entry (a copy in flight waited for), the tier unchanged."""
@@ -141,10 +140,16 @@ def merge_entries(chunks: list[TierEntry], cap: int) -> TierEntry | None:
     return best_entries(e, cap) if e.tokens > cap else e
 
 
+def on_device(e: TierEntry, device) -> TierEntry:
+    """``e`` on ``device``: from a GPU's host memory through pinned memory, copied without waiting."""
+    if torch.device(device).type == "cpu":
+        return e
+    return e.map(lambda t: (t if t.is_pinned() else t.pin_memory()).to(device, non_blocking=True))
+
+
 def best_entries(e: TierEntry, cap: int) -> TierEntry:
     """The ``cap`` highest-scored tokens of each KV head (ties: the newer), in position order."""
-    cu = torch.tensor([0, e.tokens], device=e.pos.device)
-    idx, _ = ops.select_topk(e.score, e.pos, cu, torch.tensor([cap], device=e.pos.device))
+    idx, _ = ops.select_topk(e.score, e.pos, Ragged.of([e.tokens], e.pos.device), [cap])
     h = torch.arange(e.pos.shape[1], device=e.pos.device)[None, :]
     return e.map(lambda t: t[idx, h])
 
