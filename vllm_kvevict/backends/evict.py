@@ -114,9 +114,10 @@ def evict_step(
     views: tuple[torch.Tensor, torch.Tensor] | None = None,
     evicted: dict | None = None,
     overlays: dict[int, dict[str, torch.Tensor]] | None = None,
-) -> list[torch.Tensor]:
+    positions: bool = True,
+) -> list[torch.Tensor | None]:
     """Observe and compact the rows of ``work``; returns the kept positions ``[keep, H]`` of each
-    compacting row, in order.
+    compacting row, in order (``positions=False``: None for each, not computed).
 
     ``evicted``: when given, every compacting row whose ``RowWork.keep_evicted`` is set
     gets what it drops there, ``{row: (K, V, pos, score, state)}`` (``[n, H, ...]``, the score it
@@ -156,10 +157,16 @@ def evict_step(
     _write_observed(work, t, observed, slot_state, overlays or {})
     if evicted is not None:  # read before anything is written (the window's slots are rewritten)
         _hand_to_recall(work, t, sel, evicted)
-    if geo.out:
-        src = (t.K, t.V, t.pos, t.state)
-        _write_kept(plan, geo, sel.kept_tok, sel.merged, src, (block_size, write, slot_pos, slot_state, views))
-    return [torch_ops.per_head(t.pos, sel.kept_tok[r]) for r in geo.out]
+    if not geo.out:
+        return []
+    # [sum keep, H], into the packed tokens: as selected when one selection made every row's
+    packed, whole = sel.packed, sel.packed_rows == geo.out
+    kept = packed if packed is not None and whole else torch.cat([sel.kept_tok[r] for r in geo.out])
+    src = (t.K, t.V, t.pos, t.state)
+    _write_kept(plan, geo, kept, sel, src, (block_size, write, slot_pos, slot_state, views))
+    if not positions:
+        return [None] * len(geo.out)
+    return list(torch_ops.per_head(t.pos, kept).split([sel.kept_tok[r].shape[0] for r in geo.out]))
 
 
 @dataclass
@@ -183,6 +190,9 @@ class _Selection:
     kept_tok: dict[int, torch.Tensor] = field(default_factory=dict)
     merged: dict[int, tuple[torch.Tensor, torch.Tensor]] = field(default_factory=dict)
     to_select: list[tuple[int, torch.Tensor]] = field(default_factory=list)
+    scores: torch.Tensor | None = None  # every score of ``to_select`` in one tensor, when one call made them
+    packed: torch.Tensor | None = None  # the selection's kept tokens of rows ``packed_rows``, in order
+    packed_rows: list[int] = field(default_factory=list)
 
 
 def _read(plan, geo: Geometry, work, gather, views, slot_pos, slot_state, overlays) -> _Tokens:
@@ -256,6 +266,7 @@ def _score_groups(plan, work, groups: dict, t: _Tokens, sel: _Selection, layer: 
         lens = tuple(plan.seq_lens[work[i].row] for i in idxs)
         L = _per_step(plan, ("L", lens), lambda: on_device(lens, t.K.device))
         scores = policy.score_ragged(t.K[tok], t.pos[tok].long(), g_cu.dev, L, layer)
+        sel.scores = scores if not sel.to_select and len(groups) == 1 else None
         sel.to_select += zip(idxs, scores.split(g_cu.lengths))
 
 
@@ -271,14 +282,25 @@ def _select(plan, work, t: _Tokens, sel: _Selection) -> None:
     """One top-k for every row with the default selection, whatever its policy."""
     if not sel.to_select:
         return
-    sel_rows = [work[i].row for i, _ in sel.to_select]
-    tok, s_cu = _packed(plan, t.bounds, [i for i, _ in sel.to_select], t.K.device)
+    idxs = [i for i, _ in sel.to_select]
+    sel_rows = [work[i].row for i in idxs]
+    tok, s_cu = _packed(plan, t.bounds, idxs, t.K.device)
     keep = [plan.seq_lens[r] - plan.e_new[r] for r in sel_rows]
-    idx, _ = ops.select_topk(torch.cat([s for _, s in sel.to_select]), t.pos[tok].long(), s_cu, keep)
-    at = 0
-    for (i, _), r, k in zip(sel.to_select, sel_rows, keep):
-        sel.kept_tok[r] = idx[at : at + k] + t.bounds[i]
+    scores = sel.scores if sel.scores is not None else torch.cat([s for _, s in sel.to_select])
+    idx, _ = ops.select_topk(scores, t.pos[tok].long(), s_cu, keep)
+    # each row's first packed token, once per kept token: the rows' indices into the packed tokens
+    # in one addition (made by the step's first layer)
+    firsts = tuple(t.bounds[i] for i in idxs)
+    base = _per_step(plan, ("firsts", firsts, tuple(keep)), lambda: _repeat(firsts, keep, t.K.device))
+    sel.packed, sel.packed_rows, at = idx + base[:, None], sel_rows, 0
+    for r, k in zip(sel_rows, keep):
+        sel.kept_tok[r] = sel.packed[at : at + k]
         at += k
+
+
+def _repeat(values: tuple[int, ...], counts: list[int], device) -> torch.Tensor:
+    """``[sum counts]``: each value ``counts[i]`` times, made on the device from host lists."""
+    return torch.repeat_interleave(on_device(values, device), on_device(counts, device), output_size=sum(counts))
 
 
 def _write_observed(work, t: _Tokens, observed, slot_state, overlays) -> None:
@@ -361,15 +383,15 @@ def _packed(plan, bounds: tuple[int, ...], idxs: list[int], device) -> tuple[tor
     return _per_step(plan, ("packed", bounds, tuple(idxs)), make)
 
 
-def _write_kept(plan, geo: Geometry, kept_tok, merged, src: tuple, dst: tuple) -> None:
-    """Write each row's kept tokens, in order, into its logical tokens ``[e_new, L)``, with their
-    positions and per-slot state. ``src``: the packed tokens' ``(K, V, positions, state)`` (every
-    state, whichever policy owns it); ``dst``: ``(block_size, write, slot_pos, slot_state, views)``.
-    Everything is read before anything is written, so overlapping source and destination are safe."""
+def _write_kept(plan, geo: Geometry, idx: torch.Tensor, sel: _Selection, src: tuple, dst: tuple) -> None:
+    """Write each row's kept tokens ``idx`` (``[sum keep, H]`` into the packed tokens, the rows of
+    ``geo.out`` in order) into its logical tokens ``[e_new, L)``, with their positions and per-slot
+    state. ``src``: the packed tokens' ``(K, V, positions, state)`` (every state, whichever policy
+    owns it); ``dst``: ``(block_size, write, slot_pos, slot_state, views)``. Everything is read
+    before anything is written, so overlapping source and destination are safe."""
     K_all, V_all, pos_all, state_all = src
     block_size, write, slot_pos, slot_state, views = dst
-    dev, out = plan.block_table.device, geo.out
-    idx = torch.cat([kept_tok[r] for r in out])  # [sum keep, H], into the packed tokens
+    dev, out, kept_tok, merged = plan.block_table.device, geo.out, sel.kept_tok, sel.merged
     idx_kv, K_src, V_src = idx, K_all, V_all
     if merged:  # merging rows read their new K/V, appended after the packed tokens
         parts, n = [], K_all.shape[0]

@@ -130,7 +130,7 @@ def step_fallbacks() -> frozenset[str]:
 def isolate(
     plan,
     work: list,
-    step: Callable[[list], list[torch.Tensor]],
+    step: Callable[[list], list[torch.Tensor | None]],
     err: BaseException,
     in_place: Callable[[int], torch.Tensor],
 ):
@@ -143,7 +143,7 @@ def isolate(
 
     logger.debug("kvevict: eviction step failed for %d rows (%r); retrying row by row", len(work), err)
     done: list = []
-    kept: list[torch.Tensor] = []
+    kept: list[torch.Tensor | None] = []
     for w in work:
         try:
             out = step([w])

@@ -226,7 +226,7 @@ class LayerEviction:
         overlays = self.slots.overlays(plan, work, kv_cache, self.key) if state else None
         views = self.layout.views(kv_cache)
 
-        def step(items: list[RowWork]) -> list[torch.Tensor]:
+        def step(items: list[RowWork]) -> list[torch.Tensor | None]:
             return evict_step(
                 plan,
                 items,
@@ -240,6 +240,7 @@ class LayerEviction:
                 views=views,
                 evicted=evicted,
                 overlays=overlays,
+                positions=bool(envs.KVEVICT_DUMP_DIR),  # read by the dump only
             )
 
         def in_place(r: int) -> torch.Tensor:
