@@ -1,0 +1,110 @@
+# SPDX-License-Identifier: Apache-2.0
+"""How many operations the eviction step queues per layer, and that the number does not grow with
+the number of requests in the step.
+
+On a GPU every operation is a kernel launch of a few microseconds, paid in every layer of every
+step that compacts: a step whose launches grow with its requests costs the most exactly where
+batching should make it cheap. Counted on CPU, where the code is the same: every torch operation
+the layer's eviction work dispatches (``TorchDispatchMode``; views and allocations launch nothing
+and are not counted) and every Triton kernel it launches, in the second layer of a step where every
+request compacts (the first layer also builds the step's geometry, shared by the others).
+"""
+
+from __future__ import annotations
+
+import collections
+import os
+
+import pytest
+import torch
+from torch.utils._python_dispatch import TorchDispatchMode
+
+from tests.step_driver import Driver, Request
+
+#: allocations: no kernel runs
+FREE = {"aten.empty.memory_format", "aten.empty_like.default", "aten.empty_strided.default"}
+#: launches per layer as measured (docs/kernels.md says where they go): the bound a change must not
+#: raise. K-norm has no Triton kernel of its own (its norm is torch's).
+BOUND = {("torch", "keydiff"): 148, ("torch", "knorm"): 140, ("triton", "keydiff"): 13, ("triton", "knorm"): 23}
+
+
+class Launches(TorchDispatchMode):
+    """Counts the operations dispatched and the Triton kernels launched while active."""
+
+    def __init__(self) -> None:
+        super().__init__()
+        self.ops: collections.Counter = collections.Counter()
+        self.in_kernel = 0  # the interpreter's own tensor work inside a launch is the launch
+
+    def __torch_dispatch__(self, func, types, args=(), kwargs=None):
+        name = str(func)
+        if not self.in_kernel and not func.is_view and name not in FREE:
+            self.ops[name] += 1
+        return func(*args, **(kwargs or {}))
+
+
+@pytest.fixture
+def triton_launches(monkeypatch):
+    """The active :class:`Launches` counts each Triton kernel run (interpreted or compiled)."""
+    active: list[Launches] = []
+    pytest.importorskip("triton")
+    from triton.runtime import interpreter, jit
+
+    for cls in (interpreter.InterpretedFunction, jit.JITFunction):
+        orig = cls.run
+
+        def run(self, *a, _orig=orig, **k):
+            if not active or k.get("warmup"):
+                return _orig(self, *a, **k)
+            counter = active[-1]
+            counter.ops[f"triton.{self.__name__}"] += 1
+            counter.in_kernel += 1
+            try:
+                return _orig(self, *a, **k)
+            finally:
+                counter.in_kernel -= 1
+
+        monkeypatch.setattr(cls, "run", run)
+    return active
+
+
+def _per_layer(kernels: str, policy: str, n: int, active: list) -> collections.Counter:
+    """The launches of layer 1 in the step where all ``n`` requests compact."""
+    requests = [Request(f"{policy}-{i}", 200 + 9 * i, policy) for i in range(n)]
+    driver = Driver(requests, {"policy": policy, "budget": 64}, layers=2)
+    counts: dict[int, Launches] = {}
+
+    class Watch:
+        def __init__(self, layer: int) -> None:
+            self.layer = layer
+
+        def __enter__(self):
+            counts[self.layer] = mode = Launches()
+            active.append(mode)
+            mode.__enter__()
+
+        def __exit__(self, *exc):
+            counts[self.layer].__exit__(*exc)
+            active.pop()
+
+    try:
+        for tokens in driver.schedule(chunk=96, decodes=0):
+            plan = driver.step(tokens, watch=Watch)
+            if len(plan.compact_rows) == n:
+                assert not driver.fell_back()
+                return counts[1].ops
+    finally:
+        driver.close()
+    raise AssertionError("no step compacted every request")
+
+
+@pytest.mark.parametrize("kernels", ["torch", "triton"])
+@pytest.mark.parametrize("policy", ["keydiff", "knorm"])
+def test_launches_per_layer_do_not_grow_with_requests(monkeypatch, triton_launches, kernels, policy):
+    if kernels == "triton" and not torch.cuda.is_available() and os.environ.get("TRITON_INTERPRET") != "1":
+        pytest.skip("no GPU and TRITON_INTERPRET unset when Triton was imported")
+    monkeypatch.setenv("KVEVICT_KERNELS", kernels)
+    few, many = (_per_layer(kernels, policy, n, triton_launches) for n in (2, 6))
+    assert few == many, f"launches grow with the requests: {sorted((many - few).items())}"
+    total = sum(many.values())
+    assert total <= BOUND[kernels, policy], f"{total} launches per layer: {sorted(many.items())}"
