@@ -81,6 +81,7 @@ def test_memory_smoke(smollm2_model, tmp_path):
     assert "engine_peak_blocks" not in stock
 
 
+@pytest.mark.slow
 def test_overhead_smoke(smollm2_model, tmp_path):
     r = _bench(tmp_path, "overhead")
     assert list(r["results"]) == ["none", "keydiff", "snapkv", "keydiff:recall=true"]
