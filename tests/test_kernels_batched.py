@@ -119,6 +119,17 @@ def test_triton_gather_scores_select_scatter(tri, case, dtype):
     s = FUSED["keydiff_scores"](K, cu)
     torch.testing.assert_close(tri.keydiff_scores(K, cu), s, atol=1e-5, rtol=1e-5)
     torch.testing.assert_close(tri.key_norms(K), FUSED["key_norms"](K), atol=1e-5, rtol=1e-5)
+    # the keys read in place, through their blocks: the same reads as from the gathered copy
+    blocks, offs, _ = ref.logical_tokens(bt, rows, st, en, bs)
+    assert torch.equal(tri.keydiff_scores_paged(ref.PagedKeys(kc, blocks, offs), cu), tri.keydiff_scores(K, cu))
+    # some tokens of each head copied out of the cache: the gathered copy's
+    g = torch.Generator().manual_seed(case)
+    some = torch.randint(0, max(1, K.shape[0]), (K.shape[0] // 2 + 1, H), generator=g).to(DEV) if K.shape[0] else None
+    if some is not None:
+        h = torch.arange(H, device=DEV)
+        for take in (ref.take_paged, tri.take_paged):
+            Kt, Vt = take(kc, vc, blocks, offs, some)
+            assert torch.equal(Kt, K[some, h]) and torch.equal(Vt, V[some, h])
 
     pos = torch.randperm(max(1, K.shape[0] * H), generator=torch.Generator().manual_seed(case))[: K.shape[0] * H]
     pos = pos.reshape(K.shape[0], H).to(DEV)
@@ -127,6 +138,10 @@ def test_triton_gather_scores_select_scatter(tri, case, dtype):
     idx, cu_keep = ref.select_topk(s, pos, cu, keep)
     idx2, cu_keep2 = tri.select_topk(s, pos, cu, keep)
     assert torch.equal(cu_keep, cu_keep2) and torch.equal(idx, idx2)
+    # the same selection as indices into the packed tokens, shifted
+    packed = idx + cu[:-1].repeat_interleave(cu_keep.diff())[:, None] + 5
+    for select in (ref.select_topk, tri.select_topk):
+        assert torch.equal(select(s, pos, cu, keep, packed_offset=5)[0], packed)
 
     dst_start = en - (cu_keep[1:] - cu_keep[:-1])
     for name, dst in (("k", kc), ("v", vc)):

@@ -30,6 +30,7 @@ from vllm_kvevict.kernels.torch_ops import Ragged
 
 OPS = (
     "gather_paged",
+    "take_paged",
     "select_topk",
     "scatter_paged",
     "column_sums",
@@ -120,7 +121,11 @@ def gather_paged(k_cache, v_cache, block_table, rows, starts, ends, cu: Ragged |
     return mod.gather_paged(k_cache, v_cache, block_table, rows, starts, ends, cu)
 
 
-def select_topk(scores, pos, cu: Ragged | torch.Tensor, keep):
+def take_paged(k_cache, v_cache, blocks, offsets, idx):
+    return backend_for(k_cache, "take_paged").take_paged(k_cache, v_cache, blocks, offsets, idx)
+
+
+def select_topk(scores, pos, cu: Ragged | torch.Tensor, keep, packed_offset: int | None = None):
     mod = backend_for(scores, "select_topk")
     cu = torch_ops.ragged(cu)
     if (
@@ -130,7 +135,7 @@ def select_topk(scores, pos, cu: Ragged | torch.Tensor, keep):
         and cu.longest > SELECT_TRITON_MAX_ROW
     ):
         mod = torch_ops
-    return mod.select_topk(scores, pos, cu, keep)
+    return mod.select_topk(scores, pos, cu, keep, packed_offset)
 
 
 def scatter_paged(dst, src, idx, cu, cu_keep, block_table, rows, dst_start):

@@ -81,6 +81,29 @@ class Ragged:
         return max(self.lengths, default=0)
 
 
+@dataclass(frozen=True)
+class PagedKeys:
+    """Tokens read where they are: packed token ``i`` is ``cache[blocks[i], offsets[i]]`` of a
+    cache view ``[num_blocks, block_size, H, D]`` (the FlashAttention views are strided). Nothing
+    is copied until :meth:`gather` (every token) or :func:`take_paged` (some, per head)."""
+
+    cache: torch.Tensor
+    blocks: torch.Tensor  # [N] long
+    offsets: torch.Tensor  # [N] long
+
+    @property
+    def device(self) -> torch.device:
+        return self.cache.device
+
+    def __getitem__(self, tok: torch.Tensor | slice) -> PagedKeys:
+        """The packed tokens ``tok`` (a slice: no copy)."""
+        return PagedKeys(self.cache, self.blocks[tok], self.offsets[tok])
+
+    def gather(self) -> torch.Tensor:
+        """``[N, H, D]``: every token, copied."""
+        return self.cache[self.blocks, self.offsets]
+
+
 def ragged(cu: Ragged | torch.Tensor) -> Ragged:
     """``cu`` as :class:`Ragged`. A tensor's offsets are read from the device (a host sync): for
     callers outside the eviction step (tests, benchmarks), which pass tensors."""
@@ -161,6 +184,16 @@ def gather_paged(
     return k_cache[blocks, offs], v_cache[blocks, offs], cu_dev
 
 
+def take_paged(
+    k_cache: torch.Tensor, v_cache: torch.Tensor, blocks: torch.Tensor, offsets: torch.Tensor, idx: torch.Tensor
+) -> tuple[torch.Tensor, torch.Tensor]:
+    """``K, V [M, H, D]``: ``cache[blocks[idx[j, h]], offsets[idx[j, h]], h]``, each head its own
+    tokens (``idx [M, H]`` into a packed set whose token ``i`` is at ``blocks[i], offsets[i]`` of
+    the ``[num_blocks, block_size, H, D]`` views): the kept tokens copied out of the cache."""
+    where = blocks[idx], offsets[idx], torch.arange(idx.shape[1], device=idx.device)
+    return k_cache[where], v_cache[where]
+
+
 def sort_keys(scores: torch.Tensor, pos: torch.Tensor) -> torch.Tensor:
     """``int64`` keys ordering (score, position) lexicographically, both ascending: the float's bits
     made order-preserving (``-0.0`` as ``+0.0``) in the high 32 bits, the position in the low 31."""
@@ -177,14 +210,19 @@ def keep_counts(cu: Ragged, keep: Sequence[int] | torch.Tensor) -> list[int]:
 
 
 def select_topk(
-    scores: torch.Tensor, pos: torch.Tensor, cu: Ragged | torch.Tensor, keep: Sequence[int] | torch.Tensor
+    scores: torch.Tensor,
+    pos: torch.Tensor,
+    cu: Ragged | torch.Tensor,
+    keep: Sequence[int] | torch.Tensor,
+    packed_offset: int | None = None,
 ) -> tuple[torch.Tensor, torch.Tensor]:
     """The ``keep[r]`` highest-scoring tokens of each row, per head, ties to the larger position
     (positions are distinct within a row and head, so (score, position) orders them totally).
 
     Returns ``(idx, cu_keep)``: ``idx [sum keep, H]`` row-local indices, ascending within each row
-    and head; rows ``[cu_keep[r], cu_keep[r + 1])``. ``keep[r] >= n_r`` keeps the whole row.
-    ``cu`` and ``keep`` known on the host (:class:`Ragged`, a list): nothing reads the device.
+    and head (``packed_offset``: indices into the packed tokens instead, plus that offset); rows
+    ``[cu_keep[r], cu_keep[r + 1])``. ``keep[r] >= n_r`` keeps the whole row. ``cu`` and ``keep``
+    known on the host (:class:`Ragged`, a list): nothing reads the device.
     """
     N, H = scores.shape
     cu = ragged(cu)
@@ -193,7 +231,8 @@ def select_topk(
     key = sort_keys(scores, pos)
     if cu.rows == 1:  # one row: its top keys, in token order
         top = torch.topk(key, kept_n[0], dim=0, sorted=False).indices
-        return torch.sort(top, dim=0).values, cu_keep.dev
+        top = torch.sort(top, dim=0).values
+        return (top if not packed_offset else top + packed_offset), cu_keep.dev
     rid = row_ids(cu)
     order = torch.argsort(key, dim=0, descending=True, stable=True)  # best first, per head
     order = torch.gather(order, 0, torch.argsort(rid[order], dim=0, stable=True))  # grouped by row
@@ -208,6 +247,8 @@ def select_topk(
     tok = torch.empty(total + 1, H, dtype=torch.long, device=scores.device)
     tok.scatter_(0, place, torch.arange(N, device=scores.device)[:, None].expand(N, H))
     tok = tok[:total]
+    if packed_offset is not None:
+        return (tok + packed_offset if packed_offset else tok.contiguous()), cu_keep.dev
     return (tok - row_start[tok]).contiguous(), cu_keep.dev
 
 

@@ -25,7 +25,7 @@ import torch
 import triton
 import triton.language as tl
 
-from vllm_kvevict.kernels.torch_ops import EPS, Ragged, cu_from_lengths, keep_counts, ragged
+from vllm_kvevict.kernels.torch_ops import EPS, PagedKeys, Ragged, cu_from_lengths, keep_counts, ragged
 
 TILE = 128
 
@@ -35,6 +35,20 @@ def _row_range(cu_ptr, r):
     """Row ``r``'s first packed index and its length, from ``cu``."""
     lo = tl.load(cu_ptr + r)
     return lo, tl.load(cu_ptr + r + 1) - lo
+
+
+@triton.jit
+def _key_offsets(blk_ptr, off_ptr, tok, m, h, d, s_b, s_o, s_h, s_d, PAGED: tl.constexpr):
+    """Element offsets ``[tokens, d]`` of packed tokens ``tok`` at head ``h``: in a packed
+    ``[N, H, D]`` tensor (token stride ``s_b``), or, ``PAGED``, in a cache view
+    ``[blocks, block_size, H, D]`` at the tokens' blocks and offsets (:class:`PagedKeys`)."""
+    if PAGED:
+        b = tl.load(blk_ptr + tok, mask=m, other=0).to(tl.int64)
+        o = tl.load(off_ptr + tok, mask=m, other=0).to(tl.int64)
+        row = b * s_b + o * s_o
+    else:
+        row = tok.to(tl.int64) * s_b
+    return row[:, None] + h * s_h + d[None, :] * s_d
 
 
 @triton.jit
@@ -72,6 +86,65 @@ def _gather_kernel(
     dst = ((lo + t)[:, None] * H + h) * D + d[None, :]
     tl.store(ok_ptr + dst, tl.load(k_ptr + src, mask=md), mask=md)
     tl.store(ov_ptr + dst, tl.load(v_ptr + src, mask=md), mask=md)
+
+
+@triton.jit
+def _take_kernel(
+    k_ptr,
+    v_ptr,
+    blk_ptr,
+    off_ptr,
+    idx_ptr,
+    ok_ptr,
+    ov_ptr,
+    M,
+    s_b,
+    s_o,
+    s_h,
+    s_d,
+    H: tl.constexpr,
+    D: tl.constexpr,
+    TILE_T: tl.constexpr,
+    BLOCK_D: tl.constexpr,
+):
+    """Grid (tile, head): K and V of tokens ``idx[j, h]`` (packed indices read through their blocks
+    and offsets) into ``[M, H, D]``."""
+    j = (tl.program_id(0) * TILE_T + tl.arange(0, TILE_T)).to(tl.int64)
+    h = tl.program_id(1)
+    m = j < M
+    tok = tl.load(idx_ptr + j * H + h, mask=m, other=0)
+    d = tl.arange(0, BLOCK_D)
+    src = _key_offsets(blk_ptr, off_ptr, tok, m, h, d, s_b, s_o, s_h, s_d, True)
+    md = m[:, None] & (d[None, :] < D)
+    dst = (j[:, None] * H + h) * D + d[None, :]
+    tl.store(ok_ptr + dst, tl.load(k_ptr + src, mask=md), mask=md)
+    tl.store(ov_ptr + dst, tl.load(v_ptr + src, mask=md), mask=md)
+
+
+def take_paged(k_cache, v_cache, blocks, offsets, idx):
+    assert k_cache.stride() == v_cache.stride()
+    M, H = idx.shape
+    D = k_cache.shape[-1]
+    K = torch.empty(M, H, D, dtype=k_cache.dtype, device=k_cache.device)
+    V = torch.empty_like(K)
+    if M:
+        grid = (triton.cdiv(M, TILE), H)
+        _take_kernel[grid](
+            k_cache,
+            v_cache,
+            blocks,
+            offsets,
+            idx.contiguous(),
+            K,
+            V,
+            M,
+            *k_cache.stride(),
+            H=H,
+            D=D,
+            TILE_T=TILE,
+            BLOCK_D=triton.next_power_of_2(D),
+        )
+    return K, V
 
 
 def gather_paged(k_cache, v_cache, block_table, rows, starts, ends, cu: Ragged | None = None):
@@ -113,14 +186,20 @@ KEYDIFF_CHUNK, KEYDIFF_MAX_SPLITS = 2048, 32
 @triton.jit
 def _keydiff_partial_kernel(
     k_ptr,
+    blk_ptr,
+    off_ptr,
+    s_b,
+    s_o,
+    s_h,
+    s_d,
     cu_ptr,
     part_ptr,
     S,
-    H: tl.constexpr,
     D: tl.constexpr,
     TILE_T: tl.constexpr,
     BLOCK_D: tl.constexpr,
     EPS_: tl.constexpr,
+    PAGED: tl.constexpr,
 ):
     """Pass 1, grid (row, head, chunk): the chunk's sum of normalised keys into ``part[r, h, s]``."""
     r = tl.program_id(0)
@@ -135,31 +214,39 @@ def _keydiff_partial_kernel(
     for start in tl.range(t0, t1, TILE_T):
         t = start + tl.arange(0, TILE_T)
         m = (t < t1)[:, None] & (d[None, :] < D)
-        k = tl.load(k_ptr + ((lo + t)[:, None] * H + h) * D + d[None, :], mask=m, other=0.0).to(tl.float32)
+        at = _key_offsets(blk_ptr, off_ptr, lo + t, t < t1, h, d, s_b, s_o, s_h, s_d, PAGED)
+        k = tl.load(k_ptr + at, mask=m, other=0.0).to(tl.float32)
         norm = tl.sqrt(tl.sum(k * k, axis=1))
         acc += tl.sum(k / tl.maximum(norm, EPS_)[:, None], axis=0)
-    tl.store(part_ptr + ((r * H + h) * S + s) * BLOCK_D + d, acc)
+    tl.store(part_ptr + ((r * tl.num_programs(1) + h) * S + s) * BLOCK_D + d, acc)
 
 
 @triton.jit
 def _keydiff_cos_kernel(
     k_ptr,
+    blk_ptr,
+    off_ptr,
+    s_b,
+    s_o,
+    s_h,
+    s_d,
     cu_ptr,
     part_ptr,
     out_ptr,
     S,
-    H: tl.constexpr,
     D: tl.constexpr,
     TILE_T: tl.constexpr,
     BLOCK_D: tl.constexpr,
-    BLOCK_S: tl.constexpr,
     EPS_: tl.constexpr,
+    PAGED: tl.constexpr,
+    BLOCK_S: tl.constexpr,
 ):
     """Pass 2, grid (row, head, chunk): the anchor ``mu`` (the row's partial sums over ``n``), then
     ``-cos(k, mu)`` for the chunk's tokens."""
     r = tl.program_id(0)
     h = tl.program_id(1)
     s = tl.program_id(2)
+    H = tl.num_programs(1)
     lo, n = _row_range(cu_ptr, r)
     d = tl.arange(0, BLOCK_D)
     j = tl.arange(0, BLOCK_S)
@@ -173,27 +260,40 @@ def _keydiff_cos_kernel(
         t = start + tl.arange(0, TILE_T)
         mt = t < t1
         m = mt[:, None] & (d[None, :] < D)
-        k = tl.load(k_ptr + ((lo + t)[:, None] * H + h) * D + d[None, :], mask=m, other=0.0).to(tl.float32)
+        at = _key_offsets(blk_ptr, off_ptr, lo + t, mt, h, d, s_b, s_o, s_h, s_d, PAGED)
+        k = tl.load(k_ptr + at, mask=m, other=0.0).to(tl.float32)
         norm = tl.sqrt(tl.sum(k * k, axis=1))
         cos = tl.sum(k * mu[None, :], axis=1) / tl.maximum(mu_norm * norm, EPS_)
         tl.store(out_ptr + (lo + t) * H + h, -cos, mask=mt)
 
 
-def keydiff_scores(K, cu):
-    N, H, D = K.shape
-    K = K.contiguous()
-    out = torch.empty(N, H, dtype=torch.float32, device=K.device)
+def _keydiff(k, blk, off, strides, N: int, H: int, D: int, cu, paged: bool) -> torch.Tensor:
+    out = torch.empty(N, H, dtype=torch.float32, device=k.device)
     if N:
         R, S, BD = (
             cu.numel() - 1,
             max(1, min(KEYDIFF_MAX_SPLITS, triton.cdiv(N, KEYDIFF_CHUNK))),
             triton.next_power_of_2(D),
         )
-        part = torch.empty(R, H, S, BD, dtype=torch.float32, device=K.device)
-        meta = dict(H=H, D=D, TILE_T=TILE, BLOCK_D=BD, EPS_=EPS)
-        _keydiff_partial_kernel[(R, H, S)](K, cu, part, S, **meta)
-        _keydiff_cos_kernel[(R, H, S)](K, cu, part, out, S, BLOCK_S=triton.next_power_of_2(S), **meta)
+        part = torch.empty(R, H, S, BD, dtype=torch.float32, device=k.device)
+        meta = dict(D=D, TILE_T=TILE, BLOCK_D=BD, EPS_=EPS, PAGED=paged)
+        _keydiff_partial_kernel[(R, H, S)](k, blk, off, *strides, cu, part, S, **meta)
+        _keydiff_cos_kernel[(R, H, S)](
+            k, blk, off, *strides, cu, part, out, S, BLOCK_S=triton.next_power_of_2(S), **meta
+        )
     return out
+
+
+def keydiff_scores(K, cu):
+    N, H, D = K.shape
+    K = K.contiguous()
+    return _keydiff(K, K, K, (H * D, 0, D, 1), N, H, D, cu, paged=False)
+
+
+def keydiff_scores_paged(keys: PagedKeys, cu):
+    """:func:`keydiff_scores` of keys read in place through their blocks: no gathered copy."""
+    _, _, H, D = keys.cache.shape
+    return _keydiff(keys.cache, keys.blocks, keys.offsets, keys.cache.stride(), keys.blocks.numel(), H, D, cu, True)
 
 
 @triton.jit
@@ -223,12 +323,17 @@ def _sort_key(s, p):
 
 
 @triton.jit
-def _select_kernel(s_ptr, p_ptr, cu_ptr, keep_ptr, cuk_ptr, out_ptr, H: tl.constexpr, TILE_T: tl.constexpr):
+def _select_kernel(
+    s_ptr, p_ptr, cu_ptr, cuk_ptr, out_ptr, offset, H: tl.constexpr, TILE_T: tl.constexpr, PACKED: tl.constexpr
+):
+    """Grid (row, head): the row's kept tokens (at most its length, ``cu_keep``), as row-local
+    indices (``PACKED``: packed ones plus ``offset``)."""
     r = tl.program_id(0)
     h = tl.program_id(1)
     lo, n = _row_range(cu_ptr, r)
-    keep = tl.minimum(tl.load(keep_ptr + r).to(tl.int64), n)
-    out0 = tl.load(cuk_ptr + r)
+    out0, keep = _row_range(cuk_ptr, r)
+    keep = keep.to(tl.int64)
+    shift = (lo + offset).to(tl.int64) if PACKED else tl.zeros([], dtype=tl.int64)
     # The keep-th largest key, built from the top bit down: the largest T with count(key >= T) >= keep.
     T = tl.zeros([], dtype=tl.int64)
     if keep < n:
@@ -250,18 +355,26 @@ def _select_kernel(s_ptr, p_ptr, cu_ptr, keep_ptr, cuk_ptr, out_ptr, H: tl.const
         p = tl.load(p_ptr + (lo + t) * H + h, mask=m, other=0)
         k = ((_sort_key(s, p) >= T) & m).to(tl.int64)
         at = base + tl.cumsum(k, axis=0) - 1
-        tl.store(out_ptr + (out0 + at) * H + h, t.to(tl.int64), mask=k > 0)
+        tl.store(out_ptr + (out0 + at) * H + h, t.to(tl.int64) + shift, mask=k > 0)
         base += tl.sum(k, axis=0)
 
 
-def select_topk(scores, pos, cu, keep):
+def select_topk(scores, pos, cu, keep, packed_offset: int | None = None):
     N, H = scores.shape
     cu = ragged(cu)
     kept = Ragged.of(keep_counts(cu, keep), scores.device)
     out = torch.empty(kept.total, H, dtype=torch.int64, device=scores.device)
     if N:
         _select_kernel[(cu.rows, H)](
-            scores.float().contiguous(), pos.contiguous(), cu.dev, kept.dev.diff(), kept.dev, out, H=H, TILE_T=TILE
+            scores.float().contiguous(),
+            pos.contiguous(),
+            cu.dev,
+            kept.dev,
+            out,
+            packed_offset or 0,
+            H=H,
+            TILE_T=TILE,
+            PACKED=packed_offset is not None,
         )
     return out, kept.dev
 
