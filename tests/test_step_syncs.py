@@ -109,25 +109,32 @@ def watch(monkeypatch):
     return Layer, seen
 
 
-def _requests(kernels: str, scale: float) -> list[Request]:
-    """Every policy without recall and every policy that keeps a tier with it, in one batch."""
+def _requests(kernels: str, scale: float, keys_only: bool = False) -> list[Request]:
+    """Every policy without recall and every policy that keeps a tier with it, in one batch;
+    ``keys_only``: the policies scored from keys alone, without recall (the in-place step)."""
     prompts = [300, 200, 257, 180, 330, 140, 240, 150, 275, 199, 230, 170, 310]
     every = [p for p in POLICIES if p != "none" and (kernels == "triton" or p != "lshe")]
-    mix = [(p, False) for p in every] + [(p, True) for p in every if p != "kvmerger"]  # merging keeps no tier
+    if keys_only:
+        mix = [(p, False) for p in ("keydiff", "knorm", "streamingllm", "random", "keydiff")]
+    else:
+        mix = [(p, False) for p in every] + [(p, True) for p in every if p != "kvmerger"]  # merging keeps no tier
     return [
         Request(f"{p}-{i}-{r}", max(136, int(prompts[i % len(prompts)] * scale)), p, r) for i, (p, r) in enumerate(mix)
     ]
 
 
-@pytest.mark.parametrize("kernels, prefill", [("torch", "window"), ("torch", "all"), ("triton", "all")])
-def test_no_host_sync_in_any_layer_of_any_step(monkeypatch, watch, kernels, prefill):
+@pytest.mark.parametrize(
+    "kernels, prefill, keys_only",
+    [("torch", "window", False), ("torch", "all", False), ("triton", "all", False), ("triton", "all", True)],
+)
+def test_no_host_sync_in_any_layer_of_any_step(monkeypatch, watch, kernels, prefill, keys_only):
     """Triton's kernels run interpreted here (slow): one layer and shorter prompts for them."""
     if kernels == "triton":
         pytest.importorskip("triton")
         if not torch.cuda.is_available() and os.environ.get("TRITON_INTERPRET") != "1":
             pytest.skip("no GPU and TRITON_INTERPRET unset when Triton was imported")
     monkeypatch.setenv("KVEVICT_KERNELS", kernels)
-    requests = _requests(kernels, 0.7 if kernels == "triton" else 1.0)
+    requests = _requests(kernels, 0.7 if kernels == "triton" else 1.0, keys_only)
     server = {"policy": "keydiff", "budget": 64, "recall": {"enabled": True, "prefill": prefill}}
     driver = Driver(requests, server, layers=1 if kernels == "triton" else 2)
     Layer, seen = watch
