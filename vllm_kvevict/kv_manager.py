@@ -486,13 +486,17 @@ class KVEvictManager(FullAttentionManager):
         return blocks, att
 
     def _log_release(self, request_id: str, att: _Attempt) -> None:
-        """Once per request (and per preemption), whether it evicted or not."""
+        """Once per request (and per preemption), whether it evicted or not: logged and counted."""
         pool = self.block_pool
         settings = self.settings_for(request_id)
         if settings is None:  # pragma: no cover - every allocated request has its settings
             return
         cfg = settings.config
         bound = settings.admission_blocks(*self.kv_cache_spec.in_flight)
+        policy = cfg.policy if cfg.eviction_active else "none"
+        if self._metrics is not None:
+            self._metrics.inc("requests_released", policy)
+            self._metrics.inc("peak_blocks_held", policy, att.peak)
         logger.info(
             "kvevict: request %s released: %d blocks freed by eviction, peak %d blocks held "
             "(window bound %s); pool %d/%d blocks free, peak %d used; policy %s, budget %d",
@@ -503,7 +507,7 @@ class KVEvictManager(FullAttentionManager):
             pool.get_num_free_blocks(),
             pool.num_gpu_blocks - 1,
             self.pool_peak_used,
-            cfg.policy if cfg.eviction_active else "none",
+            policy,
             cfg.budget,
         )
 

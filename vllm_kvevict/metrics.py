@@ -30,6 +30,8 @@ KV cache; both are in the file name (``<role>-e<engine>-r<rank>-<pid>.f64``).
 | ``kvevict:prefix_hit_tokens_total`` | counter | engine, policy | engine core, the tokens of those hits |
 | ``kvevict:compressed_hits_total`` | counter | engine, policy | engine core, when an evicting request starts on a cached compacted window |
 | ``kvevict:compressed_hit_tokens_total`` | counter | engine, policy | engine core, the tokens of those hits |
+| ``kvevict:requests_released_total`` | counter | engine, policy | engine core, when a request's blocks are freed |
+| ``kvevict:peak_blocks_held_total`` | counter | engine, policy | engine core, the peak blocks of those requests |
 | ``kvevict:eviction_seconds`` | histogram | engine, rank | workers, per model step (every layer and request) |
 | ``kvevict:window_blocks_held`` | gauge | engine | engine core: blocks held by requests with a bounded window |
 | ``kvevict:window_blocks_bound`` | gauge | engine | engine core: the sum of those requests' window bounds |
@@ -39,6 +41,8 @@ KV cache; both are in the file name (``<role>-e<engine>-r<rank>-<pid>.f64``).
 | ``kvevict:recall_cached_tier_bytes`` | gauge | engine | workers: host memory the tiers of cached windows hold (bytes) |
 | ``kvevict:requests_refused_total`` | counter | key, reason | API server: requests refused with HTTP 400 |
 
+``peak_blocks_held`` over ``requests_released`` is the mean peak per request (``policy`` ``none``:
+requests that do not evict); with one request in flight, its increase is that request's exact peak.
 ``tokens_evicted`` counts token slots per sequence (every layer and KV head evicts the same
 number); ``policy`` is the request's own policy (its override, else the server's). A window is
 bounded when the request evicts in ``chunked`` mode with a policy that also evicts while decoding:
@@ -83,6 +87,8 @@ COUNTERS = {  # name -> help; one slot per policy
     "compressed_hits": "Requests that started (or restarted) on a cached compacted window (compressed-window reuse)",
     "compressed_hit_tokens": "Tokens those requests did not compute: the compaction point of the window they started on",
     "recalled_tokens": "Evicted token slots the recall tier brought back into windows (summed over layers and KV heads)",
+    "requests_released": "Requests released by the engine core (finished, aborted or preempted: each attempt once)",
+    "peak_blocks_held": "Sum over released requests of the most KV blocks each held at once (its peak)",
 }
 GAUGES = {
     "window_blocks_held": "KV blocks held by the requests whose window is bounded (chunked eviction, also while decoding)",

@@ -99,9 +99,11 @@ def test_metrics_are_on_vllms_endpoint(run):
 
 
 def test_blocks_freed_equal_the_release_lines(run):
-    freed_by_policy = defaultdict(int)
+    freed_by_policy, peaks, released = defaultdict(int), defaultdict(int), defaultdict(int)
     for m in re.finditer(RELEASED.pattern + r"; policy (\S+), budget", run["log"]):
         freed_by_policy[m.group(8)] += int(m.group(2))
+        peaks[m.group(8)] += int(m.group(3))
+        released[m.group(8)] += 1
     assert freed_by_policy["keydiff"] > 0 and freed_by_policy["snapkv"] > 0 and freed_by_policy["tova"] > 0
     assert freed_by_policy.get("none", 0) == 0
     b, a = run["before"], run["after"]
@@ -114,6 +116,11 @@ def test_blocks_freed_equal_the_release_lines(run):
             b, "kvevict:tokens_evicted_total", policy=policy
         )
         assert tokens == freed * BS
+    assert released == {"keydiff": 2, "snapkv": 1, "tova": 1, "none": 1}  # every request, as each released
+    for policy, n in released.items():  # the release lines' peaks, counted per policy
+        for name, want in (("requests_released", n), ("peak_blocks_held", peaks[policy])):
+            got = _value(a, f"kvevict:{name}_total", policy=policy) - _value(b, f"kvevict:{name}_total", policy=policy)
+            assert got == want > 0, (name, policy)
 
 
 def test_one_compaction_per_window_move(run):

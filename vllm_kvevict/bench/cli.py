@@ -621,8 +621,8 @@ def build_parser() -> argparse.ArgumentParser:
         "memory",
         help="KV blocks over time for one long request, stock vs kvevict",
         description="KV blocks in use over time for one long request, stock vLLM vs kvevict: servers started here, or "
-        "servers already running (--base-url, --stock-base-url; no exact engine peak then: it is in the server's "
-        "log; the plugin's kvevict:window_blocks_held and _bound gauges are sampled instead).",
+        "servers already running (--base-url, --stock-base-url; the exact engine peak from the plugin's "
+        "kvevict:peak_blocks_held_total, its kvevict:window_blocks_held and _bound gauges sampled).",
     )
     common(m, "memory")
     running(m, stock=True, tokenizer=False)

@@ -14,10 +14,11 @@ every compaction point (every stride tokens) in the prompt and while generating.
 
 Against servers already running (``--base-url`` kvevict, ``--stock-base-url`` stock vLLM), nothing
 is started: the kvevict request sets its policy and budget (``vllm_xargs``); blocks are each
-server's usage gauge times its own KV cache (``vllm:cache_config_info``). The server's log is out
-of reach, so there is no exact engine peak: instead the plugin's gauges ``kvevict:window_blocks_held``
-and ``kvevict:window_blocks_bound`` (the window bound the server computes, its stride and chunk
-included) are sampled, which assumes the server runs nothing else meanwhile.
+server's usage gauge times its own KV cache (``vllm:cache_config_info``). The exact engine peak is
+the increase of the plugin's ``kvevict:peak_blocks_held_total`` over the request (the server must
+run nothing else meanwhile: one released request, or the run is refused), and the plugin's gauges
+``kvevict:window_blocks_held`` and ``kvevict:window_blocks_bound`` (the window bound the server
+computes, its stride and chunk included) are sampled beside it.
 """
 
 from __future__ import annotations
@@ -31,13 +32,16 @@ from vllm_kvevict.bench.serving import (
     ServerSpec,
     block_size_of,
     common_args,
+    metrics,
     platform_args,
     random_prompts,
     stream_completion,
 )
+from vllm_kvevict.testing.server import wait_until
 from vllm_kvevict.window import WindowConfig, window_bound_blocks
 
 HELD, BOUND = "kvevict:window_blocks_held", "kvevict:window_blocks_bound"
+RELEASES, PEAKS = "kvevict:requests_released_total", "kvevict:peak_blocks_held_total"
 
 #: the plugin's per-request release line in the engine core's log
 RELEASED = r"kvevict: request \S+ released: \d+ blocks freed by eviction, peak (?P<peak>\d+) blocks held"
@@ -82,6 +86,7 @@ def run_memory(
         with runs.server(spec) as srv:
             prompt = random_prompts(1, prompt_len, seed=seed + runs.reuse(srv))[0]
             client = OpenAI(base_url=srv.base_url + "/v1", api_key="unused", max_retries=0, timeout=3600)
+            before = metrics(srv.base_url) if remote is not None and spec.policy is not None else None
             with Sampler(srv.base_url, period_s, watch) as sampler:
                 timing = stream_completion(client, srv.served_model_name, prompt, output_len, runs.xargs(spec))
             blocks = kv_blocks if remote is None else srv.kv_blocks
@@ -91,9 +96,10 @@ def run_memory(
             series[spec.name] = {"points": pts, "peak_blocks": max((b for _, b in pts), default=0.0), **timing}
             if remote is not None:
                 series[spec.name]["kv_blocks"] = blocks
-                if spec.policy is not None:  # sampled: the exact peak is in the server's log only
+                if before is not None:  # the gauges sampled; the exact peak from the counters
                     series[spec.name]["window_peak_blocks"] = sampler.peaks.get(HELD, 0.0)
                     bound = int(sampler.peaks[BOUND]) if sampler.peaks.get(BOUND) else None
+                    series[spec.name]["engine_peak_blocks"] = released_peak(srv.base_url, before)
             elif spec.policy is not None:
                 # logged by the engine core right after the request is freed: wait for it, never sleep
                 m = srv.wait_log(RELEASED, timeout=60)[-1]
@@ -130,25 +136,45 @@ def run_memory(
     return report
 
 
+def released_peak(base_url: str, before: dict[str, float], timeout: float = 60.0) -> int:
+    """The peak blocks of the one request released since ``before`` (a scrape of ``base_url``):
+    the increase of ``kvevict:peak_blocks_held_total`` once ``requests_released_total`` has
+    increased (the engine core frees a request just after its last token is streamed: waited for,
+    never slept). A server that released more than one request meanwhile is refused."""
+    after: dict[str, float] = {}
+
+    def released() -> bool:
+        after.update(metrics(base_url))
+        return after.get(RELEASES, 0.0) > before.get(RELEASES, 0.0)
+
+    wait_until(released, timeout, f"{base_url} releasing the request ({RELEASES})")
+    if after[RELEASES] - before.get(RELEASES, 0.0) != 1:
+        raise RuntimeError(
+            f"{base_url} released {after[RELEASES] - before.get(RELEASES, 0.0):.0f} requests during the run: the "
+            "memory benchmark needs a server that runs nothing else meanwhile"
+        )
+    return int(after[PEAKS] - before.get(PEAKS, 0.0))
+
+
 def format_table(report: dict) -> str:
     lines = [
         f"one request: {report['prompt_len']} prompt + {report['output_len']} output tokens, chunk "
         f"{report['chunk']}, block {report['block_size']}; kvevict {report['policy']} budget {report['budget']} "
         f"(window bound {report['window_bound_blocks']} blocks; the whole sequence is "
         f"{report['sequence_blocks']} blocks)",
-        f"{'server':<10}{'peak blocks':>13}{'engine peak':>13}{'latency s':>11}{'samples':>9}",
+        f"{'server':<10}{'peak blocks':>13}{'engine peak':>13}{'window peak':>13}{'latency s':>11}{'samples':>9}",
     ]
     remote = report.get("remote")
-    if remote:
-        lines[1] = f"{'server':<10}{'peak blocks':>13}{'window peak':>13}{'latency s':>11}{'samples':>9}"
     for name, s in report["series"].items():
-        engine = str(s.get("window_peak_blocks" if remote else "engine_peak_blocks", "-"))
-        lines.append(f"{name:<10}{s['peak_blocks']:>13.1f}{engine:>13}{s['latency_s']:>11.1f}{len(s['points']):>9}")
+        engine, window = str(s.get("engine_peak_blocks", "-")), str(s.get("window_peak_blocks", "-"))
+        lines.append(
+            f"{name:<10}{s['peak_blocks']:>13.1f}{engine:>13}{window:>13}{s['latency_s']:>11.1f}{len(s['points']):>9}"
+        )
     if remote:
         lines.append(
             f"running servers: kvevict {remote['kvevict']['base_url']}, stock {remote['stock']['base_url']}; peak "
-            "blocks: vllm:kv_cache_usage_perc x the server's blocks, sampled every 50 ms; window peak and bound: "
-            "kvevict:window_blocks_held and _bound, sampled (the exact engine peak is in the server's log only)"
+            "blocks: vllm:kv_cache_usage_perc x the server's blocks, sampled every 50 ms; engine peak: the increase of "
+            "kvevict:peak_blocks_held_total; window peak and bound: kvevict:window_blocks_held and _bound, sampled"
         )
     else:
         lines.append("peak blocks: sampled from /metrics every 50 ms; engine peak: counted by the plugin at every step")
