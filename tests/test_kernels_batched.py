@@ -122,17 +122,20 @@ def test_triton_gather_scores_select_scatter(tri, case, dtype):
     # the keys read in place, through their blocks: the same reads as from the gathered copy
     blocks, offs, _ = ref.logical_tokens(bt, rows, st, en, bs)
     assert torch.equal(tri.keydiff_scores_paged(ref.PagedKeys(kc, blocks, offs), cu), tri.keydiff_scores(K, cu))
+    assert torch.equal(tri.key_norms_paged(ref.PagedKeys(kc, blocks, offs)), tri.key_norms(K))
     # some tokens of each head copied out of the cache: the gathered copy's
+    pos = torch.randperm(max(1, K.shape[0] * H), generator=torch.Generator().manual_seed(case))[: K.shape[0] * H]
+    pos = pos.reshape(K.shape[0], H).to(DEV)
+    pcache = torch.full(kc.shape[:3], -1, dtype=torch.int32, device=DEV)  # slot positions, as the engine's
+    pcache[blocks, offs] = pos.to(torch.int32)
+    paged_pos = ref.PagedKeys(pcache, blocks, offs)
     g = torch.Generator().manual_seed(case)
     some = torch.randint(0, max(1, K.shape[0]), (K.shape[0] // 2 + 1, H), generator=g).to(DEV) if K.shape[0] else None
     if some is not None:
         h = torch.arange(H, device=DEV)
         for take in (ref.take_paged, tri.take_paged):
-            Kt, Vt = take(kc, vc, blocks, offs, some)
-            assert torch.equal(Kt, K[some, h]) and torch.equal(Vt, V[some, h])
-
-    pos = torch.randperm(max(1, K.shape[0] * H), generator=torch.Generator().manual_seed(case))[: K.shape[0] * H]
-    pos = pos.reshape(K.shape[0], H).to(DEV)
+            Kt, Vt, pt = take(kc, vc, pcache, blocks, offs, some)
+            assert torch.equal(Kt, K[some, h]) and torch.equal(Vt, V[some, h]) and torch.equal(pt.long(), pos[some, h])
     s = s.round(decimals=2)  # many exact ties: the tie rule decides
     keep = torch.tensor([max(1, n // 2) for n in lens], device=DEV)
     idx, cu_keep = ref.select_topk(s, pos, cu, keep)
@@ -142,6 +145,7 @@ def test_triton_gather_scores_select_scatter(tri, case, dtype):
     packed = idx + cu[:-1].repeat_interleave(cu_keep.diff())[:, None] + 5
     for select in (ref.select_topk, tri.select_topk):
         assert torch.equal(select(s, pos, cu, keep, packed_offset=5)[0], packed)
+        assert torch.equal(select(s, paged_pos, cu, keep)[0], idx)  # positions read where they are
 
     dst_start = en - (cu_keep[1:] - cu_keep[:-1])
     for name, dst in (("k", kc), ("v", vc)):
@@ -151,6 +155,15 @@ def test_triton_gather_scores_select_scatter(tri, case, dtype):
         ref.scatter_paged(want, src, idx, cu, cu_keep, bt, rows, dst_start)
         tri.scatter_paged(got, src, idx, cu, cu_keep, bt, rows, dst_start)
         assert torch.equal(want, got)
+    # K, V and positions in one write, every index into the packed tokens: the three scatters'
+    glob, zero = packed - 5, torch.zeros_like(cu)
+    want = [x.clone() for x in (kc, vc, pcache)]
+    for dst, src in zip(want, (K, V, pos)):
+        ref.scatter_paged(dst, src, glob, zero, cu_keep, bt, rows, dst_start)
+    for mod in (ref, tri):
+        got = [x.clone() for x in (kc, vc, pcache)]
+        mod.scatter_kv_paged(*got, (K, V, pos), glob, glob, cu_keep, bt, rows, dst_start)
+        assert all(torch.equal(w, x) for w, x in zip(want, got)), mod.__name__
     state = torch.randn(kc.shape[0] * bs, H).to(DEV)  # a per-slot state [slots, H], moved the same way
     want, got = state.clone(), state.clone()
     ref.scatter_paged(want.view(-1, bs, H), s, idx, cu, cu_keep, bt, rows, dst_start)

@@ -23,7 +23,7 @@ import torch
 
 from vllm_kvevict import envs
 from vllm_kvevict.kernels import ops, torch_ops
-from vllm_kvevict.kernels.torch_ops import PagedKeys, Ragged, on_device
+from vllm_kvevict.kernels.torch_ops import PagedKeys, Ragged, dense_positions, on_device
 from vllm_kvevict.policies.base import KVView, Policy, RowInputs
 
 Gather = Callable[
@@ -143,7 +143,7 @@ def evict_step(
     sel = _Selection()
     groups, row_views = _row_views(work, t, layer, G, batched)
     if batched and row_views:  # every row's attention rows in one call (view.attn)
-        _attention(plan, work, row_views, t.bounds, t.dense()[0], t.pos, G)
+        _attention(plan, work, row_views, t.bounds, t.dense()[0], dense_positions(t.pos), G)
     observed = _score_rows(plan, work, row_views, t, sel, batched)
     _score_groups(plan, work, groups, t, sel, layer)
     _select(plan, work, t, sel)
@@ -156,10 +156,11 @@ def evict_step(
         return []
     kept = _kept(geo, sel)
     src = (t.K, t.V, t.pos, t.state)
-    _write_kept(plan, geo, kept, sel, src, (block_size, write, slot_pos, slot_state, views))
+    taken = _write_kept(plan, geo, kept, sel, src, (block_size, write, slot_pos, slot_state, views))
     if not positions:
         return [None] * len(geo.out)
-    return list(torch_ops.per_head(t.pos, kept).split([sel.kept_tok[r].shape[0] for r in geo.out]))
+    kept_pos = taken.long() if taken is not None else torch_ops.per_head(dense_positions(t.pos), kept)
+    return list(kept_pos.split([sel.kept_tok[r].shape[0] for r in geo.out]))
 
 
 def _in_place(work: list[RowWork], recall: bool) -> bool:
@@ -174,7 +175,7 @@ class _Tokens:
 
     K: torch.Tensor | PagedKeys  # [N, H, D], or read in place (the in-place step)
     V: torch.Tensor | PagedKeys
-    pos: torch.Tensor  # [N, H]
+    pos: torch.Tensor | PagedKeys  # [N, H] int64, or the slot positions read in place
     state: dict[str, torch.Tensor]  # [N, H] each, the rows' overlays applied
     slots: torch.Tensor  # [N] physical slots
     bounds: tuple[int, ...]
@@ -204,17 +205,21 @@ def _read(plan, geo: Geometry, work, gather, views, slot_pos, slot_state, overla
     views, else gathered at explicit slots; ``in_place``: K and V not copied, read where they are."""
     K: torch.Tensor | PagedKeys
     V: torch.Tensor | PagedKeys
-    if in_place:
+    pos: torch.Tensor | PagedKeys
+    if in_place:  # nothing copied: keys, values and positions read where they are
         K, V = PagedKeys(views[0], geo.blocks, geo.offsets), PagedKeys(views[1], geo.blocks, geo.offsets)
+        pos = PagedKeys(slot_pos.view(*views[0].shape[:3]), geo.blocks, geo.offsets)
     elif views is not None:  # one read for every row, through the block table
         K, V, _ = ops.gather_paged(views[0], views[1], plan.block_table, geo.rows, geo.starts, geo.ends, geo.cu)
     else:
         K, V = gather(geo.blocks, geo.offsets)  # [N, H, D]
+    if not in_place:
+        pos = slot_pos[geo.slots].long()
     state = {k: s[geo.slots] for k, s in slot_state.items()}
     for i, w in enumerate(work):
         for k, t in overlays.get(w.row, {}).items():
             state[k][geo.bounds[i] : geo.bounds[i] + t.shape[0]] = t
-    return _Tokens(K, V, slot_pos[geo.slots].long(), state, geo.slots, geo.bounds)
+    return _Tokens(K, V, pos, state, geo.slots, geo.bounds)
 
 
 def _row_views(work, t: _Tokens, layer: int, G: int, batched: bool):
@@ -232,7 +237,7 @@ def _row_views(work, t: _Tokens, layer: int, G: int, batched: bool):
         view = KVView(
             K=K[sl].transpose(0, 1),
             V=V[sl].transpose(0, 1),
-            pos=t.pos[sl].transpose(0, 1).long(),
+            pos=dense_positions(t.pos)[sl].transpose(0, 1).long(),
             layer=layer,
             G=G,
             state=state,
@@ -289,7 +294,9 @@ def _hand_to_recall(work, t: _Tokens, sel: _Selection, evicted: dict) -> None:
     row_scores = {work[i].row: sc for i, sc in sel.to_select}
     for i, w in enumerate(work):
         if w.compact and w.keep_evicted and w.row in sel.kept_tok:
-            evicted[w.row] = _dropped(w.row, i, t.bounds, sel.kept_tok, row_scores, t.K, t.V, t.pos, t.state)
+            evicted[w.row] = _dropped(
+                w.row, i, t.bounds, sel.kept_tok, row_scores, t.K, t.V, dense_positions(t.pos), t.state
+            )
 
 
 def _select(plan, work, t: _Tokens, sel: _Selection) -> None:
@@ -406,49 +413,64 @@ def _packed(plan, bounds: tuple[int, ...], idxs: list[int], device) -> tuple[tor
     return _per_step(plan, ("packed", bounds, tuple(idxs)), make)
 
 
-def _write_kept(plan, geo: Geometry, idx: torch.Tensor, sel: _Selection, src: tuple, dst: tuple) -> None:
+def _write_kept(plan, geo: Geometry, idx: torch.Tensor, sel: _Selection, src: tuple, dst: tuple) -> torch.Tensor | None:
     """Write each row's kept tokens ``idx`` (``[sum keep, H]`` into the packed tokens, the rows of
     ``geo.out`` in order) into its logical tokens ``[e_new, L)``, with their positions and per-slot
     state. ``src``: the packed tokens' ``(K, V, positions, state)`` (every state, whichever policy
     owns it); ``dst``: ``(block_size, write, slot_pos, slot_state, views)``. Everything is read
-    before anything is written, so overlapping source and destination are safe."""
+    before anything is written, so overlapping source and destination are safe. Returns the kept
+    positions where they were copied out (the in-place step), else None."""
     K_all, V_all, pos_all, state_all = src
     block_size, write, slot_pos, slot_state, views = dst
     dev, out, kept_tok, merged = plan.block_table.device, geo.out, sel.kept_tok, sel.merged
-    idx_kv, K_src, V_src = idx, K_all, V_all
+    idx_kv, idx_pos, K_src, V_src, taken = idx, idx, K_all, V_all, None
     if isinstance(K_all, PagedKeys):  # the in-place step: the kept tokens copied out, then written
-        K_src, V_src = ops.take_paged(K_all.cache, V_all.cache, K_all.blocks, K_all.offsets, idx)
+        K_src, V_src, taken = ops.take_paged(K_all.cache, V_all.cache, pos_all.cache, K_all.blocks, K_all.offsets, idx)
         M, H = idx.shape
-        idx_kv = _per_step(
+        idx_kv = idx_pos = _per_step(
             plan, ("identity", M, H), lambda: torch.arange(M, device=dev)[:, None].expand(M, H).contiguous()
         )
+        pos_all = taken
     elif merged:  # merging rows read their new K/V, appended after the packed tokens
-        parts, n = [], K_all.shape[0]
-        for r in out:
-            if r in merged:
-                keep = kept_tok[r].shape[0]
-                parts.append(torch.arange(n, n + keep, device=idx.device)[:, None].expand_as(kept_tok[r]))
-                n += keep
-            else:
-                parts.append(kept_tok[r])
-        idx_kv = torch.cat(parts)
-        K_src = torch.cat([K_all, *(merged[r][0] for r in out if r in merged)])
-        V_src = torch.cat([V_all, *(merged[r][1] for r in out if r in merged)])
-    if views is not None:
-        # One block-table kernel per tensor; ``idx`` already indexes the packed tokens, so every
-        # row's source offset is 0.
-        zero = _per_step(plan, ("zero", len(out)), lambda: torch.zeros(len(out) + 1, dtype=torch.long, device=dev))
+        idx_kv, K_src, V_src = _merged_sources(out, kept_tok, merged, K_all, V_all)
+    if views is not None:  # block-table kernels: K, V and positions in one, each state in one
         nb = views[0].shape[0]
-        for cache, src, i in (
-            (views[0], K_src, idx_kv),
-            (views[1], V_src, idx_kv),
-            (slot_pos.view(nb, block_size, -1), pos_all, idx),
-            *((slot_state[k].view(nb, block_size, -1), state_all[k], idx) for k in slot_state),
-        ):
-            ops.scatter_paged(cache, src, i, zero, geo.cu_keep, plan.block_table, geo.out_rows, geo.dst)
-        return
+        ops.scatter_kv_paged(
+            views[0],
+            views[1],
+            slot_pos.view(nb, block_size, -1),
+            (K_src, V_src, pos_all),
+            idx_kv,
+            idx_pos,
+            geo.cu_keep,
+            plan.block_table,
+            geo.out_rows,
+            geo.dst,
+        )
+        zero = _per_step(plan, ("zero", len(out)), lambda: torch.zeros(len(out) + 1, dtype=torch.long, device=dev))
+        for k in slot_state:  # ``idx`` already indexes the packed tokens: every row's offset is 0
+            cache = slot_state[k].view(nb, block_size, -1)
+            ops.scatter_paged(cache, state_all[k], idx, zero, geo.cu_keep, plan.block_table, geo.out_rows, geo.dst)
+        return taken
     slots = geo.dst_slots
     write(slots, torch_ops.per_head(K_src, idx_kv), torch_ops.per_head(V_src, idx_kv))
-    slot_pos[slots] = torch_ops.per_head(pos_all, idx).to(slot_pos.dtype)
+    slot_pos[slots] = torch_ops.per_head(pos_all, idx_pos).to(slot_pos.dtype)
     for k in slot_state:
         slot_state[k][slots] = torch_ops.per_head(state_all[k], idx)
+    return taken
+
+
+def _merged_sources(out, kept_tok, merged, K_all, V_all) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
+    """``(idx_kv, K, V)``: the packed tokens with the merging rows' new K/V appended after them,
+    and every row's kept indices into that (a merging row's: its new tokens, in order)."""
+    parts, n = [], K_all.shape[0]
+    for r in out:
+        if r in merged:
+            keep = kept_tok[r].shape[0]
+            parts.append(torch.arange(n, n + keep, device=K_all.device)[:, None].expand_as(kept_tok[r]))
+            n += keep
+        else:
+            parts.append(kept_tok[r])
+    K = torch.cat([K_all, *(merged[r][0] for r in out if r in merged)])
+    V = torch.cat([V_all, *(merged[r][1] for r in out if r in merged)])
+    return torch.cat(parts), K, V

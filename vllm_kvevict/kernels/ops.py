@@ -33,6 +33,7 @@ OPS = (
     "take_paged",
     "select_topk",
     "scatter_paged",
+    "scatter_kv_paged",
     "column_sums",
     "lshe_victims",
     "simhash_codes",
@@ -121,8 +122,8 @@ def gather_paged(k_cache, v_cache, block_table, rows, starts, ends, cu: Ragged |
     return mod.gather_paged(k_cache, v_cache, block_table, rows, starts, ends, cu)
 
 
-def take_paged(k_cache, v_cache, blocks, offsets, idx):
-    return backend_for(k_cache, "take_paged").take_paged(k_cache, v_cache, blocks, offsets, idx)
+def take_paged(k_cache, v_cache, pos_cache, blocks, offsets, idx):
+    return backend_for(k_cache, "take_paged").take_paged(k_cache, v_cache, pos_cache, blocks, offsets, idx)
 
 
 def select_topk(scores, pos, cu: Ragged | torch.Tensor, keep, packed_offset: int | None = None):
@@ -143,6 +144,17 @@ def scatter_paged(dst, src, idx, cu, cu_keep, block_table, rows, dst_start):
     if mod.__name__.endswith("cuda_ops"):  # the extension takes tensors
         cu, cu_keep = (c.dev if isinstance(c, Ragged) else c for c in (cu, cu_keep))
     return mod.scatter_paged(dst, src, idx, cu, cu_keep, block_table, rows, dst_start)
+
+
+def scatter_kv_paged(k_cache, v_cache, pos_cache, src, idx_kv, idx_pos, cu_keep, block_table, rows, dst_start):
+    mod = backend_for(k_cache, "scatter_paged")
+    if mod.__name__.endswith("cuda_ops"):  # the extension's scatter, once per cache
+        zero = torch.zeros(rows.numel() + 1, dtype=torch.long, device=k_cache.device)
+        for dst, x, idx in zip((k_cache, v_cache, pos_cache), src, (idx_kv, idx_kv, idx_pos)):
+            scatter_paged(dst, x, idx, zero, cu_keep, block_table, rows, dst_start)
+        return
+    mod = backend_for(k_cache, "scatter_kv_paged")
+    mod.scatter_kv_paged(k_cache, v_cache, pos_cache, src, idx_kv, idx_pos, cu_keep, block_table, rows, dst_start)
 
 
 def column_sums(Q, K, q_pos, k_pos, cu_q, cu_k, G, scale, softcap=None, sinks=None):

@@ -185,13 +185,24 @@ def gather_paged(
 
 
 def take_paged(
-    k_cache: torch.Tensor, v_cache: torch.Tensor, blocks: torch.Tensor, offsets: torch.Tensor, idx: torch.Tensor
-) -> tuple[torch.Tensor, torch.Tensor]:
-    """``K, V [M, H, D]``: ``cache[blocks[idx[j, h]], offsets[idx[j, h]], h]``, each head its own
-    tokens (``idx [M, H]`` into a packed set whose token ``i`` is at ``blocks[i], offsets[i]`` of
-    the ``[num_blocks, block_size, H, D]`` views): the kept tokens copied out of the cache."""
+    k_cache: torch.Tensor,
+    v_cache: torch.Tensor,
+    pos_cache: torch.Tensor,
+    blocks: torch.Tensor,
+    offsets: torch.Tensor,
+    idx: torch.Tensor,
+) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
+    """``K, V [M, H, D]`` and positions ``[M, H]``: ``cache[blocks[idx[j, h]], offsets[idx[j, h]],
+    h]``, each head its own tokens (``idx [M, H]`` into a packed set whose token ``i`` is at
+    ``blocks[i], offsets[i]`` of the ``[num_blocks, block_size, H(, D)]`` views; ``pos_cache``: the
+    slot positions so viewed): the kept tokens copied out of the cache."""
     where = blocks[idx], offsets[idx], torch.arange(idx.shape[1], device=idx.device)
-    return k_cache[where], v_cache[where]
+    return k_cache[where], v_cache[where], pos_cache[where]
+
+
+def dense_positions(pos: torch.Tensor | PagedKeys) -> torch.Tensor:
+    """``[N, H]`` int64 positions, from a tensor or read where they are (the in-place step's)."""
+    return pos.gather().long() if isinstance(pos, PagedKeys) else pos
 
 
 def sort_keys(scores: torch.Tensor, pos: torch.Tensor) -> torch.Tensor:
@@ -211,7 +222,7 @@ def keep_counts(cu: Ragged, keep: Sequence[int] | torch.Tensor) -> list[int]:
 
 def select_topk(
     scores: torch.Tensor,
-    pos: torch.Tensor,
+    pos: torch.Tensor | PagedKeys,
     cu: Ragged | torch.Tensor,
     keep: Sequence[int] | torch.Tensor,
     packed_offset: int | None = None,
@@ -228,7 +239,7 @@ def select_topk(
     cu = ragged(cu)
     kept_n = keep_counts(cu, keep)
     cu_keep = Ragged.of(kept_n, scores.device)
-    key = sort_keys(scores, pos)
+    key = sort_keys(scores, dense_positions(pos))
     if cu.rows == 1:  # one row: its top keys, in token order
         top = torch.topk(key, kept_n[0], dim=0, sorted=False).indices
         top = torch.sort(top, dim=0).values
@@ -275,6 +286,34 @@ def scatter_paged(
     rid = row_ids(cu_keep)
     h = torch.arange(src.shape[1], device=src.device)[None, :]
     dst[blocks[:, None], offs[:, None], h] = src[cu_src[:-1][rid][:, None] + idx, h].to(dst.dtype)
+
+
+def scatter_kv_paged(
+    k_cache: torch.Tensor,
+    v_cache: torch.Tensor,
+    pos_cache: torch.Tensor,
+    src: tuple[torch.Tensor, torch.Tensor, torch.Tensor],
+    idx_kv: torch.Tensor,
+    idx_pos: torch.Tensor,
+    cu_keep: Ragged | torch.Tensor,
+    block_table: torch.Tensor,
+    rows: torch.Tensor,
+    dst_start: torch.Tensor,
+) -> None:
+    """:func:`scatter_paged` of K, V (``src[0:2]``, ``[N, H, D]``, at ``idx_kv``) and positions
+    (``src[2]``, ``[N, H]``, at ``idx_pos``) together, every index into the packed sources (no row
+    offset): one write per kept token of the three caches (``pos_cache``: the slot positions viewed
+    ``[num_blocks, block_size, H]``)."""
+    cu_keep = ragged(cu_keep)
+    keep = cu_keep.dev[1:] - cu_keep.dev[:-1]
+    start = dst_start.long()
+    blocks, offs, _ = logical_tokens(block_table, rows, start, start + keep, k_cache.shape[1], cu_keep)
+    h = torch.arange(idx_kv.shape[1], device=idx_kv.device)[None, :]
+    where = blocks[:, None], offs[:, None], h
+    K, V, pos = src
+    k_cache[where] = K[idx_kv, h].to(k_cache.dtype)
+    v_cache[where] = V[idx_kv, h].to(v_cache.dtype)
+    pos_cache[where] = pos[idx_pos, h].to(pos_cache.dtype)
 
 
 def attention_probs(

@@ -92,23 +92,28 @@ def _gather_kernel(
 def _take_kernel(
     k_ptr,
     v_ptr,
+    p_ptr,
     blk_ptr,
     off_ptr,
     idx_ptr,
     ok_ptr,
     ov_ptr,
+    op_ptr,
     M,
     s_b,
     s_o,
     s_h,
     s_d,
+    p_b,
+    p_o,
+    p_h,
     H: tl.constexpr,
     D: tl.constexpr,
     TILE_T: tl.constexpr,
     BLOCK_D: tl.constexpr,
 ):
-    """Grid (tile, head): K and V of tokens ``idx[j, h]`` (packed indices read through their blocks
-    and offsets) into ``[M, H, D]``."""
+    """Grid (tile, head): K, V and the position of tokens ``idx[j, h]`` (packed indices read
+    through their blocks and offsets) into ``[M, H, D]`` and ``[M, H]``."""
     j = (tl.program_id(0) * TILE_T + tl.arange(0, TILE_T)).to(tl.int64)
     h = tl.program_id(1)
     m = j < M
@@ -119,32 +124,39 @@ def _take_kernel(
     dst = (j[:, None] * H + h) * D + d[None, :]
     tl.store(ok_ptr + dst, tl.load(k_ptr + src, mask=md), mask=md)
     tl.store(ov_ptr + dst, tl.load(v_ptr + src, mask=md), mask=md)
+    b = tl.load(blk_ptr + tok, mask=m, other=0).to(tl.int64)
+    o = tl.load(off_ptr + tok, mask=m, other=0).to(tl.int64)
+    tl.store(op_ptr + j * H + h, tl.load(p_ptr + b * p_b + o * p_o + h * p_h, mask=m), mask=m)
 
 
-def take_paged(k_cache, v_cache, blocks, offsets, idx):
+def take_paged(k_cache, v_cache, pos_cache, blocks, offsets, idx):
     assert k_cache.stride() == v_cache.stride()
     M, H = idx.shape
     D = k_cache.shape[-1]
     K = torch.empty(M, H, D, dtype=k_cache.dtype, device=k_cache.device)
     V = torch.empty_like(K)
+    pos = torch.empty(M, H, dtype=pos_cache.dtype, device=pos_cache.device)
     if M:
         grid = (triton.cdiv(M, TILE), H)
         _take_kernel[grid](
             k_cache,
             v_cache,
+            pos_cache,
             blocks,
             offsets,
             idx.contiguous(),
             K,
             V,
+            pos,
             M,
             *k_cache.stride(),
+            *pos_cache.stride(),
             H=H,
             D=D,
             TILE_T=TILE,
             BLOCK_D=triton.next_power_of_2(D),
         )
-    return K, V
+    return K, V, pos
 
 
 def gather_paged(k_cache, v_cache, block_table, rows, starts, ends, cu: Ragged | None = None):
@@ -297,21 +309,50 @@ def keydiff_scores_paged(keys: PagedKeys, cu):
 
 
 @triton.jit
-def _norm_kernel(k_ptr, out_ptr, N, H: tl.constexpr, D: tl.constexpr, TILE_T: tl.constexpr, BLOCK_D: tl.constexpr):
-    i = tl.program_id(0) * TILE_T + tl.arange(0, TILE_T)  # flattened (token, head)
+def _norm_kernel(
+    k_ptr,
+    blk_ptr,
+    off_ptr,
+    out_ptr,
+    N,
+    s_b,
+    s_o,
+    s_h,
+    s_d,
+    H: tl.constexpr,
+    D: tl.constexpr,
+    TILE_T: tl.constexpr,
+    BLOCK_D: tl.constexpr,
+    PAGED: tl.constexpr,
+):
+    """Grid (tile, head): ``||k||`` of packed tokens, read from ``[N, H, D]`` or in place (``PAGED``)."""
+    tok = (tl.program_id(0) * TILE_T + tl.arange(0, TILE_T)).to(tl.int64)
+    h = tl.program_id(1)
     d = tl.arange(0, BLOCK_D)
-    m = (i < N * H)[:, None] & (d[None, :] < D)
-    k = tl.load(k_ptr + i[:, None] * D + d[None, :], mask=m, other=0.0).to(tl.float32)
-    tl.store(out_ptr + i, tl.sqrt(tl.sum(k * k, axis=1)), mask=i < N * H)
+    m = tok < N
+    at = _key_offsets(blk_ptr, off_ptr, tok, m, h, d, s_b, s_o, s_h, s_d, PAGED)
+    k = tl.load(k_ptr + at, mask=m[:, None] & (d[None, :] < D), other=0.0).to(tl.float32)
+    tl.store(out_ptr + tok * H + h, tl.sqrt(tl.sum(k * k, axis=1)), mask=m)
+
+
+def _norms(k, blk, off, strides, N: int, H: int, D: int, paged: bool) -> torch.Tensor:
+    out = torch.empty(N, H, dtype=torch.float32, device=k.device)
+    if N:
+        meta = dict(H=H, D=D, TILE_T=TILE, BLOCK_D=triton.next_power_of_2(D), PAGED=paged)
+        _norm_kernel[(triton.cdiv(N, TILE), H)](k, blk, off, out, N, *strides, **meta)
+    return out
 
 
 def key_norms(K):
     N, H, D = K.shape
     K = K.contiguous()
-    out = torch.empty(N, H, dtype=torch.float32, device=K.device)
-    if N:
-        _norm_kernel[(triton.cdiv(N * H, TILE),)](K, out, N, H=H, D=D, TILE_T=TILE, BLOCK_D=triton.next_power_of_2(D))
-    return out
+    return _norms(K, K, K, (H * D, 0, D, 1), N, H, D, False)
+
+
+def key_norms_paged(keys: PagedKeys):
+    """:func:`key_norms` of keys read in place through their blocks: no gathered copy."""
+    _, _, H, D = keys.cache.shape
+    return _norms(keys.cache, keys.blocks, keys.offsets, keys.cache.stride(), keys.blocks.numel(), H, D, True)
 
 
 @triton.jit
@@ -323,11 +364,38 @@ def _sort_key(s, p):
 
 
 @triton.jit
+def _pos_at(p_ptr, blk_ptr, off_ptr, tok, m, h, p_b, p_o, p_h, PAGED: tl.constexpr):
+    """The positions of packed tokens ``tok`` at head ``h``: in a packed ``[N, H]`` tensor (token
+    stride ``p_b``), or, ``PAGED``, in the slot positions viewed ``[blocks, block_size, H]``."""
+    if PAGED:
+        b = tl.load(blk_ptr + tok, mask=m, other=0).to(tl.int64)
+        o = tl.load(off_ptr + tok, mask=m, other=0).to(tl.int64)
+        at = b * p_b + o * p_o + h * p_h
+    else:
+        at = tok.to(tl.int64) * p_b + h * p_h
+    return tl.load(p_ptr + at, mask=m, other=0)
+
+
+@triton.jit
 def _select_kernel(
-    s_ptr, p_ptr, cu_ptr, cuk_ptr, out_ptr, offset, H: tl.constexpr, TILE_T: tl.constexpr, PACKED: tl.constexpr
+    s_ptr,
+    p_ptr,
+    blk_ptr,
+    off_ptr,
+    cu_ptr,
+    cuk_ptr,
+    out_ptr,
+    offset,
+    p_b,
+    p_o,
+    p_h,
+    H: tl.constexpr,
+    TILE_T: tl.constexpr,
+    PACKED: tl.constexpr,
+    PAGED: tl.constexpr,
 ):
     """Grid (row, head): the row's kept tokens (at most its length, ``cu_keep``), as row-local
-    indices (``PACKED``: packed ones plus ``offset``)."""
+    indices (``PACKED``: packed ones plus ``offset``); positions read where they are (``PAGED``)."""
     r = tl.program_id(0)
     h = tl.program_id(1)
     lo, n = _row_range(cu_ptr, r)
@@ -344,7 +412,7 @@ def _select_kernel(
                 t = start + tl.arange(0, TILE_T)
                 m = t < n
                 s = tl.load(s_ptr + (lo + t) * H + h, mask=m, other=0.0)
-                p = tl.load(p_ptr + (lo + t) * H + h, mask=m, other=0)
+                p = _pos_at(p_ptr, blk_ptr, off_ptr, lo + t, m, h, p_b, p_o, p_h, PAGED)
                 cnt += tl.sum(((_sort_key(s, p) >= cand) & m).to(tl.int64), axis=0)
             T = tl.where(cnt >= keep, cand, T)
     base = tl.zeros([], dtype=tl.int64)
@@ -352,7 +420,7 @@ def _select_kernel(
         t = start + tl.arange(0, TILE_T)
         m = t < n
         s = tl.load(s_ptr + (lo + t) * H + h, mask=m, other=0.0)
-        p = tl.load(p_ptr + (lo + t) * H + h, mask=m, other=0)
+        p = _pos_at(p_ptr, blk_ptr, off_ptr, lo + t, m, h, p_b, p_o, p_h, PAGED)
         k = ((_sort_key(s, p) >= T) & m).to(tl.int64)
         at = base + tl.cumsum(k, axis=0) - 1
         tl.store(out_ptr + (out0 + at) * H + h, t.to(tl.int64) + shift, mask=k > 0)
@@ -365,16 +433,25 @@ def select_topk(scores, pos, cu, keep, packed_offset: int | None = None):
     kept = Ragged.of(keep_counts(cu, keep), scores.device)
     out = torch.empty(kept.total, H, dtype=torch.int64, device=scores.device)
     if N:
+        if isinstance(pos, PagedKeys):  # the slot positions, viewed [blocks, block_size, H]
+            p, blk, off, strides = pos.cache, pos.blocks, pos.offsets, pos.cache.stride()
+        else:
+            p = pos.contiguous()
+            blk, off, strides = p, p, (H, 0, 1)
         _select_kernel[(cu.rows, H)](
             scores.float().contiguous(),
-            pos.contiguous(),
+            p,
+            blk,
+            off,
             cu.dev,
             kept.dev,
             out,
             packed_offset or 0,
+            *strides,
             H=H,
             TILE_T=TILE,
             PACKED=packed_offset is not None,
+            PAGED=isinstance(pos, PagedKeys),
         )
     return out, kept.dev
 
@@ -436,6 +513,89 @@ def scatter_paged(dst, src, idx, cu, cu_keep, block_table, rows, dst_start):
         rows,
         dst_start,
         *strides,
+        block_table.stride(0),
+        bs,
+        H=H,
+        D=D,
+        TILE_T=TILE,
+        BLOCK_D=triton.next_power_of_2(D),
+    )
+
+
+@triton.jit
+def _scatter_kv_kernel(
+    k_ptr,
+    v_ptr,
+    p_ptr,
+    ks_ptr,
+    vs_ptr,
+    ps_ptr,
+    ikv_ptr,
+    ipos_ptr,
+    cuk_ptr,
+    bt_ptr,
+    rows_ptr,
+    dstart_ptr,
+    s_b,
+    s_o,
+    s_h,
+    s_d,
+    p_b,
+    p_o,
+    p_h,
+    s_bt,
+    bs,
+    H: tl.constexpr,
+    D: tl.constexpr,
+    TILE_T: tl.constexpr,
+    BLOCK_D: tl.constexpr,
+):
+    """Grid (row, tile, head): the row's kept K, V (packed sources at ``idx_kv``) and positions
+    (at ``idx_pos``) written at its logical tokens from ``dst_start``; each slot found once."""
+    r = tl.program_id(0)
+    j = tl.program_id(1) * TILE_T + tl.arange(0, TILE_T)
+    h = tl.program_id(2)
+    k0, n_keep = _row_range(cuk_ptr, r)
+    m = j < n_keep
+    at = (k0 + j).to(tl.int64) * H + h
+    i = tl.load(ikv_ptr + at, mask=m, other=0).to(tl.int64)
+    tok = tl.load(dstart_ptr + r).to(tl.int64) + j
+    row = tl.load(rows_ptr + r).to(tl.int64)
+    blk = tl.load(bt_ptr + row * s_bt + tok // bs, mask=m, other=0).to(tl.int64)
+    d = tl.arange(0, BLOCK_D)
+    md = m[:, None] & (d[None, :] < D)
+    src = (i[:, None] * H + h) * D + d[None, :]
+    dst = blk[:, None] * s_b + (tok % bs)[:, None] * s_o + h * s_h + d[None, :] * s_d
+    tl.store(k_ptr + dst, tl.load(ks_ptr + src, mask=md).to(k_ptr.dtype.element_ty), mask=md)
+    tl.store(v_ptr + dst, tl.load(vs_ptr + src, mask=md).to(v_ptr.dtype.element_ty), mask=md)
+    ip = tl.load(ipos_ptr + at, mask=m, other=0).to(tl.int64)
+    p = tl.load(ps_ptr + ip * H + h, mask=m)
+    tl.store(p_ptr + blk * p_b + (tok % bs) * p_o + h * p_h, p.to(p_ptr.dtype.element_ty), mask=m)
+
+
+def scatter_kv_paged(k_cache, v_cache, pos_cache, src, idx_kv, idx_pos, cu_keep, block_table, rows, dst_start):
+    assert k_cache.stride() == v_cache.stride()
+    nb, bs, H, D = k_cache.shape
+    K, V, pos = (x.contiguous() for x in src)
+    kept = ragged(cu_keep)
+    if kept.total == 0:
+        return
+    grid = (rows.numel(), triton.cdiv(kept.longest, TILE), H)
+    _scatter_kv_kernel[grid](
+        k_cache,
+        v_cache,
+        pos_cache,
+        K,
+        V,
+        pos,
+        idx_kv.contiguous(),
+        idx_pos.contiguous(),
+        kept.dev,
+        block_table,
+        rows,
+        dst_start,
+        *k_cache.stride(),
+        *pos_cache.stride(),
         block_table.stride(0),
         bs,
         H=H,

@@ -31,7 +31,7 @@ import torch
 from pydantic import BaseModel, ConfigDict
 
 from vllm_kvevict.kernels import ops
-from vllm_kvevict.kernels.torch_ops import PagedKeys, Ragged, on_device
+from vllm_kvevict.kernels.torch_ops import PagedKeys, Ragged, dense_positions, on_device
 
 #: Upper bound of token-count parameters (sink/recent tokens): far above any budget a server runs
 #: with, far below what overflows the int32 positions and the index arithmetic.
@@ -225,12 +225,13 @@ class Policy(Generic[P]):
         raise NotImplementedError(f"{type(self).__name__} scores row by row (score), not score_ragged")
 
     def score_paged(
-        self, keys: PagedKeys, pos: torch.Tensor, cu: torch.Tensor, L: torch.Tensor, layer: int
+        self, keys: PagedKeys, pos: torch.Tensor | PagedKeys, cu: torch.Tensor, L: torch.Tensor, layer: int
     ) -> torch.Tensor:
         """:meth:`score_ragged` of keys read where they are in the cache (the engine's in-place step:
         nothing else of the window is copied). By default the keys are gathered; a policy with a
-        kernel that reads the cache itself overrides this."""
-        return self.score_ragged(keys.gather(), pos, cu, L, layer)
+        kernel that reads the cache itself overrides this. ``pos``: int64 ``[N, H]``, or the slot
+        positions read where they are (:func:`~vllm_kvevict.kernels.torch_ops.dense_positions`)."""
+        return self.score_ragged(keys.gather(), dense_positions(pos), cu, L, layer)
 
     def observe(self, view: KVView) -> None:
         """Update ``view.state`` with this step's tokens, in place (policies with ``Needs.state``)."""

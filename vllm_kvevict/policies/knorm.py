@@ -13,7 +13,7 @@ import torch
 from pydantic import Field
 
 from vllm_kvevict.kernels import ops
-from vllm_kvevict.kernels.torch_ops import row_ids
+from vllm_kvevict.kernels.torch_ops import PagedKeys, dense_positions, row_ids
 from vllm_kvevict.policies.base import MAX_TOKENS_PARAM, Needs, Policy, PolicyParams
 
 
@@ -31,12 +31,28 @@ def key_norms(K: torch.Tensor) -> torch.Tensor:
     return K.float().norm(dim=-1)
 
 
+def key_norms_paged(keys: PagedKeys) -> torch.Tensor:
+    """:func:`key_norms` of keys read where they are in the cache: the Triton kernel reads them
+    through their blocks; elsewhere they are gathered first."""
+    mod = ops.backend_for(keys.cache, "key_norms")
+    if hasattr(mod, "key_norms_paged"):
+        return mod.key_norms_paged(keys)
+    return key_norms(keys.gather())
+
+
 class KNorm(Policy[KNormParams]):
     name = "knorm"
     Params = KNormParams
     needs = Needs(decode=True)
 
     def score_ragged(self, K: torch.Tensor, pos, cu, L, layer) -> torch.Tensor:
-        length = L.to(pos.device)[row_ids(cu, K.shape[0])][:, None]  # each token's row length
+        return self._protect(-key_norms(K), pos, cu, L)
+
+    def score_paged(self, keys, pos, cu, L, layer):
+        return self._protect(-key_norms_paged(keys), dense_positions(pos), cu, L)
+
+    def _protect(self, scores: torch.Tensor, pos: torch.Tensor, cu, L) -> torch.Tensor:
+        """The sink and recent tokens scored above every other."""
+        length = L.to(pos.device)[row_ids(cu, scores.shape[0])][:, None]  # each token's row length
         protected = (pos < self.params.sink_tokens) | (pos >= length - self.params.recent_tokens)
-        return (-key_norms(K)).masked_fill(protected, float("inf"))
+        return scores.masked_fill(protected, float("inf"))
