@@ -416,7 +416,7 @@ def test_every_op_has_both_implementations(tri):
         params = [list(inspect.signature(getattr(mod, name)).parameters) for mod in (ops, ref, tri)]
         assert params[0] == params[1] == params[2], name
     # the policies' scores: stated in torch in the policy's file, fused in Triton, same parameters
-    assert set(FUSED) == {"keydiff_scores", "key_norms", "projected_value_norms"}
+    assert set(FUSED) == {"keydiff_scores", "key_norms", "projected_value_norms", "pool_segments"}
     for name, statement in FUSED.items():
         assert list(inspect.signature(getattr(tri, name)).parameters) == list(inspect.signature(statement).parameters)
 
@@ -469,3 +469,25 @@ def test_auto_runs_the_measured_fastest_implementation_on_a_gpu(monkeypatch):
         idx, _ = ops.select_topk(scores, pos, cu, torch.tensor([2, 100], device=DEV))
         assert idx.shape == (102, 2)
     assert calls == [3 + ops.SELECT_TRITON_MAX_ROW + 1]  # the longer set only
+
+
+@pytest.mark.parametrize("mode", ["avg", "max"])
+@pytest.mark.parametrize("kernel", [1, 3, 7])
+def test_pool_segments_is_pool1d_per_segment_and_triton_has_its_bits(tri, mode, kernel):
+    """SnapKV's pooling over packed rows: each row's prefix pooled as ``pool1d`` pools it alone
+    (close: the neighbours are added in another order), its tail left as it is; Triton's kernel
+    gives the statement's bits."""
+    from vllm_kvevict.policies.attention import pool1d
+
+    g = torch.Generator().manual_seed(kernel)
+    lens, tails = [1, 40, 0, 300, 7], [1, 32, 0, 32, 3]
+    firsts = [sum(lens[:r]) for r in range(len(lens))]
+    x = torch.rand(sum(lens), 6, generator=g).to(DEV)
+    start = torch.tensor([a for a, n in zip(firsts, lens) for _ in range(n)], device=DEV)
+    end = torch.tensor([a + n - t for a, n, t in zip(firsts, lens, tails) for _ in range(n)], device=DEV)
+    got = FUSED["pool_segments"](x, start, end, kernel, mode)
+    assert torch.equal(tri.pool_segments(x, start, end, kernel, mode), got)
+    for a, n, t in zip(firsts, lens, tails):
+        if n - t:
+            want = pool1d(x[a : a + n - t].T, kernel, mode).T
+            torch.testing.assert_close(got[a : a + n - t], want, rtol=1e-6, atol=1e-7)

@@ -16,6 +16,7 @@ selection is selected in one call (:mod:`vllm_kvevict.kernels.ops`).
 
 from __future__ import annotations
 
+import math
 from collections.abc import Callable
 from dataclasses import dataclass, field
 
@@ -24,7 +25,7 @@ import torch
 from vllm_kvevict import envs
 from vllm_kvevict.kernels import ops, torch_ops
 from vllm_kvevict.kernels.torch_ops import PagedKeys, Ragged, dense_positions, on_device
-from vllm_kvevict.policies.base import KVView, Policy, RowInputs
+from vllm_kvevict.policies.base import Columns, KVView, Policy, RowInputs
 
 Gather = Callable[
     [torch.Tensor, torch.Tensor], tuple[torch.Tensor, torch.Tensor]
@@ -142,10 +143,9 @@ def evict_step(
     t = _read(plan, geo, work, gather, views, slot_pos, slot_state, overlays or {}, in_place)
     sel = _Selection()
     groups, row_views = _row_views(work, t, layer, G, batched)
-    if batched and row_views:  # every row's attention rows in one call (view.attn)
-        _attention(plan, work, row_views, t.bounds, t.dense()[0], dense_positions(t.pos), G)
+    attn = _attention(plan, work, row_views, groups, t, G) if batched else {}  # every row's in one call
     observed = _score_rows(plan, work, row_views, t, sel, batched)
-    _score_groups(plan, work, groups, t, sel, layer)
+    _score_groups(plan, work, groups, t, sel, layer, G, attn)
     _select(plan, work, t, sel)
     # Nothing is written before every row is scored and selected: a policy that raises leaves the
     # cache and the per-slot state as they were, so the step can be retried row by row.
@@ -223,12 +223,12 @@ def _read(plan, geo: Geometry, work, gather, views, slot_pos, slot_state, overla
 
 
 def _row_views(work, t: _Tokens, layer: int, G: int, batched: bool):
-    """The rows scored together by their ragged policy (policy -> indices into ``work``), and the
-    others' views, each scored (or observed) through its policy."""
+    """The rows scored together by their policy (``Policy.ragged`` or ``Policy.columnar``: policy
+    -> indices into ``work``), and the others' views, each scored (or observed) through its policy."""
     groups: dict[int, list[int]] = {}
     row_views: list[tuple[int, KVView]] = []
     for i, w in enumerate(work):
-        if w.compact and batched and w.policy.ragged:
+        if w.compact and batched and (w.policy.ragged or w.policy.columnar):
             groups.setdefault(id(w.policy), []).append(i)
             continue
         sl = slice(t.bounds[i], t.bounds[i + 1])
@@ -273,20 +273,30 @@ def _score_rows(plan, work, row_views, t: _Tokens, sel: _Selection, batched: boo
     return observed
 
 
-def _score_groups(plan, work, groups: dict, t: _Tokens, sel: _Selection, layer: int) -> None:
-    """Policies that score from keys and positions (``Policy.ragged``): all their rows at once."""
-    for idxs in groups.values():
+def _score_groups(plan, work, groups: dict, t: _Tokens, sel: _Selection, layer: int, G: int, attn: dict) -> None:
+    """Policies that score from keys and positions (``Policy.ragged``), or from their queries'
+    attention and positions (``Policy.columnar``, its column sums in ``attn``): all their rows at once."""
+    for key, idxs in groups.items():
         policy = work[idxs[0]].policy
         tok, g_cu = _packed(plan, t.bounds, idxs, t.K.device)
         lens = tuple(plan.seq_lens[work[i].row] for i in idxs)
         L = _per_step(plan, ("L", lens), lambda: on_device(lens, t.K.device))
         K, pos = t.K[tok], t.pos[tok]
-        if isinstance(K, PagedKeys):
+        if policy.columnar:
+            m = tuple(work[i].inputs.Q.shape[1] for i in idxs)
+            cols = _per_step(plan, ("columns", tuple(g_cu.lengths), lens, m, G), lambda: _columns(g_cu, L, m, G))
+            scores = policy.score_columns(attn[key], dense_positions(pos), cols)
+        elif isinstance(K, PagedKeys):
             scores = policy.score_paged(K, pos, g_cu.dev, L, layer)
         else:
             scores = policy.score_ragged(K, pos, g_cu.dev, L, layer)
         sel.scores = scores if not sel.to_select and len(groups) == 1 else None
         sel.to_select += zip(idxs, scores.split(g_cu.lengths))
+
+
+def _columns(g_cu: Ragged, L: torch.Tensor, m: tuple[int, ...], G: int) -> Columns:
+    """The rows of a columnar group (made once per step, shared by the layers)."""
+    return Columns(g_cu.dev, torch_ops.row_ids(g_cu), L, on_device(m, L.device), G)
 
 
 def _hand_to_recall(work, t: _Tokens, sel: _Selection, evicted: dict) -> None:
@@ -361,32 +371,35 @@ def _dropped(r, i, bounds, kept_tok, row_scores, K_all, V_all, pos_all, state_al
     return take(K_all, drop), take(V_all, drop), take(pos_all, drop).long(), score, state
 
 
-def _attention(
-    plan,
-    work: list[RowWork],
-    row_views: list[tuple[int, KVView]],
-    bounds: tuple[int, ...],
-    K_all: torch.Tensor,
-    pos_all: torch.Tensor,
-    G: int,
-) -> None:
-    """Set ``view.attn`` of every row whose policy reads attention (``Needs.attention``): one ragged
-    :func:`~vllm_kvevict.kernels.ops.column_sums` over all of them, queries and keys packed."""
-    need = [(i, v, v.queries()) for i, v in row_views if work[i].policy.needs.attention]
-    if not need:
-        return
-    dev = K_all.device
-    Q = torch.cat([q[0].transpose(0, 1) for _, _, q in need])  # [M, H_q, d]
-    q_pos = torch.cat([q[1].to(dev) for _, _, q in need])
-    m = tuple(q[0].shape[1] for _, _, q in need)
+def _attention(plan, work: list[RowWork], row_views: list[tuple[int, KVView]], groups: dict, t: _Tokens, G: int):
+    """The attention each key receives from its row's queries, for every row whose policy reads it,
+    in one ragged :func:`~vllm_kvevict.kernels.ops.column_sums` over all of them: set as
+    ``view.attn`` of the rows scored through their policy (``Needs.attention``), returned as
+    ``{group: [N_group, H_q]}`` for the columnar groups (their rows first, one slice each)."""
+    columnar = [(key, idxs) for key, idxs in groups.items() if work[idxs[0]].policy.columnar]
+    rows = [i for _, idxs in columnar for i in idxs]
+    views = [(i, v) for i, v in row_views if work[i].policy.needs.attention]
+    rows += [i for i, _ in views]
+    if not rows:
+        return {}
+    K_all, pos_all = t.dense()[0], dense_positions(t.pos)
+    dev, inputs = K_all.device, [work[i].inputs for i in rows]
+    Q = torch.cat([x.Q.transpose(0, 1) for x in inputs])  # [M, H_q, d]
+    q_pos = torch.cat([x.q_pos.to(dev) for x in inputs])
+    m = tuple(x.Q.shape[1] for x in inputs)
     cu_q = _per_step(plan, ("queries", m), lambda: Ragged.of(m, dev))
-    tok, cu_k = _packed(plan, bounds, [i for i, _, _ in need], dev)
-    K, pos = K_all[tok], pos_all[tok]
-    v0 = need[0][1]
-    A = ops.column_sums(Q, K, q_pos, pos.long(), cu_q, cu_k, G, v0.attn_scale, v0.softcap, v0.sinks)  # [N, H_q]
-    ck = cu_k.host
-    for j, (_, view, _) in enumerate(need):
+    tok, cu_k = _packed(plan, t.bounds, rows, dev)
+    x0 = inputs[0]
+    scale = x0.scale if x0.scale is not None else 1.0 / math.sqrt(K_all.shape[-1])
+    A = ops.column_sums(Q, K_all[tok], q_pos, pos_all[tok], cu_q, cu_k, G, scale, x0.softcap, x0.sinks)  # [N, H_q]
+    ck, out, j = cu_k.host, {}, 0
+    for key, idxs in columnar:
+        out[key] = A[ck[j] : ck[j + len(idxs)]]
+        j += len(idxs)
+    for _, view in views:
         view.attn = A[ck[j] : ck[j + 1]].T
+        j += 1
+    return out
 
 
 def _per_step(plan, key: tuple, make: Callable[[], object]):

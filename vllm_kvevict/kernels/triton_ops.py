@@ -356,6 +356,39 @@ def key_norms_paged(keys: PagedKeys):
 
 
 @triton.jit
+def _pool_kernel(x_ptr, s_ptr, e_ptr, out_ptr, N, C, PAD: tl.constexpr, AVG: tl.constexpr, TILE_T: tl.constexpr):
+    """Grid (token tile, column): each token pooled over its segment, the neighbours added (or
+    maxed) in the statement's order, so the bits are the torch statement's."""
+    i = (tl.program_id(0) * TILE_T + tl.arange(0, TILE_T)).to(tl.int64)
+    c = tl.program_id(1)
+    m = i < N
+    start = tl.load(s_ptr + i, mask=m, other=0)
+    end = tl.load(e_ptr + i, mask=m, other=0)
+    fill = 0.0 if AVG else float("-inf")
+    j = i - PAD
+    acc = tl.load(x_ptr + j * C + c, mask=m & (j >= start) & (j < end) & (j >= 0), other=fill)
+    for o in tl.static_range(1, 2 * PAD + 1):
+        j = i - PAD + o
+        v = tl.load(x_ptr + j * C + c, mask=m & (j >= start) & (j < end) & (j >= 0), other=fill)
+        acc = acc + v if AVG else tl.maximum(acc, v)
+    if AVG:
+        acc = acc / (2 * PAD + 1)
+    tl.store(out_ptr + i * C + c, acc, mask=m)
+
+
+def pool_segments(x, start, end, kernel: int, mode: str):
+    if kernel <= 1 or x.shape[0] == 0:
+        return x
+    N, C = x.shape
+    x = x.float().contiguous()
+    out = torch.empty_like(x)
+    _pool_kernel[(triton.cdiv(N, TILE), C)](
+        x, start.contiguous(), end.contiguous(), out, N, C, PAD=kernel // 2, AVG=mode == "avg", TILE_T=TILE
+    )
+    return out
+
+
+@triton.jit
 def _sort_key(s, p):
     """int64 key ordering (score, position); see torch_ops.sort_keys."""
     bits = (s + 0.0).to(tl.int32, bitcast=True).to(tl.int64)

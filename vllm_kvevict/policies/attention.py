@@ -16,6 +16,8 @@ from __future__ import annotations
 import torch
 import torch.nn.functional as F
 
+from vllm_kvevict.kernels import ops
+
 
 def group_mean(x: torch.Tensor, G: int) -> torch.Tensor:
     """``[H_q, ...]`` -> ``[H_kv, ...]``: mean over the G query heads of each KV head."""
@@ -31,3 +33,24 @@ def pool1d(x: torch.Tensor, kernel: int, mode: str) -> torch.Tensor:
     if mode == "avg":
         return F.avg_pool1d(x[:, None], kernel, stride=1, padding=pad)[:, 0]
     return F.max_pool1d(x[:, None], kernel, stride=1, padding=pad)[:, 0]
+
+
+@ops.fused("pool_segments")
+def pool_segments(x: torch.Tensor, start: torch.Tensor, end: torch.Tensor, kernel: int, mode: str) -> torch.Tensor:
+    """:func:`pool1d` of packed tokens ``x [N, C]``, each token pooled over its own segment
+    ``[start[i], end[i])`` of the packed axis (its row's prefix): neighbours outside it count as
+    the padding (zero for ``avg``, whose divisor stays ``kernel``; ignored for ``max``). The
+    neighbours are added in a fixed order, so a token's value does not depend on the other rows."""
+    if kernel <= 1 or x.shape[0] == 0:
+        return x
+    pad, n = kernel // 2, x.shape[0]
+    fill = 0.0 if mode == "avg" else float("-inf")
+    padded = F.pad(x, (0, 0, pad, pad), value=fill)
+    at = torch.arange(n, device=x.device)
+    out: torch.Tensor | None = None
+    for o in range(-pad, pad + 1):
+        j = at + o
+        v = padded[pad + o : pad + o + n].masked_fill(((j < start) | (j >= end))[:, None], fill)
+        out = v if out is None else (out + v if mode == "avg" else torch.maximum(out, v))
+    assert out is not None
+    return out / kernel if mode == "avg" else out

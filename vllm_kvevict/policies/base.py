@@ -188,6 +188,37 @@ def step_queries(needs: Needs, Q: torch.Tensor, q_pos: torch.Tensor) -> tuple[to
     return None, None
 
 
+@dataclass(frozen=True)
+class Columns:
+    """The rows of packed attention column sums (:meth:`Policy.score_columns`): row ``r`` is the
+    packed tokens ``[cu[r], cu[r + 1])``; ``row``: each token's row; ``L``: each row's tokens
+    computed so far; ``m``: how many queries each row's sums add up; ``G``: query heads per KV
+    head. Device tensors, made once per step."""
+
+    cu: torch.Tensor
+    row: torch.Tensor
+    L: torch.Tensor
+    m: torch.Tensor
+    G: int
+
+    @classmethod
+    def of_view(cls, view: KVView, m: int) -> Columns:
+        """The one row of ``view``, its sums over ``m`` queries."""
+        dev, n = view.K.device, view.K.shape[1]
+        row = torch.zeros(n, dtype=torch.long, device=dev)
+        return cls(on_device([0, n], dev), row, on_device([view.length], dev), on_device([m], dev), view.G)
+
+    @property
+    def first(self) -> torch.Tensor:
+        """``[N]``: each token's row's first packed index."""
+        return self.cu[:-1][self.row]
+
+    @property
+    def last(self) -> torch.Tensor:
+        """``[N]``: each token's row's end."""
+        return self.cu[1:][self.row]
+
+
 P = TypeVar("P", bound=PolicyParams)
 
 
@@ -214,6 +245,26 @@ class Policy(Generic[P]):
         dev = view.K.device
         cu, L = on_device([0, view.K.shape[1]], dev), on_device([view.length], dev)
         return self.score_ragged(view.K.transpose(0, 1), view.pos.transpose(0, 1), cu, L, view.layer).transpose(0, 1)
+
+    def score_columns(self, A: torch.Tensor, pos: torch.Tensor, cols: Columns) -> torch.Tensor:
+        """The score of a policy that reads only its queries' attention and the positions, for the
+        packed tokens of many rows at once (``A [N, H_q]`` the attention each token receives,
+        summed over its row's queries; ``pos [N, H_kv]``; rows and their lengths in ``cols``):
+        ``[N, H_kv]``. Such a policy writes its formula here once; its :meth:`score` calls it
+        with the view's one row (:meth:`score_one_row`)."""
+        raise NotImplementedError(f"{type(self).__name__} scores row by row (score), not score_columns")
+
+    def score_one_row(self, view: KVView) -> torch.Tensor:
+        """:meth:`score_columns` of the view's one row: ``[H_kv, n]``."""
+        cols = Columns.of_view(view, view.queries()[0].shape[1])
+        return self.score_columns(self.attention(view).T, view.pos.T, cols).T
+
+    @property
+    def columnar(self) -> bool:
+        """Whether the engine may score this policy's rows together, through :meth:`score_columns`
+        from one ragged column sum for every row: it reads its queries' attention and positions only."""
+        n = self.needs
+        return type(self).score_columns is not Policy.score_columns and not (n.state or n.merges or n.w_o)
 
     def score_ragged(
         self, K: torch.Tensor, pos: torch.Tensor, cu: torch.Tensor, L: torch.Tensor, layer: int

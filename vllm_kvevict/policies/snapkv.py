@@ -19,8 +19,8 @@ from typing import Literal
 import torch
 from pydantic import Field, field_validator
 
-from vllm_kvevict.policies.attention import group_mean, pool1d
-from vllm_kvevict.policies.base import KVView, Needs, Policy, PolicyParams
+from vllm_kvevict.policies.attention import pool_segments
+from vllm_kvevict.policies.base import Columns, KVView, Needs, Policy, PolicyParams
 
 #: Longest observation window. The backend keeps each request's last ``window`` queries per layer
 #: (``[H_q, window, d]``), so this bounds that buffer: 128 x 32 heads x 128 x 2 bytes = 1 MiB per
@@ -54,16 +54,25 @@ def window_slots(view: KVView, p: SnapKVParams) -> int:
     return min(p.window, view.length, view.pos.shape[1])
 
 
+def snapkv_columns(
+    A: torch.Tensor, pos: torch.Tensor, cols: Columns, p: SnapKVParams
+) -> tuple[torch.Tensor, torch.Tensor]:
+    """SnapKV's formula over packed rows: finite scores ``[N, H_kv]`` (each row's prefix: its
+    window's mean attention, pooled within the prefix; its window slots: that mean, raw) and the
+    mask of the protected window positions; ``A [N, H_q]``: the window's attention summed per key."""
+    A = A / cols.m[cols.row][:, None]  # mean over each row's window
+    n = cols.cu[1:] - cols.cu[:-1]
+    pre_end = (cols.cu[1:] - torch.minimum(cols.L.clamp(max=p.window), n))[cols.row]  # window slots last
+    pooled = pool_segments(A, cols.first, pre_end, p.kernel, p.pooling)
+    A = torch.where((torch.arange(A.shape[0], device=A.device) < pre_end)[:, None], pooled, A)
+    in_win = pos >= (cols.L[cols.row] - p.window)[:, None]
+    return A.reshape(A.shape[0], -1, cols.G).mean(-1), in_win
+
+
 def snapkv_scores(view: KVView, A: torch.Tensor, p: SnapKVParams) -> tuple[torch.Tensor, torch.Tensor]:
-    """Finite scores ``[H_kv, n]`` (prefix: pooled window attention; window: its raw mean
-    attention) and the mask of the protected window slots; ``A [H_q, n]``: the window's attention
-    summed per key."""
-    A = A / view.queries()[0].shape[1]  # mean over the window
-    kpos = view.pos.repeat_interleave(view.G, dim=0)
-    in_win = kpos >= view.length - p.window
-    n_pre = A.shape[1] - window_slots(view, p)
-    pooled = torch.cat([pool1d(A[:, :n_pre], p.kernel, p.pooling), A[:, n_pre:]], dim=1)
-    return group_mean(pooled, view.G), in_win[:: view.G]
+    """:func:`snapkv_columns` of one view (``A [H_q, n]``): ``[H_kv, n]`` scores and mask."""
+    s, in_win = snapkv_columns(A.T, view.pos.T, Columns.of_view(view, view.queries()[0].shape[1]), p)
+    return s.T, in_win.T
 
 
 def snapkv_needs(p: SnapKVParams) -> Needs:
@@ -80,5 +89,8 @@ class SnapKV(Policy[SnapKVParams]):
         self.needs = snapkv_needs(self.params)
 
     def score(self, view: KVView) -> torch.Tensor:
-        s, protected = snapkv_scores(view, self.attention(view), self.params)
+        return self.score_one_row(view)
+
+    def score_columns(self, A: torch.Tensor, pos: torch.Tensor, cols: Columns) -> torch.Tensor:
+        s, protected = snapkv_columns(A, pos, cols, self.params)
         return s.masked_fill(protected, float("inf"))

@@ -12,13 +12,17 @@ from __future__ import annotations
 
 import torch
 
-from vllm_kvevict.policies.attention import group_mean
-from vllm_kvevict.policies.base import KVView, Needs, Policy
+from vllm_kvevict.policies.base import Columns, KVView, Needs, Policy
+
+
+def tova_columns(A: torch.Tensor, G: int) -> torch.Tensor:
+    """``[N, H_kv]``: group mean of ``A [N, H_q]``, the newest query's attention (packed rows)."""
+    return A.reshape(A.shape[0], -1, G).mean(-1)
 
 
 def tova_scores(view: KVView, A: torch.Tensor) -> torch.Tensor:
-    """``[H_kv, n]``: group mean of ``A [H_q, n]``, the newest query's attention."""
-    return group_mean(A, view.G)
+    """:func:`tova_columns` of one view (``A [H_q, n]``): ``[H_kv, n]``."""
+    return tova_columns(A.T, view.G).T
 
 
 class TOVA(Policy):
@@ -26,4 +30,7 @@ class TOVA(Policy):
     needs = Needs(queries="newest", attention=True, decode=True)
 
     def score(self, view: KVView) -> torch.Tensor:
-        return tova_scores(view, self.attention(view))
+        return self.score_one_row(view)
+
+    def score_columns(self, A: torch.Tensor, pos: torch.Tensor, cols: Columns) -> torch.Tensor:
+        return tova_columns(A, cols.G)

@@ -146,7 +146,11 @@ def faulty_class(cls: type[Policy], names: frozenset[str]) -> type[Policy]:
             "score": failing("score"),
             "observe": failing("observe"),
             **({"merge": failing("merge")} if cls.merge is not Policy.merge else {}),
-            **({"score_ragged": failing("score_ragged")} if cls.score_ragged is not Policy.score_ragged else {}),
+            **{
+                m: failing(m)
+                for m in ("score_ragged", "score_paged", "score_columns")
+                if getattr(cls, m) is not getattr(Policy, m)
+            },
         }
     elif f"{cls.name}@prepare" in names:
 
