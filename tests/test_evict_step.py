@@ -159,13 +159,13 @@ def test_views_path_equals_slot_path(monkeypatch, layout, dtype, kernels):
 @pytest.mark.parametrize("kernels", ["torch", "triton"])
 @pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
 def test_in_place_step_equals_the_gathered_one(monkeypatch, dtype, kernels):
-    """Every row compacting and scored from its keys alone: through the views the step reads the
-    keys where they are and copies only the kept tokens (no gathered window), and writes what the
-    slot path writes, byte for byte."""
+    """Every row compacting and scored from its keys, or its queries' attention, and positions
+    alone: through the views the step reads the keys where they are and copies only the kept
+    tokens (no gathered window), and writes what the slot path writes, byte for byte."""
     if kernels == "triton" and not CUDA and os.environ.get("TRITON_INTERPRET") != "1":
         pytest.skip("Triton on CPU needs TRITON_INTERPRET=1 from the start")
     monkeypatch.setenv("KVEVICT_KERNELS", kernels)
-    policies = ["keydiff", "knorm", "keydiff", "keydiff", "knorm", "keydiff", "streamingllm", "keydiff", "knorm"]
+    policies = ["keydiff", "snapkv", "keydiff", "tova", "knorm", "keydiff", "streamingllm", "snapkv", "knorm"]
     want = _run("flash", dtype, use_views=False, policies=policies)
     gathered = []
     monkeypatch.setattr(evict.ops, "gather_paged", lambda *a: gathered.append(a))

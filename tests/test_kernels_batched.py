@@ -350,6 +350,21 @@ def test_triton_column_sums(tri, case, sinks):
     want = ref.column_sums(*args)
     got = tri.column_sums(*args)
     torch.testing.assert_close(got, want, atol=2e-5, rtol=1e-4)
+    # the keys and their positions read where they are (the in-place step): the same bits
+    Q, K, q_pos, k_pos = args[:4]
+    N, H, D = K.shape
+    g = torch.Generator().manual_seed(case)
+    nb, bs = N // 16 + 2, 16
+    slots = torch.randperm(nb * bs, generator=g)[:N].to(K.device)  # scattered over the blocks
+    cache = torch.randn(nb, bs, H, D, generator=g).to(K.device, K.dtype)
+    pcache = torch.full((nb, bs, H), -7, dtype=torch.int32, device=K.device)
+    blocks, offs = slots // bs, slots % bs
+    cache[blocks, offs], pcache[blocks, offs] = K, k_pos.to(torch.int32)
+    paged = (ref.PagedKeys(cache, blocks, offs), ref.PagedKeys(pcache, blocks, offs))
+    assert torch.equal(tri.column_sums(Q, paged[0], q_pos, paged[1], *args[4:]), got)
+    from vllm_kvevict.kernels import ops  # whichever kernels dispatch: torch's gathers them first
+
+    torch.testing.assert_close(ops.column_sums(Q, paged[0], q_pos, paged[1], *args[4:]), want, atol=2e-5, rtol=1e-4)
 
 
 @pytest.mark.parametrize("case", range(3))

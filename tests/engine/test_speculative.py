@@ -37,7 +37,7 @@ REQUESTS = [
 def _prompts() -> list[list[int]]:
     """Prompts that repeat a phrase with mistakes: n-gram drafts that are often, not always, right."""
     out = []
-    for s in range(3):
+    for s in range(2):
         rng = random.Random(s)
         phrase = [rng.randrange(3, 500) for _ in range(40)]
         out.append([t if rng.random() < 0.7 else rng.randrange(3, 500) for t in phrase * 12][:450])
@@ -69,4 +69,4 @@ def test_greedy_output_with_drafts_equals_without(gqa_model, tmp_path):
     assert 0 < accepted < drafts, (accepted, drafts)  # drafts accepted, and drafts rejected
     assert metrics["plain"]["kvevict:blocks_freed_total"] == metrics["spec"]["kvevict:blocks_freed_total"] > 0
     for i, (a, b) in enumerate(zip(outs["plain"], outs["spec"])):
-        assert a["tokens"] == b["tokens"], (REQUESTS[i // 3], i % 3)
+        assert a["tokens"] == b["tokens"], (REQUESTS[i // 2], i % 2)

@@ -164,9 +164,10 @@ def evict_step(
 
 
 def _in_place(work: list[RowWork], recall: bool) -> bool:
-    """Every row compacts, scored from its keys alone and handing nothing to recall: its keys are
-    scored where they are and only the kept tokens are copied, nothing of the window gathered."""
-    return all(w.compact and w.policy.ragged and not (recall and w.keep_evicted) for w in work)
+    """Every row compacts, scored from its keys (or its queries' attention) and positions alone
+    and handing nothing to recall: its keys are scored where they are and only the kept tokens are
+    copied, nothing of the window gathered."""
+    return all(w.compact and (w.policy.ragged or w.policy.columnar) and not (recall and w.keep_evicted) for w in work)
 
 
 @dataclass
@@ -285,7 +286,7 @@ def _score_groups(plan, work, groups: dict, t: _Tokens, sel: _Selection, layer: 
         if policy.columnar:
             m = tuple(work[i].inputs.Q.shape[1] for i in idxs)
             cols = _per_step(plan, ("columns", tuple(g_cu.lengths), lens, m, G), lambda: _columns(g_cu, L, m, G))
-            scores = policy.score_columns(attn[key], dense_positions(pos), cols)
+            scores = policy.score_columns(attn[key], pos, cols)
         elif isinstance(K, PagedKeys):
             scores = policy.score_paged(K, pos, g_cu.dev, L, layer)
         else:
@@ -382,7 +383,7 @@ def _attention(plan, work: list[RowWork], row_views: list[tuple[int, KVView]], g
     rows += [i for i, _ in views]
     if not rows:
         return {}
-    K_all, pos_all = t.dense()[0], dense_positions(t.pos)
+    K_all, pos_all = t.K, t.pos  # in place, or gathered
     dev, inputs = K_all.device, [work[i].inputs for i in rows]
     Q = torch.cat([x.Q.transpose(0, 1) for x in inputs])  # [M, H_q, d]
     q_pos = torch.cat([x.q_pos.to(dev) for x in inputs])
@@ -390,7 +391,7 @@ def _attention(plan, work: list[RowWork], row_views: list[tuple[int, KVView]], g
     cu_q = _per_step(plan, ("queries", m), lambda: Ragged.of(m, dev))
     tok, cu_k = _packed(plan, t.bounds, rows, dev)
     x0 = inputs[0]
-    scale = x0.scale if x0.scale is not None else 1.0 / math.sqrt(K_all.shape[-1])
+    scale = x0.scale if x0.scale is not None else 1.0 / math.sqrt(x0.Q.shape[-1])
     A = ops.column_sums(Q, K_all[tok], q_pos, pos_all[tok], cu_q, cu_k, G, scale, x0.softcap, x0.sinks)  # [N, H_q]
     ck, out, j = cu_k.host, {}, 0
     for key, idxs in columnar:

@@ -26,7 +26,7 @@ import torch
 
 from vllm_kvevict import envs
 from vllm_kvevict.kernels import torch_ops
-from vllm_kvevict.kernels.torch_ops import Ragged
+from vllm_kvevict.kernels.torch_ops import PagedKeys, Ragged
 
 OPS = (
     "gather_paged",
@@ -158,7 +158,12 @@ def scatter_kv_paged(k_cache, v_cache, pos_cache, src, idx_kv, idx_pos, cu_keep,
 
 
 def column_sums(Q, K, q_pos, k_pos, cu_q, cu_k, G, scale, softcap=None, sinks=None):
-    return backend_for(K, "column_sums").column_sums(Q, K, q_pos, k_pos, cu_q, cu_k, G, scale, softcap, sinks)
+    """``K`` and ``k_pos`` may be read where they are (:class:`~.torch_ops.PagedKeys`, both):
+    Triton's kernels read them so; elsewhere they are gathered first."""
+    mod = backend_for(K.cache if isinstance(K, PagedKeys) else K, "column_sums")
+    if isinstance(K, PagedKeys) and not hasattr(mod, "column_sums_reads_pages"):
+        K, k_pos = K.gather(), torch_ops.dense_positions(k_pos)
+    return mod.column_sums(Q, K, q_pos, k_pos, cu_q, cu_k, G, scale, softcap, sinks)
 
 
 def lshe_victims(dist, pos, victim, q_pos, budget, sinks, recent):

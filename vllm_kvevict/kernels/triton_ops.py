@@ -641,11 +641,11 @@ def scatter_kv_paged(k_cache, v_cache, pos_cache, src, idx_kv, idx_pos, cu_keep,
 @triton.jit
 def _scores_tile(
     q_ptr,
-    k_ptr,
     qp_ptr,
-    kp_ptr,
+    keys,
+    ks,
+    ps,
     hq,
-    hk,
     q0,
     qi,
     m,
@@ -659,22 +659,27 @@ def _scores_tile(
     scale,
     softcap,
     HAS_CAP: tl.constexpr,
+    PAGED: tl.constexpr,
 ):
     """Scaled (soft-capped) logits of the row's queries ``qi`` x keys ``ki`` (row-local; the row
     starts at packed query ``q0`` and key ``k0``) of query head ``hq``, masked causally by position
-    (-inf where the key is newer than the query or out of the row)."""
+    (-inf where the key is newer than the query or out of the row). ``keys``: the keys, their
+    positions, blocks and offsets; read from packed ``[N, H(, D)]`` tensors, or, ``PAGED``, where
+    they are (strides ``ks``, ``ps``)."""
+    k_ptr, kp_ptr, blk_ptr, off_ptr = keys[0], keys[1], keys[2], keys[3]
+    hk = hq // (HQ // H)
     d = tl.arange(0, BLOCK_D)
     q = tl.load(
         q_ptr + ((q0 + qi)[:, None] * HQ + hq) * D + d[None, :], mask=(qi < m)[:, None] & (d[None, :] < D), other=0.0
     ).to(tl.float32)
-    k = tl.load(
-        k_ptr + ((k0 + ki)[:, None] * H + hk) * D + d[None, :], mask=(ki < n)[:, None] & (d[None, :] < D), other=0.0
-    ).to(tl.float32)
+    tok = (k0 + ki).to(tl.int64)
+    at = _key_offsets(blk_ptr, off_ptr, tok, ki < n, hk, d, ks[0], ks[1], ks[2], ks[3], PAGED)
+    k = tl.load(k_ptr + at, mask=(ki < n)[:, None] & (d[None, :] < D), other=0.0).to(tl.float32)
     s = tl.dot(q, tl.trans(k), input_precision="ieee") * scale
     if HAS_CAP:
         s = softcap * (1.0 - 2.0 / (tl.exp(2.0 * s / softcap) + 1.0))  # softcap * tanh(s / softcap)
     qp = tl.load(qp_ptr + q0 + qi, mask=qi < m, other=0)
-    kp = tl.load(kp_ptr + (k0 + ki) * H + hk, mask=ki < n, other=0)
+    kp = _pos_at(kp_ptr, blk_ptr, off_ptr, tok, ki < n, hk, ps[0], ps[1], ps[2], PAGED)
     visible = (kp[None, :] <= qp[:, None]) & (ki < n)[None, :] & (qi < m)[:, None]
     return tl.where(visible, s, float("-inf"))
 
@@ -682,9 +687,10 @@ def _scores_tile(
 @triton.jit
 def _lse_kernel(
     q_ptr,
-    k_ptr,
     qp_ptr,
-    kp_ptr,
+    keys,
+    ks,
+    ps,
     cuq_ptr,
     cuk_ptr,
     lse_ptr,
@@ -697,6 +703,7 @@ def _lse_kernel(
     scale,
     softcap,
     HAS_CAP: tl.constexpr,
+    PAGED: tl.constexpr,
 ):
     hq = tl.program_id(0)
     r = tl.program_id(1)
@@ -709,11 +716,11 @@ def _lse_kernel(
     for start in tl.range(0, n_loop, BK):  # online log-sum-exp over the row's keys
         s = _scores_tile(
             q_ptr,
-            k_ptr,
             qp_ptr,
-            kp_ptr,
+            keys,
+            ks,
+            ps,
             hq,
-            hq // (HQ // H),
             q0,
             qi,
             m,
@@ -727,6 +734,7 @@ def _lse_kernel(
             scale,
             softcap,
             HAS_CAP,
+            PAGED,
         )
         new = tl.maximum(mx, tl.max(s, axis=1))
         safe = tl.where(new == float("-inf"), 0.0, new)
@@ -739,9 +747,10 @@ def _lse_kernel(
 @triton.jit
 def _colsum_kernel(
     q_ptr,
-    k_ptr,
     qp_ptr,
-    kp_ptr,
+    keys,
+    ks,
+    ps,
     cuq_ptr,
     cuk_ptr,
     lse_ptr,
@@ -755,6 +764,7 @@ def _colsum_kernel(
     scale,
     softcap,
     HAS_CAP: tl.constexpr,
+    PAGED: tl.constexpr,
 ):
     hq = tl.program_id(0)
     r = tl.program_id(1)
@@ -767,11 +777,11 @@ def _colsum_kernel(
         qi = start + tl.arange(0, BQ)
         s = _scores_tile(
             q_ptr,
-            k_ptr,
             qp_ptr,
-            kp_ptr,
+            keys,
+            ks,
+            ps,
             hq,
-            hq // (HQ // H),
             q0,
             qi,
             m,
@@ -785,10 +795,15 @@ def _colsum_kernel(
             scale,
             softcap,
             HAS_CAP,
+            PAGED,
         )
         lse = tl.load(lse_ptr + (q0 + qi) * HQ + hq, mask=qi < m, other=float("inf"))
         acc += tl.sum(tl.exp(s - lse[:, None]), axis=0)
     tl.store(out_ptr + (k0 + ki) * HQ + hq, acc, mask=ki < n)
+
+
+#: :func:`column_sums` reads :class:`PagedKeys` itself
+column_sums_reads_pages = True
 
 
 def column_sums(Q, K, q_pos, k_pos, cu_q, cu_k, G: int, scale: float, softcap: float | None = None, sinks=None):
@@ -797,18 +812,28 @@ def column_sums(Q, K, q_pos, k_pos, cu_q, cu_k, G: int, scale: float, softcap: f
     in one launch per pass: grids (query head, row, tile); pass 1 writes each query's log-sum-exp,
     pass 2 sums ``exp(s - lse)`` per key tile, so at most a ``[BQ, BK]`` tile of probabilities
     exists; a row's tiles beyond its length do nothing. ``sinks`` ``[H_q]`` (learned attention
-    sinks) join each query's log-sum-exp between the passes."""
+    sinks) join each query's log-sum-exp between the passes. ``K`` and ``k_pos`` may be read where
+    they are (:class:`PagedKeys`, both)."""
     M, Hq, D = Q.shape
-    N, H = K.shape[:2]
-    out = torch.zeros(N, Hq, dtype=torch.float32, device=K.device)
+    paged = isinstance(K, PagedKeys)
+    N, H = (K.blocks.numel(), K.cache.shape[2]) if paged else K.shape[:2]
+    dev = Q.device
     rq, rk = ragged(cu_q), ragged(cu_k)
     R = rq.rows
-    if M == 0 or N == 0 or R == 0:
-        return out
-    Q, K = Q.contiguous(), K.contiguous()
-    qp, kp = q_pos.long().contiguous(), k_pos.long().contiguous()
+    if M == 0 or N == 0 or R == 0 or rq.longest == 0 or rk.longest == 0:
+        return torch.zeros(N, Hq, dtype=torch.float32, device=dev)
+    out = torch.empty(N, Hq, dtype=torch.float32, device=dev)  # every key's column written by pass 2
+    Q = Q.contiguous()
+    if paged:
+        k, kp, blk, off = K.cache, k_pos.cache, K.blocks, K.offsets
+        strides = (*K.cache.stride(), *k_pos.cache.stride())
+    else:
+        k, kp = K.contiguous(), k_pos.long().contiguous()
+        blk = off = kp
+        strides = (H * D, 0, D, 1, H, 0, 1)
+    qp = q_pos.long().contiguous()
     cu_q, cu_k = rq.dev.long().contiguous(), rk.dev.long().contiguous()
-    lse = torch.empty(M, Hq, dtype=torch.float32, device=K.device)
+    lse = torch.empty(M, Hq, dtype=torch.float32, device=dev)
     BQ, BK = 32, 64
     cap = float(softcap) if softcap else 1.0
     common = dict(
@@ -819,16 +844,16 @@ def column_sums(Q, K, q_pos, k_pos, cu_q, cu_k, G: int, scale: float, softcap: f
         BQ=BQ,
         BK=BK,
         HAS_CAP=bool(softcap),
+        PAGED=paged,
         scale=float(scale),
         softcap=cap,
     )
-    m_max, n_max = rq.longest, rk.longest
-    if m_max == 0 or n_max == 0:
-        return out
-    _lse_kernel[(Hq, R, triton.cdiv(m_max, BQ))](Q, K, qp, kp, cu_q, cu_k, lse, **common)
+    args = (Q, qp, (k, kp, blk, off), tuple(strides[:4]), tuple(strides[4:]), cu_q, cu_k, lse)
+    _lse_kernel[(Hq, R, triton.cdiv(rq.longest, BQ))](*args, **common)
     if sinks is not None:
         lse = torch.logaddexp(lse, sinks.to(lse.device, torch.float32)[None, :])
-    _colsum_kernel[(Hq, R, triton.cdiv(n_max, BK))](Q, K, qp, kp, cu_q, cu_k, lse, out, **common)
+        args = (*args[:-1], lse)
+    _colsum_kernel[(Hq, R, triton.cdiv(rk.longest, BK))](*args, out, **common)
     return out
 
 

@@ -246,10 +246,11 @@ class Policy(Generic[P]):
         cu, L = on_device([0, view.K.shape[1]], dev), on_device([view.length], dev)
         return self.score_ragged(view.K.transpose(0, 1), view.pos.transpose(0, 1), cu, L, view.layer).transpose(0, 1)
 
-    def score_columns(self, A: torch.Tensor, pos: torch.Tensor, cols: Columns) -> torch.Tensor:
+    def score_columns(self, A: torch.Tensor, pos: torch.Tensor | PagedKeys, cols: Columns) -> torch.Tensor:
         """The score of a policy that reads only its queries' attention and the positions, for the
         packed tokens of many rows at once (``A [N, H_q]`` the attention each token receives,
-        summed over its row's queries; ``pos [N, H_kv]``; rows and their lengths in ``cols``):
+        summed over its row's queries; ``pos`` int64 ``[N, H_kv]`` or read where they are, through
+        :func:`~vllm_kvevict.kernels.torch_ops.dense_positions`; rows and lengths in ``cols``):
         ``[N, H_kv]``. Such a policy writes its formula here once; its :meth:`score` calls it
         with the view's one row (:meth:`score_one_row`)."""
         raise NotImplementedError(f"{type(self).__name__} scores row by row (score), not score_columns")

@@ -19,6 +19,7 @@ from typing import Literal
 import torch
 from pydantic import Field, field_validator
 
+from vllm_kvevict.kernels.torch_ops import PagedKeys, dense_positions
 from vllm_kvevict.policies.attention import pool_segments
 from vllm_kvevict.policies.base import Columns, KVView, Needs, Policy, PolicyParams
 
@@ -55,7 +56,7 @@ def window_slots(view: KVView, p: SnapKVParams) -> int:
 
 
 def snapkv_columns(
-    A: torch.Tensor, pos: torch.Tensor, cols: Columns, p: SnapKVParams
+    A: torch.Tensor, pos: torch.Tensor | PagedKeys, cols: Columns, p: SnapKVParams
 ) -> tuple[torch.Tensor, torch.Tensor]:
     """SnapKV's formula over packed rows: finite scores ``[N, H_kv]`` (each row's prefix: its
     window's mean attention, pooled within the prefix; its window slots: that mean, raw) and the
@@ -65,7 +66,7 @@ def snapkv_columns(
     pre_end = (cols.cu[1:] - torch.minimum(cols.L.clamp(max=p.window), n))[cols.row]  # window slots last
     pooled = pool_segments(A, cols.first, pre_end, p.kernel, p.pooling)
     A = torch.where((torch.arange(A.shape[0], device=A.device) < pre_end)[:, None], pooled, A)
-    in_win = pos >= (cols.L[cols.row] - p.window)[:, None]
+    in_win = dense_positions(pos) >= (cols.L[cols.row] - p.window)[:, None]
     return A.reshape(A.shape[0], -1, cols.G).mean(-1), in_win
 
 
@@ -91,6 +92,6 @@ class SnapKV(Policy[SnapKVParams]):
     def score(self, view: KVView) -> torch.Tensor:
         return self.score_one_row(view)
 
-    def score_columns(self, A: torch.Tensor, pos: torch.Tensor, cols: Columns) -> torch.Tensor:
+    def score_columns(self, A: torch.Tensor, pos: torch.Tensor | PagedKeys, cols: Columns) -> torch.Tensor:
         s, protected = snapkv_columns(A, pos, cols, self.params)
         return s.masked_fill(protected, float("inf"))

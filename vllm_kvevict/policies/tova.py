@@ -32,5 +32,5 @@ class TOVA(Policy):
     def score(self, view: KVView) -> torch.Tensor:
         return self.score_one_row(view)
 
-    def score_columns(self, A: torch.Tensor, pos: torch.Tensor, cols: Columns) -> torch.Tensor:
+    def score_columns(self, A: torch.Tensor, pos, cols: Columns) -> torch.Tensor:
         return tova_columns(A, cols.G)
