@@ -461,8 +461,8 @@ def _write_kept(plan, geo: Geometry, idx: torch.Tensor, sel: _Selection, src: tu
             geo.out_rows,
             geo.dst,
         )
-        zero = _per_step(plan, ("zero", len(out)), lambda: torch.zeros(len(out) + 1, dtype=torch.long, device=dev))
         for k in slot_state:  # ``idx`` already indexes the packed tokens: every row's offset is 0
+            zero = _per_step(plan, ("zero", len(out)), lambda: torch.zeros(len(out) + 1, dtype=torch.long, device=dev))
             cache = slot_state[k].view(nb, block_size, -1)
             ops.scatter_paged(cache, state_all[k], idx, zero, geo.cu_keep, plan.block_table, geo.out_rows, geo.dst)
         return taken

@@ -110,6 +110,14 @@ def fused(op: str) -> Callable[[F], F]:
     return register
 
 
+def fused_paged(op: str, fn: Callable[..., torch.Tensor], keys: PagedKeys, *args) -> torch.Tensor:
+    """The fused ``op`` (``fn``, its dispatching function) of keys read where they are in the cache:
+    the kernel module's ``<op>_paged`` reads them through their blocks where it has one (Triton);
+    elsewhere they are gathered first."""
+    paged = getattr(backend_for(keys.cache, op), f"{op}_paged", None)
+    return paged(keys, *args) if paged is not None else fn(keys.gather(), *args)
+
+
 # ``cu`` arguments: a :class:`~vllm_kvevict.kernels.torch_ops.Ragged` (offsets on the host and the
 # device: nothing waits on the device to size an output or a grid, as in the eviction step) or a
 # tensor (read from the device once: tests, benchmarks).

@@ -52,6 +52,27 @@ def _key_offsets(blk_ptr, off_ptr, tok, m, h, d, s_b, s_o, s_h, s_d, PAGED: tl.c
 
 
 @triton.jit
+def _pos_at(p_ptr, blk_ptr, off_ptr, tok, m, h, p_b, p_o, p_h, PAGED: tl.constexpr):
+    """The positions of packed tokens ``tok`` at head ``h``: in a packed ``[N, H]`` tensor (token
+    stride ``p_b``), or, ``PAGED``, in the slot positions viewed ``[blocks, block_size, H]``."""
+    if PAGED:
+        b = tl.load(blk_ptr + tok, mask=m, other=0).to(tl.int64)
+        o = tl.load(off_ptr + tok, mask=m, other=0).to(tl.int64)
+        at = b * p_b + o * p_o + h * p_h
+    else:
+        at = tok.to(tl.int64) * p_b + h * p_h
+    return tl.load(p_ptr + at, mask=m, other=0)
+
+
+@triton.jit
+def _logical_slots(bt_ptr, rows_ptr, start_ptr, r, j, m, s_bt, bs):
+    """Block and offset of row ``r``'s logical tokens ``start[r] + j``, through its block table."""
+    tok = tl.load(start_ptr + r).to(tl.int64) + j
+    row = tl.load(rows_ptr + r).to(tl.int64)
+    return tl.load(bt_ptr + row * s_bt + tok // bs, mask=m, other=0).to(tl.int64), tok % bs
+
+
+@triton.jit
 def _gather_kernel(
     k_ptr,
     v_ptr,
@@ -77,12 +98,10 @@ def _gather_kernel(
     h = tl.program_id(2)
     lo, n = _row_range(cu_ptr, r)
     m = t < n
-    tok = tl.load(starts_ptr + r).to(tl.int64) + t
-    row = tl.load(rows_ptr + r).to(tl.int64)
-    blk = tl.load(bt_ptr + row * s_bt + tok // bs, mask=m, other=0).to(tl.int64)
+    blk, off = _logical_slots(bt_ptr, rows_ptr, starts_ptr, r, t, m, s_bt, bs)
     d = tl.arange(0, BLOCK_D)
     md = m[:, None] & (d[None, :] < D)
-    src = blk[:, None] * s_b + (tok % bs)[:, None] * s_o + h * s_h + d[None, :] * s_d
+    src = blk[:, None] * s_b + off[:, None] * s_o + h * s_h + d[None, :] * s_d
     dst = ((lo + t)[:, None] * H + h) * D + d[None, :]
     tl.store(ok_ptr + dst, tl.load(k_ptr + src, mask=md), mask=md)
     tl.store(ov_ptr + dst, tl.load(v_ptr + src, mask=md), mask=md)
@@ -124,9 +143,7 @@ def _take_kernel(
     dst = (j[:, None] * H + h) * D + d[None, :]
     tl.store(ok_ptr + dst, tl.load(k_ptr + src, mask=md), mask=md)
     tl.store(ov_ptr + dst, tl.load(v_ptr + src, mask=md), mask=md)
-    b = tl.load(blk_ptr + tok, mask=m, other=0).to(tl.int64)
-    o = tl.load(off_ptr + tok, mask=m, other=0).to(tl.int64)
-    tl.store(op_ptr + j * H + h, tl.load(p_ptr + b * p_b + o * p_o + h * p_h, mask=m), mask=m)
+    tl.store(op_ptr + j * H + h, _pos_at(p_ptr, blk_ptr, off_ptr, tok, m, h, p_b, p_o, p_h, True), mask=m)
 
 
 def take_paged(k_cache, v_cache, pos_cache, blocks, offsets, idx):
@@ -397,19 +414,6 @@ def _sort_key(s, p):
 
 
 @triton.jit
-def _pos_at(p_ptr, blk_ptr, off_ptr, tok, m, h, p_b, p_o, p_h, PAGED: tl.constexpr):
-    """The positions of packed tokens ``tok`` at head ``h``: in a packed ``[N, H]`` tensor (token
-    stride ``p_b``), or, ``PAGED``, in the slot positions viewed ``[blocks, block_size, H]``."""
-    if PAGED:
-        b = tl.load(blk_ptr + tok, mask=m, other=0).to(tl.int64)
-        o = tl.load(off_ptr + tok, mask=m, other=0).to(tl.int64)
-        at = b * p_b + o * p_o + h * p_h
-    else:
-        at = tok.to(tl.int64) * p_b + h * p_h
-    return tl.load(p_ptr + at, mask=m, other=0)
-
-
-@triton.jit
 def _select_kernel(
     s_ptr,
     p_ptr,
@@ -517,13 +521,11 @@ def _scatter_kernel(
     m = j < n_keep
     i = tl.load(idx_ptr + (k0 + j) * H + h, mask=m, other=0)
     src_tok = tl.load(cu_ptr + r) + i
-    tok = tl.load(dstart_ptr + r).to(tl.int64) + j
-    row = tl.load(rows_ptr + r).to(tl.int64)
-    blk = tl.load(bt_ptr + row * s_bt + tok // bs, mask=m, other=0).to(tl.int64)
+    blk, off = _logical_slots(bt_ptr, rows_ptr, dstart_ptr, r, j, m, s_bt, bs)
     d = tl.arange(0, BLOCK_D)
     md = m[:, None] & (d[None, :] < D)
     val = tl.load(src_ptr + (src_tok[:, None] * H + h) * D + d[None, :], mask=md)
-    dst = blk[:, None] * s_b + (tok % bs)[:, None] * s_o + h * s_h + d[None, :] * s_d
+    dst = blk[:, None] * s_b + off[:, None] * s_o + h * s_h + d[None, :] * s_d
     tl.store(dst_ptr + dst, val.to(dst_ptr.dtype.element_ty), mask=md)
 
 
@@ -592,18 +594,16 @@ def _scatter_kv_kernel(
     m = j < n_keep
     at = (k0 + j).to(tl.int64) * H + h
     i = tl.load(ikv_ptr + at, mask=m, other=0).to(tl.int64)
-    tok = tl.load(dstart_ptr + r).to(tl.int64) + j
-    row = tl.load(rows_ptr + r).to(tl.int64)
-    blk = tl.load(bt_ptr + row * s_bt + tok // bs, mask=m, other=0).to(tl.int64)
+    blk, off = _logical_slots(bt_ptr, rows_ptr, dstart_ptr, r, j, m, s_bt, bs)
     d = tl.arange(0, BLOCK_D)
     md = m[:, None] & (d[None, :] < D)
     src = (i[:, None] * H + h) * D + d[None, :]
-    dst = blk[:, None] * s_b + (tok % bs)[:, None] * s_o + h * s_h + d[None, :] * s_d
+    dst = blk[:, None] * s_b + off[:, None] * s_o + h * s_h + d[None, :] * s_d
     tl.store(k_ptr + dst, tl.load(ks_ptr + src, mask=md).to(k_ptr.dtype.element_ty), mask=md)
     tl.store(v_ptr + dst, tl.load(vs_ptr + src, mask=md).to(v_ptr.dtype.element_ty), mask=md)
     ip = tl.load(ipos_ptr + at, mask=m, other=0).to(tl.int64)
     p = tl.load(ps_ptr + ip * H + h, mask=m)
-    tl.store(p_ptr + blk * p_b + (tok % bs) * p_o + h * p_h, p.to(p_ptr.dtype.element_ty), mask=m)
+    tl.store(p_ptr + blk * p_b + off * p_o + h * p_h, p.to(p_ptr.dtype.element_ty), mask=m)
 
 
 def scatter_kv_paged(k_cache, v_cache, pos_cache, src, idx_kv, idx_pos, cu_keep, block_table, rows, dst_start):

@@ -213,11 +213,6 @@ class Columns:
         """``[N]``: each token's row's first packed index."""
         return self.cu[:-1][self.row]
 
-    @property
-    def last(self) -> torch.Tensor:
-        """``[N]``: each token's row's end."""
-        return self.cu[1:][self.row]
-
 
 P = TypeVar("P", bound=PolicyParams)
 

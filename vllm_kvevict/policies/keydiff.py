@@ -37,10 +37,7 @@ def keydiff_scores(K: torch.Tensor, cu: torch.Tensor) -> torch.Tensor:
 def keydiff_scores_paged(keys: PagedKeys, cu: torch.Tensor) -> torch.Tensor:
     """:func:`keydiff_scores` of keys read where they are in the cache: the Triton kernel reads them
     through their blocks; elsewhere they are gathered first."""
-    mod = ops.backend_for(keys.cache, "keydiff_scores")
-    if hasattr(mod, "keydiff_scores_paged"):
-        return mod.keydiff_scores_paged(keys, cu)
-    return keydiff_scores(keys.gather(), cu)
+    return ops.fused_paged("keydiff_scores", keydiff_scores, keys, cu)
 
 
 class KeyDiff(Policy):

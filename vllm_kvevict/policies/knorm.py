@@ -34,10 +34,7 @@ def key_norms(K: torch.Tensor) -> torch.Tensor:
 def key_norms_paged(keys: PagedKeys) -> torch.Tensor:
     """:func:`key_norms` of keys read where they are in the cache: the Triton kernel reads them
     through their blocks; elsewhere they are gathered first."""
-    mod = ops.backend_for(keys.cache, "key_norms")
-    if hasattr(mod, "key_norms_paged"):
-        return mod.key_norms_paged(keys)
-    return key_norms(keys.gather())
+    return ops.fused_paged("key_norms", key_norms, keys)
 
 
 class KNorm(Policy[KNormParams]):
