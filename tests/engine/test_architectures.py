@@ -38,11 +38,35 @@ ARCHITECTURES = {
 }
 
 
-@pytest.mark.parametrize("arch", sorted(ARCHITECTURES))
+def _layers_line(log: str, arch: str) -> None:
+    """The worker's one line of which layers evict and which it leaves to vLLM."""
+    evicting, left, _, _ = ARCHITECTURES[arch]
+    (line,) = set(re.findall(r"kvevict: (\d+ of \d+ attention layers evict \(full attention\)[^\n]*)", log))
+    total = evicting + (int(left.split()[0]) if left else 0)
+    assert line == f"{evicting} of {total} attention layers evict (full attention)" + (
+        f"; left to vLLM: {left}" if left else ""
+    )
+
+
+#: the pure hit a prompt sharing 150 tokens gets: up to E of its first compaction (96); a model
+#: with one KV cache group copies the blocks that compaction rewrites and starts past them
+PURE_HIT = {"gemma2": 96, "gpt-oss": 96, "qwen2": 128, "qwen3": 128, "phi3": 128}
+
+#: gpt-oss's learned attention sinks take a share of every softmax; a policy that scores by
+#: attention must see the attention the model computes: the engine's H2O and SnapKV, given the
+#: layer's sinks (vLLM's ``impl.sinks``), keep what the reference recomputes from transformers'
+#: tensors with the sinks (``PolicyCheck``). Without them H2O keeps other tokens here (the
+#: checkpoint's sinks and its peaked attention are drawn so that they matter).
+SINKS = {"gpt-oss": ("h2o", "snapkv")}
+
+
+@pytest.mark.parametrize("arch", sorted(set(ARCHITECTURES) - set(PURE_HIT)))
 def test_the_full_attention_layers_evict_and_equal_the_reference(arch, tmp_path):
+    """The architectures the window test below does not start a server for (one server per
+    architecture keeps the suite's time), in 128-token chunks: a prompt compacts in several."""
     from transformers import AutoModelForCausalLM
 
-    evicting, left, env, reference = ARCHITECTURES[arch]
+    _, _, env, reference = ARCHITECTURES[arch]
     model = arch_path(arch)
     args = server_args(
         {"policy": "keydiff", "budget": 96}, "--max-model-len", "4096", "--max-num-batched-tokens", "128"
@@ -53,58 +77,26 @@ def test_the_full_attention_layers_evict_and_equal_the_reference(arch, tmp_path)
         freed = srv.metrics().get("kvevict:blocks_freed_total", 0.0)
         log = srv.log()
     assert freed > 0, "nothing was evicted"
-    (line,) = set(re.findall(r"kvevict: (\d+ of \d+ attention layers evict \(full attention\)[^\n]*)", log))
-    total = evicting + (int(left.split()[0]) if left else 0)
-    assert line == f"{evicting} of {total} attention layers evict (full attention)" + (
-        f"; left to vLLM: {left}" if left else ""
-    )
+    _layers_line(log, arch)
     if reference:
         hf = AutoModelForCausalLM.from_pretrained(model, dtype=torch.float32, attn_implementation="eager").eval()
         check_against_reference(hf, out, load_attempts(tmp_path / "dump"))
-
-
-def test_attention_scored_policies_count_gpt_oss_attention_sinks(tmp_path):
-    """gpt-oss's learned attention sinks take a share of every softmax; a policy that scores by
-    attention must see the attention the model computes: the engine's H2O and SnapKV, given the
-    layer's sinks (vLLM's ``impl.sinks``), keep what the reference recomputes from transformers'
-    tensors with the sinks (``PolicyCheck``). Without them H2O keeps other tokens here (the
-    checkpoint's sinks and its peaked attention are drawn so that they matter)."""
-    from transformers import AutoModelForCausalLM
-
-    from vllm_kvevict.config import parse_config
-
-    model = arch_path("gpt-oss")
-    args = server_args(
-        {"policy": "keydiff", "budget": 96}, "--max-model-len", "4096", "--max-num-batched-tokens", "128"
-    )
-    policies = ("h2o", "snapkv")
-    with VLLMServer(
-        model, args, log_path=tmp_path / "server.log", env={"KVEVICT_DUMP_DIR": str(tmp_path / "dump")}
-    ) as srv:
-        outs = [complete(srv, make_prompt(600, 3, 500), 16, {"kvevict_policy": p}) for p in policies]
-    hf = AutoModelForCausalLM.from_pretrained(model, dtype=torch.float32, attn_implementation="eager").eval()
-    attempts = load_attempts(tmp_path / "dump")
-    for policy, out in zip(policies, outs):
-        check_against_reference(hf, out, attempts, config=parse_config({"policy": policy, "budget": 96}))
-
-
-#: the pure hit a prompt sharing 150 tokens gets: up to E of its first compaction (96); a model
-#: with one KV cache group copies the blocks that compaction rewrites and starts past them
-PURE_HIT = {"gemma2": 96, "gpt-oss": 96, "qwen2": 128, "qwen3": 128, "phi3": 128}
 
 
 @pytest.mark.parametrize("arch", sorted(PURE_HIT))
 def test_windows_prefix_hits_and_recall_on_other_architectures(arch, tmp_path):
     """What Llama has, on hybrid models (Gemma 2; gpt-oss, with sinks and MoE: sliding-window
     layers in their own KV cache group beside the evicting ones) and on Qwen 2 and 3 and Phi-3
-    (QKV bias, q/k norms, a fused QKV): a shared document starts on the compressed window another request cached and
-    computes what it computes alone; an exact prefix hit below the first compaction point too; a
+    (QKV bias, q/k norms, a fused QKV): the full-attention layers evict and equal the reference
+    (gpt-oss's attention-scored policies with its sinks too, ``SINKS``); a shared document starts
+    on the compressed window another request cached and computes what it computes alone; an exact prefix hit below the first compaction point too; a
     request with recall equals the transformers replay of what it kept (recalled tokens included)."""
     import math
 
     from transformers import AutoModelForCausalLM
 
     from tests.engine.evict_common import TOL
+    from vllm_kvevict.config import parse_config
     from vllm_kvevict.window import WindowConfig, last_boundary
 
     model = arch_path(arch)
@@ -135,7 +127,12 @@ def test_windows_prefix_hits_and_recall_on_other_architectures(arch, tmp_path):
         short = make_prompt(150, 4, vocab)
         pure = [complete(srv, short + make_prompt(n, 5 + n, vocab), 8) for n in (20, 40)]
         recalled = complete(srv, make_prompt(900, 9, vocab), 16, {"kvevict_recall": True})
-        hits = srv.metrics().get("kvevict:compressed_hits_total", 0.0)
+        sinks = {p: complete(srv, make_prompt(600, 11, vocab), 16, {"kvevict_policy": p}) for p in SINKS.get(arch, ())}
+        metrics = srv.metrics()
+        log = srv.log()
+    assert metrics.get("kvevict:blocks_freed_total", 0.0) > 0, "nothing was evicted"
+    _layers_line(log, arch)
+    hits = metrics.get("kvevict:compressed_hits_total", 0.0)
     assert out["cached_tokens"] == last_boundary(len(doc), WindowConfig(budget, 32))
     assert hits >= 1
     same(out, alone)
@@ -146,5 +143,7 @@ def test_windows_prefix_hits_and_recall_on_other_architectures(arch, tmp_path):
 
     assert max(_recalled(att, 900) for att in attempts_for(attempts, recalled["id"])) > 0
     check_against_reference(hf, pure[0], attempts, expect_compaction=False)  # 178 tokens: below 192
-    for o in (out, pure[1], recalled):
+    for o in (alone, out, pure[1], recalled):
         check_against_reference(hf, o, attempts)
+    for policy, o in sinks.items():
+        check_against_reference(hf, o, attempts, config=parse_config({"policy": policy, "budget": budget}))
