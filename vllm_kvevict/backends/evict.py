@@ -145,11 +145,12 @@ def evict_step(
     groups, row_views = _row_views(work, t, layer, G, batched)
     attn = _attention(plan, work, row_views, groups, t, G) if batched else {}  # every row's in one call
     observed = _score_rows(plan, work, row_views, t, sel, batched)
-    _score_groups(plan, work, groups, t, sel, layer, G, attn)
+    observed_groups = _score_groups(plan, work, groups, t, sel, layer, G, attn)
     _select(plan, work, t, sel)
     # Nothing is written before every row is scored and selected: a policy that raises leaves the
     # cache and the per-slot state as they were, so the step can be retried row by row.
     _write_observed(work, t, observed, slot_state, overlays or {})
+    _write_group_observed(plan, work, t, observed_groups, slot_state, overlays or {})
     if evicted is not None:  # read before anything is written (the window's slots are rewritten)
         _hand_to_recall(work, t, sel, evicted)
     if not geo.out:
@@ -164,10 +165,18 @@ def evict_step(
 
 
 def _in_place(work: list[RowWork], recall: bool) -> bool:
-    """Every row compacts, scored from its keys (or its queries' attention) and positions alone
-    and handing nothing to recall: its keys are scored where they are and only the kept tokens are
+    """Every row is scored (or observed) with the others of its policy (:func:`_grouped`) and
+    hands nothing to recall: its keys are scored where they are and only the kept tokens are
     copied, nothing of the window gathered."""
-    return all(w.compact and (w.policy.ragged or w.policy.columnar) and not (recall and w.keep_evicted) for w in work)
+    return all(_grouped(w, True) and not (recall and w.keep_evicted) for w in work)
+
+
+def _grouped(w: RowWork, batched: bool) -> bool:
+    """Whether the row is scored with every other row of its policy: a compacting row of a policy
+    that scores from keys and positions (``Policy.ragged``), or any row of one that scores (and
+    observes) from its queries' attention (``Policy.columnar``)."""
+    p = w.policy
+    return batched and ((p.ragged and w.compact) or (p.columnar and (w.compact or p.needs.observes)))
 
 
 @dataclass
@@ -229,7 +238,7 @@ def _row_views(work, t: _Tokens, layer: int, G: int, batched: bool):
     groups: dict[int, list[int]] = {}
     row_views: list[tuple[int, KVView]] = []
     for i, w in enumerate(work):
-        if w.compact and batched and (w.policy.ragged or w.policy.columnar):
+        if _grouped(w, batched):
             groups.setdefault(id(w.policy), []).append(i)
             continue
         sl = slice(t.bounds[i], t.bounds[i + 1])
@@ -274,9 +283,13 @@ def _score_rows(plan, work, row_views, t: _Tokens, sel: _Selection, batched: boo
     return observed
 
 
-def _score_groups(plan, work, groups: dict, t: _Tokens, sel: _Selection, layer: int, G: int, attn: dict) -> None:
+def _score_groups(plan, work, groups: dict, t: _Tokens, sel: _Selection, layer: int, G: int, attn: dict) -> list:
     """Policies that score from keys and positions (``Policy.ragged``), or from their queries'
-    attention and positions (``Policy.columnar``, its column sums in ``attn``): all their rows at once."""
+    attention, positions and per-slot state (``Policy.columnar``, its column sums in ``attn``): all
+    their rows at once, a columnar policy's rows observed first (in ``t.state``). Returns the
+    groups observed, ``(indices into work, their packed tokens)``, whose state is written back
+    once every row is scored."""
+    observed = []
     for key, idxs in groups.items():
         policy = work[idxs[0]].policy
         tok, g_cu = _packed(plan, t.bounds, idxs, t.K.device)
@@ -286,13 +299,24 @@ def _score_groups(plan, work, groups: dict, t: _Tokens, sel: _Selection, layer: 
         if policy.columnar:
             m = tuple(work[i].inputs.Q.shape[1] for i in idxs)
             cols = _per_step(plan, ("columns", tuple(g_cu.lengths), lens, m, G), lambda: _columns(g_cu, L, m, G))
-            scores = policy.score_columns(attn[key], pos, cols)
+            state = {k: t.state[k][tok] for k in policy.needs.state}  # views of ``t.state`` where ``tok`` is a slice
+            if policy.needs.observes:
+                policy.observe_columns(attn[key], state, cols)
+                if not isinstance(tok, slice):
+                    for k, v in state.items():
+                        t.state[k][tok] = v
+                observed.append((idxs, tok))
+            if not any(work[i].compact for i in idxs):
+                continue
+            scores = policy.score_columns(attn[key], pos, cols, state)
         elif isinstance(K, PagedKeys):
             scores = policy.score_paged(K, pos, g_cu.dev, L, layer)
         else:
             scores = policy.score_ragged(K, pos, g_cu.dev, L, layer)
-        sel.scores = scores if not sel.to_select and len(groups) == 1 else None
-        sel.to_select += zip(idxs, scores.split(g_cu.lengths))
+        every = all(work[i].compact for i in idxs)
+        sel.scores = scores if not sel.to_select and len(groups) == 1 and every else None
+        sel.to_select += [(i, sc) for i, sc in zip(idxs, scores.split(g_cu.lengths)) if work[i].compact]
+    return observed
 
 
 def _columns(g_cu: Ragged, L: torch.Tensor, m: tuple[int, ...], G: int) -> Columns:
@@ -355,6 +379,27 @@ def _write_observed(work, t: _Tokens, observed, slot_state, overlays) -> None:
             t.state[k][lo:hi] = new
             n = own[k].copy_(new[: own[k].shape[0]]).shape[0] if k in own else 0
             slot_state[k][t.slots[lo + n : hi]] = new[n:]
+
+
+def _write_group_observed(plan, work, t: _Tokens, groups: list, slot_state, overlays) -> None:
+    """The per-slot state the columnar policies observed for their rows together (already in
+    ``t.state``), back to the slots of the rows that do not compact (a compacting row's kept
+    tokens carry their state to their new slots): one write per state for a group, row by row
+    where a row's window starts on a cached one (its first slots' state to its own copy)."""
+    for idxs, tok in groups:
+        rows = [i for i in idxs if not work[i].compact]
+        if not rows:
+            continue
+        names = work[idxs[0]].policy.needs.state
+        if any(overlays.get(work[i].row) for i in rows):
+            own = [(i, {k: t.state[k][t.bounds[i] : t.bounds[i + 1]].T for k in names}) for i in rows]
+            _write_observed(work, t, own, slot_state, overlays)
+            continue
+        if rows != idxs:
+            tok = _packed(plan, t.bounds, rows, t.slots.device)[0]
+        slots = t.slots[tok]
+        for k in names:
+            slot_state[k][slots] = t.state[k][tok].to(slot_state[k].dtype)
 
 
 def _dropped(r, i, bounds, kept_tok, row_scores, K_all, V_all, pos_all, state_all):

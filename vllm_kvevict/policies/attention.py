@@ -24,6 +24,12 @@ def group_mean(x: torch.Tensor, G: int) -> torch.Tensor:
     return x.reshape(x.shape[0] // G, G, *x.shape[1:]).mean(dim=1)
 
 
+def columns_group_mean(A: torch.Tensor, G: int) -> torch.Tensor:
+    """``[N, H_q]`` -> ``[N, H_kv]``: packed column sums averaged over each KV head's G query heads
+    (the columnar form of :func:`group_mean`)."""
+    return A.reshape(A.shape[0], -1, G).mean(-1)
+
+
 def pool1d(x: torch.Tensor, kernel: int, mode: str) -> torch.Tensor:
     """SnapKV's smoothing along the token axis of ``[H, n]`` (stride 1, same length): ``avg`` as
     ``F.avg_pool1d`` (zero padding counted), ``max`` as ``F.max_pool1d``."""

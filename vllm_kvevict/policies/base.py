@@ -10,7 +10,9 @@ equation:
   and positions writes :meth:`Policy.score_ragged` instead (many rows at once), and ``score`` is
   derived from it;
 * :meth:`Policy.observe` ``(view)``, for policies with per-slot state (``Needs.state``): every
-  step, updates ``view.state`` in place (H2O's accumulator, LSH-E's codes);
+  step, updates ``view.state`` in place (H2O's accumulator, LSH-E's codes); a policy that reads
+  its queries' attention writes :meth:`Policy.score_columns` (and :meth:`Policy.observe_columns`)
+  over many rows' packed tokens instead;
 * :meth:`Policy.merge` ``(view, keep)``, for merging policies (``Needs.merges``) instead of
   ``score``: the kept slots and their new K/V.
 
@@ -241,26 +243,38 @@ class Policy(Generic[P]):
         cu, L = on_device([0, view.K.shape[1]], dev), on_device([view.length], dev)
         return self.score_ragged(view.K.transpose(0, 1), view.pos.transpose(0, 1), cu, L, view.layer).transpose(0, 1)
 
-    def score_columns(self, A: torch.Tensor, pos: torch.Tensor | PagedKeys, cols: Columns) -> torch.Tensor:
-        """The score of a policy that reads only its queries' attention and the positions, for the
-        packed tokens of many rows at once (``A [N, H_q]`` the attention each token receives,
-        summed over its row's queries; ``pos`` int64 ``[N, H_kv]`` or read where they are, through
-        :func:`~vllm_kvevict.kernels.torch_ops.dense_positions`; rows and lengths in ``cols``):
-        ``[N, H_kv]``. Such a policy writes its formula here once; its :meth:`score` calls it
-        with the view's one row (:meth:`score_one_row`)."""
+    def score_columns(
+        self, A: torch.Tensor, pos: torch.Tensor | PagedKeys, cols: Columns, state: dict[str, torch.Tensor]
+    ) -> torch.Tensor:
+        """The score of a policy that reads only its queries' attention, the positions and its
+        per-slot state, for the packed tokens of many rows at once (``A [N, H_q]`` the attention
+        each token receives, summed over its row's queries; ``pos`` int64 ``[N, H_kv]`` or read
+        where they are, through :func:`~vllm_kvevict.kernels.torch_ops.dense_positions`; rows and
+        lengths in ``cols``; ``state``: ``{name: [N, H_kv]}``, observed this step): ``[N, H_kv]``.
+        Such a policy writes its formula here once; its :meth:`score` calls it with the view's one
+        row (:meth:`score_one_row`)."""
         raise NotImplementedError(f"{type(self).__name__} scores row by row (score), not score_columns")
+
+    def observe_columns(self, A: torch.Tensor, state: dict[str, torch.Tensor], cols: Columns) -> None:
+        """:meth:`observe` of many rows at once, from their queries' attention (``A [N, H_q]``):
+        updates the packed per-slot ``state`` (``{name: [N, H_kv]}``) in place. A columnar policy
+        with per-slot state writes it; its rows that do not compact in a step observe here too."""
+        raise NotImplementedError(f"{type(self).__name__} observes row by row (observe), not observe_columns")
 
     def score_one_row(self, view: KVView) -> torch.Tensor:
         """:meth:`score_columns` of the view's one row: ``[H_kv, n]``."""
         cols = Columns.of_view(view, view.queries()[0].shape[1])
-        return self.score_columns(self.attention(view).T, view.pos.T, cols).T
+        state = {k: v.T for k, v in view.state.items()}
+        return self.score_columns(self.attention(view).T, view.pos.T, cols, state).T
 
     @property
     def columnar(self) -> bool:
-        """Whether the engine may score this policy's rows together, through :meth:`score_columns`
-        from one ragged column sum for every row: it reads its queries' attention and positions only."""
-        n = self.needs
-        return type(self).score_columns is not Policy.score_columns and not (n.state or n.merges or n.w_o)
+        """Whether the engine may score (and observe) this policy's rows together, through
+        :meth:`score_columns` (and :meth:`observe_columns`) from one ragged column sum for every
+        row: it reads its queries' attention, the positions and its per-slot state only."""
+        n, cls = self.needs, type(self)
+        observes = not n.state or cls.observe_columns is not Policy.observe_columns
+        return cls.score_columns is not Policy.score_columns and observes and not (n.merges or n.w_o)
 
     def score_ragged(
         self, K: torch.Tensor, pos: torch.Tensor, cu: torch.Tensor, L: torch.Tensor, layer: int

@@ -14,8 +14,9 @@ from __future__ import annotations
 import torch
 from pydantic import Field
 
-from vllm_kvevict.policies.attention import group_mean
-from vllm_kvevict.policies.base import MAX_TOKENS_PARAM, KVView, Needs, Policy, PolicyParams
+from vllm_kvevict.kernels.torch_ops import PagedKeys, dense_positions
+from vllm_kvevict.policies.attention import columns_group_mean
+from vllm_kvevict.policies.base import MAX_TOKENS_PARAM, Columns, KVView, Needs, Policy, PolicyParams
 
 STATE = "h2o"
 
@@ -27,14 +28,22 @@ class H2OParams(PolicyParams):
         return self.recent_tokens + 1
 
 
+def h2o_observe_columns(A: torch.Tensor, acc: torch.Tensor, G: int) -> None:
+    """Add this step's queries' attention summed per key (``A [N, H_q]``, packed rows), group-mean
+    over each KV head's query heads, to every key's accumulator ``acc [N, H_kv]``, in place."""
+    acc += columns_group_mean(A, G)
+
+
 def h2o_observe(view: KVView, A: torch.Tensor) -> None:
-    """Add ``A^T 1``, this step's queries' attention summed per key (``[H_q, n]``), to every key's
-    accumulator."""
-    view.state[STATE] += group_mean(A, view.G)
+    """:func:`h2o_observe_columns` of one view (``A [H_q, n]``; the accumulator ``[H_kv, n]``)."""
+    h2o_observe_columns(A.T, view.state[STATE].T, view.G)
 
 
-def protect_recent(scores: torch.Tensor, view: KVView, recent: int) -> torch.Tensor:
-    return scores.masked_fill(view.pos >= view.length - recent, float("inf")) if recent else scores
+def h2o_columns(acc: torch.Tensor, pos: torch.Tensor | PagedKeys, L: torch.Tensor, recent: int) -> torch.Tensor:
+    """``[N, H_kv]``: the accumulators (``acc`` itself where nothing is protected: scores are only
+    read), the ``recent`` newest positions of each row (its length ``L [N]`` per token) protected."""
+    s = acc.float()
+    return s.masked_fill(dense_positions(pos) >= (L - recent)[:, None], float("inf")) if recent else s
 
 
 class H2O(Policy[H2OParams]):
@@ -45,5 +54,12 @@ class H2O(Policy[H2OParams]):
     def observe(self, view: KVView) -> None:
         h2o_observe(view, self.attention(view))
 
+    def observe_columns(self, A: torch.Tensor, state: dict[str, torch.Tensor], cols: Columns) -> None:
+        h2o_observe_columns(A, state[STATE], cols.G)
+
     def score(self, view: KVView) -> torch.Tensor:
-        return protect_recent(view.state[STATE].clone(), view, self.params.recent_tokens)
+        L = torch.full((view.pos.shape[1],), view.length, device=view.pos.device)
+        return h2o_columns(view.state[STATE].T, view.pos.T, L, self.params.recent_tokens).T
+
+    def score_columns(self, A, pos, cols: Columns, state) -> torch.Tensor:
+        return h2o_columns(state[STATE], pos, cols.L[cols.row], self.params.recent_tokens)

@@ -92,6 +92,6 @@ class SnapKV(Policy[SnapKVParams]):
     def score(self, view: KVView) -> torch.Tensor:
         return self.score_one_row(view)
 
-    def score_columns(self, A: torch.Tensor, pos: torch.Tensor | PagedKeys, cols: Columns) -> torch.Tensor:
+    def score_columns(self, A: torch.Tensor, pos: torch.Tensor | PagedKeys, cols: Columns, state) -> torch.Tensor:
         s, protected = snapkv_columns(A, pos, cols, self.params)
         return s.masked_fill(protected, float("inf"))

@@ -12,12 +12,13 @@ from __future__ import annotations
 
 import torch
 
+from vllm_kvevict.policies.attention import columns_group_mean
 from vllm_kvevict.policies.base import Columns, KVView, Needs, Policy
 
 
 def tova_columns(A: torch.Tensor, G: int) -> torch.Tensor:
     """``[N, H_kv]``: group mean of ``A [N, H_q]``, the newest query's attention (packed rows)."""
-    return A.reshape(A.shape[0], -1, G).mean(-1)
+    return columns_group_mean(A, G)
 
 
 def tova_scores(view: KVView, A: torch.Tensor) -> torch.Tensor:
@@ -32,5 +33,5 @@ class TOVA(Policy):
     def score(self, view: KVView) -> torch.Tensor:
         return self.score_one_row(view)
 
-    def score_columns(self, A: torch.Tensor, pos, cols: Columns) -> torch.Tensor:
+    def score_columns(self, A: torch.Tensor, pos, cols: Columns, state) -> torch.Tensor:
         return tova_columns(A, cols.G)
