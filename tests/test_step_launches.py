@@ -32,15 +32,23 @@ BOUND = {
     ("torch", "tova"): 137,
     ("torch", "snapkv"): 226,
     ("torch", "h2o"): 173,
+    ("torch", "caote"): 193,
     ("triton", "keydiff"): 6,
     ("triton", "knorm"): 18,
     ("triton", "tova"): 9,
     ("triton", "snapkv"): 45,
     ("triton", "h2o"): 17,
+    ("triton", "caote"): 37,
 }
 #: what each more request adds, as measured: SnapKV's query window is kept per request (3 ops);
 #: torch's column sums loop over the requests (the CPU engine's)
-PER_REQUEST = {("triton", "snapkv"): 3, ("torch", "snapkv"): 15, ("torch", "tova"): 10, ("torch", "h2o"): 12}
+PER_REQUEST = {
+    ("triton", "snapkv"): 3,
+    ("torch", "snapkv"): 15,
+    ("torch", "tova"): 10,
+    ("torch", "h2o"): 12,
+    ("torch", "caote"): 12,
+}
 
 
 class Launches(TorchDispatchMode):
@@ -114,7 +122,7 @@ def _per_layer(kernels: str, policy: str, n: int, active: list) -> collections.C
 
 
 @pytest.mark.parametrize("kernels", ["torch", "triton"])
-@pytest.mark.parametrize("policy", ["keydiff", "knorm", "tova", "snapkv", "h2o"])
+@pytest.mark.parametrize("policy", ["keydiff", "knorm", "tova", "snapkv", "h2o", "caote"])
 def test_launches_per_layer_do_not_grow_with_requests(monkeypatch, triton_launches, kernels, policy):
     """Flat in the requests (as measured where not: :data:`PER_REQUEST`), and bounded for 6."""
     if kernels == "triton" and not torch.cuda.is_available() and os.environ.get("TRITON_INTERPRET") != "1":

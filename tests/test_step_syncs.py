@@ -116,7 +116,10 @@ def _requests(kernels: str, scale: float, keys_only: bool = False) -> list[Reque
     prompts = [300, 200, 257, 180, 330, 140, 240, 150, 275, 199, 230, 170, 310]
     every = [p for p in POLICIES if p != "none" and (kernels == "triton" or p != "lshe")]
     if keys_only:
-        mix = [(p, False) for p in ("keydiff", "knorm", "streamingllm", "random", "snapkv", "tova", "h2o", "keydiff")]
+        mix = [
+            (p, False)
+            for p in ("keydiff", "knorm", "streamingllm", "random", "snapkv", "tova", "h2o", "caote", "keydiff")
+        ]
     else:
         mix = [(p, False) for p in every] + [(p, True) for p in every if p != "kvmerger"]  # merging keeps no tier
     return [

@@ -25,7 +25,7 @@ import torch
 from vllm_kvevict import envs
 from vllm_kvevict.kernels import ops, torch_ops
 from vllm_kvevict.kernels.torch_ops import PagedKeys, Ragged, dense_positions, on_device
-from vllm_kvevict.policies.base import Columns, KVView, Policy, RowInputs
+from vllm_kvevict.policies.base import Columns, KVView, Packed, Policy, RowInputs
 
 Gather = Callable[
     [torch.Tensor, torch.Tensor], tuple[torch.Tensor, torch.Tensor]
@@ -300,15 +300,16 @@ def _score_groups(plan, work, groups: dict, t: _Tokens, sel: _Selection, layer: 
             m = tuple(work[i].inputs.Q.shape[1] for i in idxs)
             cols = _per_step(plan, ("columns", tuple(g_cu.lengths), lens, m, G), lambda: _columns(g_cu, L, m, G))
             state = {k: t.state[k][tok] for k in policy.needs.state}  # views of ``t.state`` where ``tok`` is a slice
+            x = Packed(attn[key], pos, state, t.V, tok)
             if policy.needs.observes:
-                policy.observe_columns(attn[key], state, cols)
+                policy.observe_columns(x, cols)
                 if not isinstance(tok, slice):
                     for k, v in state.items():
                         t.state[k][tok] = v
                 observed.append((idxs, tok))
             if not any(work[i].compact for i in idxs):
                 continue
-            scores = policy.score_columns(attn[key], pos, cols, state)
+            scores = policy.score_columns(x, cols)
         elif isinstance(K, PagedKeys):
             scores = policy.score_paged(K, pos, g_cu.dev, L, layer)
         else:

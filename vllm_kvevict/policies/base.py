@@ -216,6 +216,27 @@ class Columns:
         return self.cu[:-1][self.row]
 
 
+@dataclass
+class Packed:
+    """What a columnar policy reads of its rows' packed tokens at a step (:meth:`Policy.score_columns`):
+    ``A [N, H_q]`` the attention each token receives, summed over its row's queries; ``pos`` int64
+    ``[N, H_kv]``, or read where they are (through
+    :func:`~vllm_kvevict.kernels.torch_ops.dense_positions`); ``state``: ``{name: [N, H_kv]}`` the
+    per-slot state (observed this step); the values through :meth:`values` (``V`` at ``tok``:
+    read only by a policy that asks)."""
+
+    A: torch.Tensor
+    pos: torch.Tensor | PagedKeys
+    state: dict[str, torch.Tensor]
+    V: torch.Tensor | PagedKeys
+    tok: torch.Tensor | slice = field(default_factory=lambda: slice(None))
+
+    def values(self) -> torch.Tensor:
+        """``[N, H_kv, d]``: the tokens' values (gathered if read where they are)."""
+        V = self.V[self.tok]
+        return V.gather() if isinstance(V, PagedKeys) else V
+
+
 P = TypeVar("P", bound=PolicyParams)
 
 
@@ -243,29 +264,25 @@ class Policy(Generic[P]):
         cu, L = on_device([0, view.K.shape[1]], dev), on_device([view.length], dev)
         return self.score_ragged(view.K.transpose(0, 1), view.pos.transpose(0, 1), cu, L, view.layer).transpose(0, 1)
 
-    def score_columns(
-        self, A: torch.Tensor, pos: torch.Tensor | PagedKeys, cols: Columns, state: dict[str, torch.Tensor]
-    ) -> torch.Tensor:
-        """The score of a policy that reads only its queries' attention, the positions and its
-        per-slot state, for the packed tokens of many rows at once (``A [N, H_q]`` the attention
-        each token receives, summed over its row's queries; ``pos`` int64 ``[N, H_kv]`` or read
-        where they are, through :func:`~vllm_kvevict.kernels.torch_ops.dense_positions`; rows and
-        lengths in ``cols``; ``state``: ``{name: [N, H_kv]}``, observed this step): ``[N, H_kv]``.
-        Such a policy writes its formula here once; its :meth:`score` calls it with the view's one
-        row (:meth:`score_one_row`)."""
+    def score_columns(self, x: Packed, cols: Columns) -> torch.Tensor:
+        """The score of a policy that reads only its queries' attention, the positions, its
+        per-slot state and the values, for the packed tokens of many rows at once (``x``; rows
+        and lengths in ``cols``): ``[N, H_kv]``. Such a policy writes its formula here once; its
+        :meth:`score` calls it with the view's one row (:meth:`score_one_row`)."""
         raise NotImplementedError(f"{type(self).__name__} scores row by row (score), not score_columns")
 
-    def observe_columns(self, A: torch.Tensor, state: dict[str, torch.Tensor], cols: Columns) -> None:
-        """:meth:`observe` of many rows at once, from their queries' attention (``A [N, H_q]``):
-        updates the packed per-slot ``state`` (``{name: [N, H_kv]}``) in place. A columnar policy
-        with per-slot state writes it; its rows that do not compact in a step observe here too."""
+    def observe_columns(self, x: Packed, cols: Columns) -> None:
+        """:meth:`observe` of many rows at once, from their queries' attention (``x.A``): updates
+        the packed per-slot state ``x.state`` in place. A columnar policy with per-slot state
+        writes it; its rows that do not compact in a step observe here too."""
         raise NotImplementedError(f"{type(self).__name__} observes row by row (observe), not observe_columns")
 
     def score_one_row(self, view: KVView) -> torch.Tensor:
         """:meth:`score_columns` of the view's one row: ``[H_kv, n]``."""
         cols = Columns.of_view(view, view.queries()[0].shape[1])
         state = {k: v.T for k, v in view.state.items()}
-        return self.score_columns(self.attention(view).T, view.pos.T, cols, state).T
+        x = Packed(self.attention(view).T, view.pos.T, state, view.V.transpose(0, 1))
+        return self.score_columns(x, cols).T
 
     @property
     def columnar(self) -> bool:

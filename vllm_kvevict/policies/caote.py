@@ -21,11 +21,11 @@ from typing import ClassVar, Literal, TypeVar
 import torch
 from pydantic import Field
 
-from vllm_kvevict.policies.base import KVView, Needs, Policy, PolicyParams
-from vllm_kvevict.policies.h2o import H2O, h2o_observe
+from vllm_kvevict.policies.base import Columns, KVView, Needs, Packed, Policy, PolicyParams
+from vllm_kvevict.policies.h2o import H2O, h2o_observe, h2o_observe_columns
 from vllm_kvevict.policies.h2o import STATE as H2O_STATE
-from vllm_kvevict.policies.snapkv import SnapKVParams, snapkv_needs, snapkv_scores, window_slots
-from vllm_kvevict.policies.tova import TOVA, tova_scores
+from vllm_kvevict.policies.snapkv import SnapKVParams, snapkv_columns, snapkv_needs, snapkv_scores, window_slots
+from vllm_kvevict.policies.tova import TOVA, tova_columns, tova_scores
 
 Base = Literal["h2o", "tova", "snapkv"]
 ONE_MINUS_MIN = 1e-6
@@ -59,6 +59,18 @@ class BaseScorePolicy(Policy[BP]):
         if self.params.base == "h2o":
             h2o_observe(view, self.attention(view))
 
+    def observe_columns(self, x: Packed, cols: Columns) -> None:
+        if self.params.base == "h2o":
+            h2o_observe_columns(x.A, x.state[H2O_STATE], cols.G)
+
+    def base_columns(self, x: Packed, cols: Columns) -> tuple[torch.Tensor, torch.Tensor | None]:
+        """:meth:`base_scores` of packed rows: ``[N, H_kv]`` and the protected mask (or None)."""
+        if self.params.base == "h2o":
+            return x.state[H2O_STATE].float(), None
+        if self.params.base == "tova":
+            return tova_columns(x.A, cols.G), None
+        return snapkv_columns(x.A, x.pos, cols, self.params.snapkv)
+
     def protected_slots(self, view: KVView) -> int:
         """How many slots per head :meth:`base_scores` protects (SnapKV's window; the others none)."""
         return window_slots(view, self.params.snapkv) if self.params.base == "snapkv" else 0
@@ -72,13 +84,20 @@ class BaseScorePolicy(Policy[BP]):
         return snapkv_scores(view, self.attention(view), self.params.snapkv)
 
 
-def caote_scores(h: torch.Tensor, V: torch.Tensor, fast: bool) -> torch.Tensor:
-    """Eq. 21 (``fast``: Eq. 23) for base scores ``h [H, n]`` and values ``V [H, n, d]``."""
-    total = h.sum(dim=-1, keepdim=True)
-    hn = torch.where(total > 0, h / total.clamp_min(torch.finfo(h.dtype).tiny), 1.0 / h.shape[-1])
+def caote_columns(h: torch.Tensor, V: torch.Tensor, cols: Columns, fast: bool) -> torch.Tensor:
+    """Eq. 21 (``fast``: Eq. 23) for the base scores ``h [N, H]`` and values ``V [N, H, d]`` of
+    packed rows (``cols``). Each row's sums are segmented sums, not ``index_add_`` (atomics on
+    CUDA): the same bits on every run and whichever rows share the call."""
+    lens = cols.cu[1:] - cols.cu[:-1]
+    total = torch.segment_reduce(h, "sum", lengths=lens, axis=0)[cols.row]  # [N, H]: the row's
+    n = lens[cols.row].to(h.dtype)[:, None]
+    hn = torch.where(total > 0, h / total.clamp_min(torch.finfo(h.dtype).tiny), 1.0 / n)
     V = V.float()
-    X = V.mean(dim=1, keepdim=True) if fast else torch.einsum("hn,hnd->hd", hn, V)[:, None]
-    return hn / (1 - hn).clamp_min(ONE_MINUS_MIN) * (X - V).norm(dim=-1)
+    if fast:
+        X = torch.segment_reduce(V, "sum", lengths=lens, axis=0) / lens.clamp_min(1).float()[:, None, None]
+    else:
+        X = torch.segment_reduce(hn[..., None] * V, "sum", lengths=lens, axis=0)
+    return hn / (1 - hn).clamp_min(ONE_MINUS_MIN) * (X[cols.row] - V).norm(dim=-1)
 
 
 class CAOTE(BaseScorePolicy[BaseScoreParams]):
@@ -88,8 +107,11 @@ class CAOTE(BaseScorePolicy[BaseScoreParams]):
     fast: ClassVar[bool] = False
 
     def score(self, view: KVView) -> torch.Tensor:
-        h, protected = self.base_scores(view)
-        c = caote_scores(h, view.V, self.fast)
+        return self.score_one_row(view)
+
+    def score_columns(self, x: Packed, cols: Columns) -> torch.Tensor:
+        h, protected = self.base_columns(x, cols)
+        c = caote_columns(h, x.values(), cols, self.fast)
         return c if protected is None else c.masked_fill(protected, float("inf"))
 
 

@@ -16,7 +16,7 @@ from pydantic import Field
 
 from vllm_kvevict.kernels.torch_ops import PagedKeys, dense_positions
 from vllm_kvevict.policies.attention import columns_group_mean
-from vllm_kvevict.policies.base import MAX_TOKENS_PARAM, Columns, KVView, Needs, Policy, PolicyParams
+from vllm_kvevict.policies.base import MAX_TOKENS_PARAM, Columns, KVView, Needs, Packed, Policy, PolicyParams
 
 STATE = "h2o"
 
@@ -54,12 +54,12 @@ class H2O(Policy[H2OParams]):
     def observe(self, view: KVView) -> None:
         h2o_observe(view, self.attention(view))
 
-    def observe_columns(self, A: torch.Tensor, state: dict[str, torch.Tensor], cols: Columns) -> None:
-        h2o_observe_columns(A, state[STATE], cols.G)
+    def observe_columns(self, x: Packed, cols: Columns) -> None:
+        h2o_observe_columns(x.A, x.state[STATE], cols.G)
 
     def score(self, view: KVView) -> torch.Tensor:
         L = torch.full((view.pos.shape[1],), view.length, device=view.pos.device)
         return h2o_columns(view.state[STATE].T, view.pos.T, L, self.params.recent_tokens).T
 
-    def score_columns(self, A, pos, cols: Columns, state) -> torch.Tensor:
-        return h2o_columns(state[STATE], pos, cols.L[cols.row], self.params.recent_tokens)
+    def score_columns(self, x: Packed, cols: Columns) -> torch.Tensor:
+        return h2o_columns(x.state[STATE], x.pos, cols.L[cols.row], self.params.recent_tokens)

@@ -21,7 +21,7 @@ from pydantic import Field, field_validator
 
 from vllm_kvevict.kernels.torch_ops import PagedKeys, dense_positions
 from vllm_kvevict.policies.attention import pool_segments
-from vllm_kvevict.policies.base import Columns, KVView, Needs, Policy, PolicyParams
+from vllm_kvevict.policies.base import Columns, KVView, Needs, Packed, Policy, PolicyParams
 
 #: Longest observation window. The backend keeps each request's last ``window`` queries per layer
 #: (``[H_q, window, d]``), so this bounds that buffer: 128 x 32 heads x 128 x 2 bytes = 1 MiB per
@@ -92,6 +92,6 @@ class SnapKV(Policy[SnapKVParams]):
     def score(self, view: KVView) -> torch.Tensor:
         return self.score_one_row(view)
 
-    def score_columns(self, A: torch.Tensor, pos: torch.Tensor | PagedKeys, cols: Columns, state) -> torch.Tensor:
-        s, protected = snapkv_columns(A, pos, cols, self.params)
+    def score_columns(self, x: Packed, cols: Columns) -> torch.Tensor:
+        s, protected = snapkv_columns(x.A, x.pos, cols, self.params)
         return s.masked_fill(protected, float("inf"))

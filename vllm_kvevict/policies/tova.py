@@ -13,7 +13,7 @@ from __future__ import annotations
 import torch
 
 from vllm_kvevict.policies.attention import columns_group_mean
-from vllm_kvevict.policies.base import Columns, KVView, Needs, Policy
+from vllm_kvevict.policies.base import Columns, KVView, Needs, Packed, Policy
 
 
 def tova_columns(A: torch.Tensor, G: int) -> torch.Tensor:
@@ -33,5 +33,5 @@ class TOVA(Policy):
     def score(self, view: KVView) -> torch.Tensor:
         return self.score_one_row(view)
 
-    def score_columns(self, A: torch.Tensor, pos, cols: Columns, state) -> torch.Tensor:
-        return tova_columns(A, cols.G)
+    def score_columns(self, x: Packed, cols: Columns) -> torch.Tensor:
+        return tova_columns(x.A, cols.G)
