@@ -432,9 +432,11 @@ def _attention(plan, work: list[RowWork], row_views: list[tuple[int, KVView]], g
     K_all, pos_all = t.K, t.pos  # in place, or gathered
     dev, inputs = K_all.device, [work[i].inputs for i in rows]
     Q = torch.cat([x.Q.transpose(0, 1) for x in inputs])  # [M, H_q, d]
-    q_pos = torch.cat([x.q_pos.to(dev) for x in inputs])
     m = tuple(x.Q.shape[1] for x in inputs)
+    lens = tuple(plan.seq_lens[work[i].row] for i in rows)
     cu_q = _per_step(plan, ("queries", m), lambda: Ragged.of(m, dev))
+    # a row's queries are its last positions (this step's, or its query window's): [L - m, L)
+    q_pos = _per_step(plan, ("query positions", lens, m), lambda: _last_positions(lens, m, dev))
     tok, cu_k = _packed(plan, t.bounds, rows, dev)
     x0 = inputs[0]
     scale = x0.scale if x0.scale is not None else 1.0 / math.sqrt(x0.Q.shape[-1])
@@ -447,6 +449,11 @@ def _attention(plan, work: list[RowWork], row_views: list[tuple[int, KVView]], g
         view.attn = A[ck[j] : ck[j + 1]].T
         j += 1
     return out
+
+
+def _last_positions(lens: tuple[int, ...], m: tuple[int, ...], device) -> torch.Tensor:
+    """``[sum m]`` int64: each row's last ``m`` positions ``[L - m, L)``, packed (from host lists)."""
+    return on_device([p for L, k in zip(lens, m) for p in range(L - k, L)], device)
 
 
 def _per_step(plan, key: tuple, make: Callable[[], object]):

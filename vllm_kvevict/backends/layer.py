@@ -178,7 +178,7 @@ class LayerEviction:
         q_pos: torch.Tensor | None
         if w:  # the query window moves every step
             Qw = self.query_window(plan, r, Q, w)
-            Q_sel, q_pos = Qw, torch.arange(L - Qw.shape[1], L, device=Qw.device)
+            Q_sel, q_pos = Qw, plan.arange[L - Qw.shape[1] : L]
         else:
             Q_sel, q_pos = step_queries(needs, Q, plan.positions[qsl[r] : qsl[r + 1]].long())
         if not compacts and not needs.observes:
@@ -204,8 +204,11 @@ class LayerEviction:
         prev = st.queries
         if prev is not None and st.queries_end > plan.L_prev[r]:
             prev = prev[:, : max(0, prev.shape[1] - (st.queries_end - plan.L_prev[r]))]
-        buf = Q if prev is None else torch.cat([prev, Q], dim=1)
-        st.queries = buf = buf[:, -w:].clone()
+        older = 0 if prev is None else min(prev.shape[1], w - Q.shape[1])  # kept from earlier steps
+        # one copy either way: the step's queries live in vLLM's buffer, reused by the next step
+        st.queries = buf = (
+            torch.cat([prev[:, -older:], Q], dim=1) if prev is not None and older > 0 else Q[:, -w:].clone()
+        )
         st.queries_end = plan.seq_lens[r]
         return buf
 

@@ -97,6 +97,12 @@ class StepPlan:
         return self.slot_mapping.clamp(min=0), self.positions.to(torch.int32)[:, None]
 
     @cached_property
+    def arange(self) -> torch.Tensor:
+        """``[max L]`` int64 ``0, 1, ...`` on the device: a row's positions ``[a, b)`` are a view of
+        it (``arange[a:b]``), made once per step, not once per row and layer."""
+        return torch.arange(max(self.seq_lens, default=0), device=self.block_table.device)
+
+    @cached_property
     def recall_ends(self) -> list[int]:
         """Rows whose prompt completes in this step with recall on."""
         if self.prompt_lens is None:
