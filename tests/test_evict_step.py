@@ -160,13 +160,13 @@ def test_views_path_equals_slot_path(monkeypatch, layout, dtype, kernels):
 @pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
 def test_in_place_step_equals_the_gathered_one(monkeypatch, dtype, kernels):
     """Every row scored from its keys, or its queries' attention, positions and per-slot state
-    (H2O's, one of its rows only observing): through the views the step reads the keys where they
-    are and copies only the kept tokens (no gathered window), and writes what the slot path
-    writes, byte for byte."""
+    (H2O's, one of its rows only observing; CAOTE and CriticalKV read the values too): through
+    the views the step reads the keys where they are and copies only the kept tokens (no
+    gathered window), and writes what the slot path writes, byte for byte."""
     if kernels == "triton" and not CUDA and os.environ.get("TRITON_INTERPRET") != "1":
         pytest.skip("Triton on CPU needs TRITON_INTERPRET=1 from the start")
     monkeypatch.setenv("KVEVICT_KERNELS", kernels)
-    policies = ["keydiff", "h2o", "fastcaote", "tova", "knorm", "h2o", "streamingllm", "snapkv", "knorm"]
+    policies = ["keydiff", "h2o", "fastcaote", "tova", "knorm", "h2o", "streamingllm", "snapkv", "criticalkv"]
     want = _run("flash", dtype, use_views=False, policies=policies)
     gathered = []
     monkeypatch.setattr(evict.ops, "gather_paged", lambda *a: gathered.append(a))
@@ -217,10 +217,10 @@ def test_one_selection_equals_per_row(monkeypatch, kernels):
         want = _run("flash", torch.float32)
     calls, attn_calls = [], []
     select, column_sums = ops.select_topk, ops.column_sums
-    monkeypatch.setattr(ops, "select_topk", lambda *a: calls.append(ragged(a[2]).rows) or select(*a))
+    monkeypatch.setattr(ops, "select_topk", lambda *a, **k: calls.append(ragged(a[2]).rows) or select(*a, **k))
     monkeypatch.setattr(ops, "column_sums", lambda *a: attn_calls.append(ragged(a[4]).rows) or column_sums(*a))
     got = _run("flash", torch.float32)
-    assert calls == [len(COMPACT) - 1]  # every compacting row but kvmerger's, at once
+    assert calls == [1, len(COMPACT) - 1]  # criticalkv's stage 1; then every compacting row but kvmerger's
     assert attn_calls == [sum(p in ("h2o", "kvmerger", "caote", "snapkv", "tova", "criticalkv") for p in POLICIES)]
     assert torch.equal(want[0], got[0]) and torch.equal(want[1], got[1])
     dead = _evicted_slots(got[4])  # a row's policy may leave what it observed there (h2o's rows together do)
@@ -272,3 +272,36 @@ def test_window_overlay_is_the_rows_own_state(monkeypatch):
     for k in state:
         assert torch.equal(state[k][mask], original[k][mask]), k  # the shared slots untouched
         assert torch.equal(state[k][~mask], want_state[k][~mask]), k
+
+
+@pytest.mark.parametrize("kernels", ["torch", "triton"])
+def test_recall_is_handed_what_each_row_drops(monkeypatch, kernels):
+    """Every compacting row that keeps a tier (all but the merging one) is handed exactly the
+    window tokens it did not keep, per head and in position order, with their K, V and positions
+    as they were, and the finite score it was dropped by."""
+    if kernels == "triton" and not CUDA and os.environ.get("TRITON_INTERPRET") != "1":
+        pytest.skip("Triton on CPU needs TRITON_INTERPRET=1 from the start")
+    monkeypatch.setenv("KVEVICT_KERNELS", kernels)
+    cache, write, slot_pos, state, plan, work = _setup("flash", torch.float32)
+    for w in work:
+        w.keep_evicted = w.compact and not w.policy.needs.merges
+    K0, V0 = (t.clone() for t in flash_cache.cache_views(cache))
+    evicted: dict = {}
+    kept = evict_step(
+        plan, work, BS, gather=lambda b, o: flash_cache.gather_tokens(cache, b, o), write=write, slot_pos=slot_pos,
+        slot_state=state, G=HQ // H, views=flash_cache.cache_views(cache), evicted=evicted,
+    )  # fmt: skip
+    assert sorted(evicted) == [w.row for w in work if w.keep_evicted]
+    for r, kept_pos in zip(COMPACT, kept):
+        if r not in evicted:
+            continue
+        K, V, pos, score, _ = evicted[r]
+        n = LENS[r] - E_PREV[r]
+        assert pos.shape == (n - kept_pos.shape[0], H) and bool((pos[1:] > pos[:-1]).all())
+        for h in range(H):
+            both = torch.cat([pos[:, h], kept_pos[:, h].long()]).sort().values
+            assert torch.equal(both, torch.arange(E_PREV[r], LENS[r], device=DEV)), (r, h)
+            p = pos[:, h]
+            slots = plan.block_table[r][p // BS] * BS + p % BS
+            assert torch.equal(K[:, h], K0.flatten(0, 1)[slots, h]) and torch.equal(V[:, h], V0.flatten(0, 1)[slots, h])
+        assert bool(torch.isfinite(score).all()), r

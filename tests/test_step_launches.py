@@ -33,14 +33,19 @@ BOUND = {
     ("torch", "snapkv"): 207,
     ("torch", "h2o"): 172,
     ("torch", "caote"): 192,
+    ("torch", "keydiff+recall"): 124,
+    ("torch", "criticalkv"): 252,
     ("triton", "keydiff"): 6,
     ("triton", "knorm"): 18,
     ("triton", "tova"): 8,
     ("triton", "snapkv"): 32,
     ("triton", "h2o"): 16,
     ("triton", "caote"): 36,
+    ("triton", "keydiff+recall"): 39,
+    ("triton", "criticalkv"): 40,
 }
-#: what each more request adds, as measured: SnapKV's query window is kept per request (one copy);
+#: what each more request adds, as measured: SnapKV's query window (CriticalKV's base) and recall's
+#: queries are kept per request (one copy each);
 #: torch's column sums loop over the requests (the CPU engine's)
 PER_REQUEST = {
     ("triton", "snapkv"): 1,
@@ -48,6 +53,10 @@ PER_REQUEST = {
     ("torch", "tova"): 10,
     ("torch", "h2o"): 12,
     ("torch", "caote"): 12,
+    ("triton", "keydiff+recall"): 1,
+    ("torch", "keydiff+recall"): 1,
+    ("triton", "criticalkv"): 1,
+    ("torch", "criticalkv"): 13,
 }
 
 
@@ -92,9 +101,11 @@ def triton_launches(monkeypatch):
 
 
 def _per_layer(kernels: str, policy: str, n: int, active: list) -> collections.Counter:
-    """The launches of layer 1 in the step where all ``n`` requests compact."""
-    requests = [Request(f"{policy}-{i}", 200 + 9 * i, policy) for i in range(n)]
-    driver = Driver(requests, {"policy": policy, "budget": 64}, layers=2)
+    """The launches of layer 1 in the step where all ``n`` requests compact (``<policy>+recall``:
+    with recall, the step hands what it drops to the requests' tiers)."""
+    policy, recall = policy.removesuffix("+recall"), policy.endswith("+recall")
+    requests = [Request(f"{policy}-{i}", 200 + 9 * i, policy, recall) for i in range(n)]
+    driver = Driver(requests, {"policy": policy, "budget": 64, "recall": {"enabled": recall}}, layers=2)
     counts: dict[int, Launches] = {}
 
     class Watch:
@@ -122,7 +133,9 @@ def _per_layer(kernels: str, policy: str, n: int, active: list) -> collections.C
 
 
 @pytest.mark.parametrize("kernels", ["torch", "triton"])
-@pytest.mark.parametrize("policy", ["keydiff", "knorm", "tova", "snapkv", "h2o", "caote"])
+@pytest.mark.parametrize(
+    "policy", ["keydiff", "knorm", "tova", "snapkv", "h2o", "caote", "criticalkv", "keydiff+recall"]
+)
 def test_launches_per_layer_do_not_grow_with_requests(monkeypatch, triton_launches, kernels, policy):
     """Flat in the requests (as measured where not: :data:`PER_REQUEST`), and bounded for 6."""
     if kernels == "triton" and not torch.cuda.is_available() and os.environ.get("TRITON_INTERPRET") != "1":

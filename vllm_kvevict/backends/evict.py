@@ -152,7 +152,7 @@ def evict_step(
     _write_observed(work, t, observed, slot_state, overlays or {})
     _write_group_observed(plan, work, t, observed_groups, slot_state, overlays or {})
     if evicted is not None:  # read before anything is written (the window's slots are rewritten)
-        _hand_to_recall(work, t, sel, evicted)
+        _hand_to_recall(plan, work, t, sel, evicted)
     if not geo.out:
         return []
     kept = _kept(geo, sel)
@@ -298,9 +298,13 @@ def _score_groups(plan, work, groups: dict, t: _Tokens, sel: _Selection, layer: 
         K, pos = t.K[tok], t.pos[tok]
         if policy.columnar:
             m = tuple(work[i].inputs.Q.shape[1] for i in idxs)
-            cols = _per_step(plan, ("columns", tuple(g_cu.lengths), lens, m, G), lambda: _columns(g_cu, L, m, G))
+            keep = tuple(plan.seq_lens[work[i].row] - plan.e_new[work[i].row] if work[i].compact else 0 for i in idxs)
+            cols = _per_step(
+                plan, ("columns", g_cu.host, lens, m, G, keep), lambda: _columns(g_cu, L, m, G, lens, keep)
+            )
             state = {k: t.state[k][tok] for k in policy.needs.state}  # views of ``t.state`` where ``tok`` is a slice
-            x = Packed(attn[key], pos, state, t.V, tok)
+            W_O = next((work[i].inputs.W_O for i in idxs if work[i].compact), None)
+            x = Packed(attn[key], pos, state, t.V, tok, W_O)
             if policy.needs.observes:
                 policy.observe_columns(x, cols)
                 if not isinstance(tok, slice):
@@ -320,19 +324,51 @@ def _score_groups(plan, work, groups: dict, t: _Tokens, sel: _Selection, layer: 
     return observed
 
 
-def _columns(g_cu: Ragged, L: torch.Tensor, m: tuple[int, ...], G: int) -> Columns:
+def _columns(g_cu: Ragged, L: torch.Tensor, m: tuple[int, ...], G: int, lens: tuple, keep: tuple) -> Columns:
     """The rows of a columnar group (made once per step, shared by the layers)."""
-    return Columns(g_cu.dev, torch_ops.row_ids(g_cu), L, on_device(m, L.device), G)
+    return Columns(g_cu.dev, torch_ops.row_ids(g_cu), L, on_device(m, L.device), G, g_cu, lens, keep)
 
 
-def _hand_to_recall(work, t: _Tokens, sel: _Selection, evicted: dict) -> None:
-    """What each compacting row that keeps its evicted tokens drops, with the score it was dropped by."""
-    row_scores = {work[i].row: sc for i, sc in sel.to_select}
-    for i, w in enumerate(work):
-        if w.compact and w.keep_evicted and w.row in sel.kept_tok:
-            evicted[w.row] = _dropped(
-                w.row, i, t.bounds, sel.kept_tok, row_scores, t.K, t.V, dense_positions(t.pos), t.state
-            )
+def _hand_to_recall(plan, work, t: _Tokens, sel: _Selection, evicted: dict) -> None:
+    """What each compacting row that keeps its evicted tokens drops, with the score it was dropped
+    by (``-inf`` where its policy selected without one): found for all of them at once, every
+    row's dropped tokens a slice of one packed set (``[n - keep, H]``, ascending per head)."""
+    idxs = [i for i, w in enumerate(work) if w.compact and w.keep_evicted and w.row in sel.kept_tok]
+    if not idxs:
+        return
+    dev, N, b = t.slots.device, t.bounds[-1], t.bounds
+    counts = [b[i + 1] - b[i] - sel.kept_tok[work[i].row].shape[0] for i in idxs]
+    candidates = _per_step(plan, ("to recall", b, tuple(idxs)), lambda: _marked(b, idxs, dev))
+    kept = [sel.kept_tok[work[i].row] for i in idxs]
+    drop = torch_ops.complement(N, kept[0] if len(kept) == 1 else torch.cat(kept), candidates, sum(counts))
+    take = torch_ops.per_head
+    K, V = t.dense()
+    parts = (take(K, drop), take(V, drop), take(dense_positions(t.pos), drop), take(_packed_scores(plan, t, sel), drop))
+    state = {k: take(s, drop) for k, s in t.state.items()}
+    at = 0
+    for i, n in zip(idxs, counts):
+        sl = slice(at, at + n)
+        evicted[work[i].row] = (*(x[sl] for x in parts), {k: s[sl] for k, s in state.items()})
+        at += n
+
+
+def _marked(bounds: tuple[int, ...], idxs: list[int], device) -> torch.Tensor:
+    """``[N]`` bool: the packed tokens of work rows ``idxs`` (made on the host)."""
+    mark = [0] * bounds[-1]
+    for i in idxs:
+        mark[bounds[i] : bounds[i + 1]] = [1] * (bounds[i + 1] - bounds[i])
+    return on_device(mark, device, torch.bool)
+
+
+def _packed_scores(plan, t: _Tokens, sel: _Selection) -> torch.Tensor:
+    """``[N, H]`` float32: every packed token's score as selected, ``-inf`` for rows selected
+    without one (their policy's own eviction) or not scored."""
+    H = t.dense()[0].shape[1]  # a row handing its tokens to recall is never scored in place
+    out = torch.full((t.bounds[-1], H), float("-inf"), device=t.slots.device)
+    if sel.to_select:
+        tok, _ = _packed(plan, t.bounds, [i for i, _ in sel.to_select], out.device)
+        out[tok] = sel.scores if sel.scores is not None else torch.cat([sc for _, sc in sel.to_select])
+    return out
 
 
 def _select(plan, work, t: _Tokens, sel: _Selection) -> None:
@@ -401,21 +437,6 @@ def _write_group_observed(plan, work, t: _Tokens, groups: list, slot_state, over
         slots = t.slots[tok]
         for k in names:
             slot_state[k][slots] = t.state[k][tok].to(slot_state[k].dtype)
-
-
-def _dropped(r, i, bounds, kept_tok, row_scores, K_all, V_all, pos_all, state_all):
-    """What row ``r`` drops in this compaction: its window's tokens not in ``kept_tok[r]``, per head."""
-    lo, n = bounds[i], bounds[i + 1] - bounds[i]
-    drop = torch_ops.complement(n, kept_tok[r] - lo) + lo  # [n - keep, H] into the packed tokens
-    score = row_scores.get(r)
-    score = (
-        torch_ops.per_head(score, drop - lo).float()
-        if score is not None
-        else torch.full(drop.shape, float("-inf"), device=drop.device)
-    )
-    state = {k: torch_ops.per_head(s, drop) for k, s in state_all.items()}
-    take = torch_ops.per_head
-    return take(K_all, drop), take(V_all, drop), take(pos_all, drop).long(), score, state
 
 
 def _attention(plan, work: list[RowWork], row_views: list[tuple[int, KVView]], groups: dict, t: _Tokens, G: int):

@@ -29,6 +29,7 @@ from vllm_kvevict.backends.plan import StepPlan
 from vllm_kvevict.backends.projection import output_projection
 from vllm_kvevict.backends.recall import Recall
 from vllm_kvevict.backends.slots import SlotStore
+from vllm_kvevict.kernels import torch_ops
 from vllm_kvevict.policies.base import RowInputs, step_queries
 
 
@@ -204,11 +205,7 @@ class LayerEviction:
         prev = st.queries
         if prev is not None and st.queries_end > plan.L_prev[r]:
             prev = prev[:, : max(0, prev.shape[1] - (st.queries_end - plan.L_prev[r]))]
-        older = 0 if prev is None else min(prev.shape[1], w - Q.shape[1])  # kept from earlier steps
-        # one copy either way: the step's queries live in vLLM's buffer, reused by the next step
-        st.queries = buf = (
-            torch.cat([prev[:, -older:], Q], dim=1) if prev is not None and older > 0 else Q[:, -w:].clone()
-        )
+        st.queries = buf = torch_ops.last_columns(prev, Q, w)  # one copy: Q lives in vLLM's buffer
         st.queries_end = plan.seq_lens[r]
         return buf
 

@@ -170,8 +170,7 @@ class Recall:
             rows.add(r)
             Q = query[qsl[r] : qsl[r + 1]].transpose(0, 1)  # [H_q, m, d]
             ls = plan.layer_state(r, self.key)
-            buf = Q if ls.recall_queries is None else torch.cat([ls.recall_queries, Q], dim=1)
-            ls.recall_queries = buf[:, -recall.window :].clone()
+            ls.recall_queries = torch_ops.last_columns(ls.recall_queries, Q, recall.window)
         return rows
 
     def stash(self, plan, evicted: dict) -> None:

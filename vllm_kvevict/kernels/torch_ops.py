@@ -134,13 +134,27 @@ def per_head(x: torch.Tensor, idx: torch.Tensor) -> torch.Tensor:
     return x.reshape(-1, *x.shape[2:]).index_select(0, flat).view(*idx.shape, *x.shape[2:])
 
 
-def complement(n: int, kept: torch.Tensor) -> torch.Tensor:
-    """``[n - keep, H]`` indices of ``range(n)`` not in ``kept [keep, H]`` (per head, ascending)."""
+def last_columns(prev: torch.Tensor | None, new: torch.Tensor, w: int) -> torch.Tensor:
+    """The last ``w`` of ``prev`` followed by ``new`` along dim 1, in a tensor of its own: one
+    copy, whatever it takes from each (``new`` may live in a buffer its owner reuses)."""
+    older = 0 if prev is None else min(prev.shape[1], w - new.shape[1])
+    return torch.cat([prev[:, -older:], new], dim=1) if prev is not None and older > 0 else new[:, -w:].clone()
+
+
+def complement(
+    n: int, kept: torch.Tensor, candidates: torch.Tensor | None = None, count: int | None = None
+) -> torch.Tensor:
+    """``[count, H]`` indices of ``range(n)`` not in ``kept [keep, H]`` (per head, ascending);
+    ``candidates``: ``[n]`` bool, the tokens that may be dropped (default all; ``count``, the
+    number dropped per head, then says how many: default ``n - keep``)."""
     H = kept.shape[1]
-    dropped = torch.ones(n, H, dtype=torch.bool, device=kept.device)
+    if candidates is None:
+        dropped = torch.ones(n, H, dtype=torch.bool, device=kept.device)
+    else:
+        dropped = candidates[:, None].repeat(1, H)
     dropped[kept, torch.arange(H, device=kept.device)[None, :]] = False
     order = torch.argsort((~dropped).to(torch.int8), dim=0, stable=True)
-    return order[: n - kept.shape[0]]
+    return order[: n - kept.shape[0] if count is None else count]
 
 
 def ranges(

@@ -7,7 +7,7 @@ window's keys, with the model's scaling and soft-capping (:meth:`Policy.attentio
 <vllm_kvevict.policies.base.Policy.attention>`; the engine computes every request's at once).
 Masking is causal by *position*: a query at position p sees the keys at positions <= p, whatever
 slots they moved to. GQA: each query head reads its KV head's keys (``G`` query heads per KV
-head); :func:`group_mean` averages the group's rows onto the KV head, as the KeyDiff harness does
+head); :func:`columns_group_mean` averages the group's columns onto the KV head, as the KeyDiff harness does
 (KeyDiff App. B.2).
 """
 
@@ -19,14 +19,9 @@ import torch.nn.functional as F
 from vllm_kvevict.kernels import ops
 
 
-def group_mean(x: torch.Tensor, G: int) -> torch.Tensor:
-    """``[H_q, ...]`` -> ``[H_kv, ...]``: mean over the G query heads of each KV head."""
-    return x.reshape(x.shape[0] // G, G, *x.shape[1:]).mean(dim=1)
-
-
 def columns_group_mean(A: torch.Tensor, G: int) -> torch.Tensor:
     """``[N, H_q]`` -> ``[N, H_kv]``: packed column sums averaged over each KV head's G query heads
-    (the columnar form of :func:`group_mean`)."""
+    (KeyDiff App. B.2)."""
     return A.reshape(A.shape[0], -1, G).mean(-1)
 
 

@@ -195,20 +195,26 @@ class Columns:
     """The rows of packed attention column sums (:meth:`Policy.score_columns`): row ``r`` is the
     packed tokens ``[cu[r], cu[r + 1])``; ``row``: each token's row; ``L``: each row's tokens
     computed so far; ``m``: how many queries each row's sums add up; ``G``: query heads per KV
-    head. Device tensors, made once per step."""
+    head. Device tensors, made once per step; on the host: ``ragged`` (the offsets), ``lens``
+    (each row's L) and ``keep`` (how many tokens each row keeps: 0 for a row that does not compact)."""
 
     cu: torch.Tensor
     row: torch.Tensor
     L: torch.Tensor
     m: torch.Tensor
     G: int
+    ragged: Ragged
+    lens: tuple[int, ...]
+    keep: tuple[int, ...]
 
     @classmethod
     def of_view(cls, view: KVView, m: int) -> Columns:
         """The one row of ``view``, its sums over ``m`` queries."""
         dev, n = view.K.device, view.K.shape[1]
         row = torch.zeros(n, dtype=torch.long, device=dev)
-        return cls(on_device([0, n], dev), row, on_device([view.length], dev), on_device([m], dev), view.G)
+        cu, L = Ragged.of([n], dev), view.length
+        keep = view.keep if view.keep is not None else view.budget or 0
+        return cls(cu.dev, row, on_device([L], dev), on_device([m], dev), view.G, cu, (L,), (keep,))
 
     @property
     def first(self) -> torch.Tensor:
@@ -223,13 +229,15 @@ class Packed:
     ``[N, H_kv]``, or read where they are (through
     :func:`~vllm_kvevict.kernels.torch_ops.dense_positions`); ``state``: ``{name: [N, H_kv]}`` the
     per-slot state (observed this step); the values through :meth:`values` (``V`` at ``tok``:
-    read only by a policy that asks)."""
+    read only by a policy that asks); ``W_O``: the layer's output projection ``[H_q, d, D]`` (a
+    policy with ``Needs.w_o``)."""
 
     A: torch.Tensor
     pos: torch.Tensor | PagedKeys
     state: dict[str, torch.Tensor]
     V: torch.Tensor | PagedKeys
     tok: torch.Tensor | slice = field(default_factory=lambda: slice(None))
+    W_O: torch.Tensor | None = None
 
     def values(self) -> torch.Tensor:
         """``[N, H_kv, d]``: the tokens' values (gathered if read where they are)."""
@@ -281,7 +289,7 @@ class Policy(Generic[P]):
         """:meth:`score_columns` of the view's one row: ``[H_kv, n]``."""
         cols = Columns.of_view(view, view.queries()[0].shape[1])
         state = {k: v.T for k, v in view.state.items()}
-        x = Packed(self.attention(view).T, view.pos.T, state, view.V.transpose(0, 1))
+        x = Packed(self.attention(view).T, view.pos.T, state, view.V.transpose(0, 1), W_O=view.W_O)
         return self.score_columns(x, cols).T
 
     @property
@@ -291,7 +299,7 @@ class Policy(Generic[P]):
         row: it reads its queries' attention, the positions and its per-slot state only."""
         n, cls = self.needs, type(self)
         observes = not n.state or cls.observe_columns is not Policy.observe_columns
-        return cls.score_columns is not Policy.score_columns and observes and not (n.merges or n.w_o)
+        return cls.score_columns is not Policy.score_columns and observes and not n.merges
 
     def score_ragged(
         self, K: torch.Tensor, pos: torch.Tensor, cu: torch.Tensor, L: torch.Tensor, layer: int

@@ -24,8 +24,8 @@ from pydantic import Field
 from vllm_kvevict.policies.base import Columns, KVView, Needs, Packed, Policy, PolicyParams
 from vllm_kvevict.policies.h2o import H2O, h2o_observe, h2o_observe_columns
 from vllm_kvevict.policies.h2o import STATE as H2O_STATE
-from vllm_kvevict.policies.snapkv import SnapKVParams, snapkv_columns, snapkv_needs, snapkv_scores, window_slots
-from vllm_kvevict.policies.tova import TOVA, tova_columns, tova_scores
+from vllm_kvevict.policies.snapkv import SnapKVParams, snapkv_columns, snapkv_needs
+from vllm_kvevict.policies.tova import TOVA, tova_columns
 
 Base = Literal["h2o", "tova", "snapkv"]
 ONE_MINUS_MIN = 1e-6
@@ -64,24 +64,17 @@ class BaseScorePolicy(Policy[BP]):
             h2o_observe_columns(x.A, x.state[H2O_STATE], cols.G)
 
     def base_columns(self, x: Packed, cols: Columns) -> tuple[torch.Tensor, torch.Tensor | None]:
-        """:meth:`base_scores` of packed rows: ``[N, H_kv]`` and the protected mask (or None)."""
+        """Non-negative finite base scores of packed rows ``[N, H_kv]`` and the protected mask (or None)."""
         if self.params.base == "h2o":
             return x.state[H2O_STATE].float(), None
         if self.params.base == "tova":
             return tova_columns(x.A, cols.G), None
         return snapkv_columns(x.A, x.pos, cols, self.params.snapkv)
 
-    def protected_slots(self, view: KVView) -> int:
-        """How many slots per head :meth:`base_scores` protects (SnapKV's window; the others none)."""
-        return window_slots(view, self.params.snapkv) if self.params.base == "snapkv" else 0
-
-    def base_scores(self, view: KVView) -> tuple[torch.Tensor, torch.Tensor | None]:
-        """Non-negative finite base scores ``[H_kv, n]`` and the protected mask (or None)."""
-        if self.params.base == "h2o":
-            return view.state[H2O_STATE].float(), None
-        if self.params.base == "tova":
-            return tova_scores(view, self.attention(view)), None
-        return snapkv_scores(view, self.attention(view), self.params.snapkv)
+    def protected_count(self, L: int, n: int) -> int:
+        """How many slots per head the base protects in a row of ``n`` slots and length ``L``
+        (SnapKV's window; the others none)."""
+        return min(self.params.snapkv.window, L, n) if self.params.base == "snapkv" else 0
 
 
 def caote_columns(h: torch.Tensor, V: torch.Tensor, cols: Columns, fast: bool) -> torch.Tensor:

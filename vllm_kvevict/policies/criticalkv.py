@@ -26,7 +26,7 @@ import torch
 from pydantic import Field
 
 from vllm_kvevict.kernels import ops
-from vllm_kvevict.policies.base import KVView, Needs, topk_newer
+from vllm_kvevict.policies.base import Columns, KVView, Needs, Packed
 from vllm_kvevict.policies.caote import Base, BaseScoreParams, BaseScorePolicy
 from vllm_kvevict.policies.snapkv import SnapKVParams
 
@@ -68,17 +68,20 @@ class CriticalKV(BaseScorePolicy[CriticalKVParams]):
     needs = Needs(w_o=True, trigger="once")
 
     def score(self, view: KVView) -> torch.Tensor:
+        return self.score_one_row(view)
+
+    def score_columns(self, x: Packed, cols: Columns) -> torch.Tensor:
         """Stage-1 winners (and the window) score ``+inf``; the rest their stage-2 criterion."""
-        A, protected = self.base_scores(view)
-        if protected is None:
-            protected = torch.zeros_like(A, dtype=torch.bool)
-        keep = view.kept
-        b = keep - self.protected_slots(view)
-        b1 = math.floor(self.params.alpha * b)
+        A, protected = self.base_columns(x, cols)
         inf = float("inf")
-        # Stage 1: the window and the top floor(alpha b) by attention.
-        s1 = topk_newer(A.masked_fill(protected, inf), keep - b + b1, view.pos)
-        chosen = torch.zeros_like(protected).scatter_(1, s1, True)
+        # Stage 1: the window and the top floor(alpha b) by attention, b = keep - |window|.
+        win = [self.protected_count(L, n) for L, n in zip(cols.lens, cols.ragged.lengths)]
+        first = [w + math.floor(self.params.alpha * (k - w)) if k else 0 for w, k in zip(win, cols.keep)]
+        s1 = A if protected is None else A.masked_fill(protected, inf)
+        idx, _ = ops.select_topk(s1, x.pos, cols.ragged, first, packed_offset=0)
+        chosen = torch.zeros(A.shape, dtype=torch.bool, device=A.device).scatter_(0, idx, True)
         # Stage 2: the rest of the budget by attention times the projected value norm.
-        crit = (A + self.params.eps) * projected_value_norms(view.V, view.output_projection(), view.G)  # Vp
-        return crit.masked_fill(chosen, inf)
+        if x.W_O is None:
+            raise ValueError("criticalkv reads the layer's output projection (W_O); none was given")
+        Vp = projected_value_norms(x.values().transpose(0, 1), x.W_O, cols.G).T
+        return ((A + self.params.eps) * Vp).masked_fill(chosen, inf)

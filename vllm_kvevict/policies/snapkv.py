@@ -49,12 +49,6 @@ class SnapKVParams(PolicyParams):
         return self.window + 1
 
 
-def window_slots(view: KVView, p: SnapKVParams) -> int:
-    """How many of the view's slots hold the observation window: its last, in every head (the
-    newest tokens, kept by every compaction), so known on the host, not counted on the device."""
-    return min(p.window, view.length, view.pos.shape[1])
-
-
 def snapkv_columns(
     A: torch.Tensor, pos: torch.Tensor | PagedKeys, cols: Columns, p: SnapKVParams
 ) -> tuple[torch.Tensor, torch.Tensor]:
@@ -68,12 +62,6 @@ def snapkv_columns(
     A = torch.where((torch.arange(A.shape[0], device=A.device) < pre_end)[:, None], pooled, A)
     in_win = dense_positions(pos) >= (cols.L[cols.row] - p.window)[:, None]
     return A.reshape(A.shape[0], -1, cols.G).mean(-1), in_win
-
-
-def snapkv_scores(view: KVView, A: torch.Tensor, p: SnapKVParams) -> tuple[torch.Tensor, torch.Tensor]:
-    """:func:`snapkv_columns` of one view (``A [H_q, n]``): ``[H_kv, n]`` scores and mask."""
-    s, in_win = snapkv_columns(A.T, view.pos.T, Columns.of_view(view, view.queries()[0].shape[1]), p)
-    return s.T, in_win.T
 
 
 def snapkv_needs(p: SnapKVParams) -> Needs:

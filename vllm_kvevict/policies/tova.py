@@ -21,11 +21,6 @@ def tova_columns(A: torch.Tensor, G: int) -> torch.Tensor:
     return columns_group_mean(A, G)
 
 
-def tova_scores(view: KVView, A: torch.Tensor) -> torch.Tensor:
-    """:func:`tova_columns` of one view (``A [H_q, n]``): ``[H_kv, n]``."""
-    return tova_columns(A.T, view.G).T
-
-
 class TOVA(Policy):
     name = "tova"
     needs = Needs(queries="newest", attention=True, decode=True)
