@@ -199,6 +199,19 @@ def test_triton_select_extreme_scores(tri):
         assert torch.equal(a[0], b[0]), keep
 
 
+def test_triton_select_a_row_that_keeps_nothing(tri):
+    """A row with a keep of 0 in a batch (CriticalKV's stage 1 for its rows that only observe in a
+    step) yields no indices; the others theirs, as each selected alone."""
+    g = torch.Generator().manual_seed(3)
+    scores, pos = torch.rand(30, 2, generator=g).to(DEV), torch.arange(30)[:, None].expand(30, 2).contiguous().to(DEV)
+    cu, keep = torch.tensor([0, 10, 22, 30], device=DEV), torch.tensor([3, 0, 2])
+    want = torch.cat([topk_newer(scores[a:b].T, int(k), pos[a:b].T).T + a for a, b, k in ((0, 10, 3), (22, 30, 2))])
+    for mod in (ref, tri):
+        idx, cu_keep = mod.select_topk(scores, pos, cu, keep)
+        assert cu_keep.tolist() == [0, 3, 3, 5]
+        assert torch.equal(idx + torch.tensor([0, 0, 0, 22, 22], device=DEV)[:, None], want), mod.__name__
+
+
 # -- the engine's step: batched rows against the per-row path ---------------------------------------
 
 
