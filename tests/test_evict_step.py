@@ -80,10 +80,15 @@ def _setup(layout: str, dtype: torch.dtype, policies: list[str] = POLICIES):
     )
     Q = torch.randn(HQ, qsl[-1], D, generator=g).to(dev)
     W_O = torch.randn(HQ, D, 96, generator=g).to(dev)
-    work = []
+    work, made = [], {}
     for r, name in enumerate(policies):
-        cls = POLICY_CLASSES[name]
-        pol = cls(cls.Params(recent_ratio=0.1, heavy_ratio=0.1, threshold=0.0) if name == "kvmerger" else None)
+        if name not in made:  # one object per policy and parameters, as the engine's
+            policy, _, base = name.partition(":")  # "<policy>:<base>": CAOTE's or CriticalKV's base score
+            cls = POLICY_CLASSES[policy]
+            params = cls.Params(base=base) if base else None
+            kvmerger = cls.Params(recent_ratio=0.1, heavy_ratio=0.1, threshold=0.0) if policy == "kvmerger" else None
+            made[name] = cls(kvmerger or params)
+        pol = made[name]
         L = LENS[r]
         Qw = torch.randn(HQ, 32, D, generator=g).to(dev)
         if pol.needs.query_window:  # the request's last 32 queries, kept by the backend
@@ -305,3 +310,23 @@ def test_recall_is_handed_what_each_row_drops(monkeypatch, kernels):
             slots = plan.block_table[r][p // BS] * BS + p % BS
             assert torch.equal(K[:, h], K0.flatten(0, 1)[slots, h]) and torch.equal(V[:, h], V0.flatten(0, 1)[slots, h])
         assert bool(torch.isfinite(score).all()), r
+
+
+@pytest.mark.parametrize("kernels", ["torch", "triton"])
+def test_base_scores_with_state_observe_and_score_together(monkeypatch, kernels):
+    """CAOTE and CriticalKV on an H2O base: their rows that only observe in a step (row 5) are
+    observed with the compacting ones, and CriticalKV's stage 1 selects nothing for them; the
+    state (on live slots), kept sets and cache equal each row through its policy object."""
+    if kernels == "triton" and not CUDA and os.environ.get("TRITON_INTERPRET") != "1":
+        pytest.skip("Triton on CPU needs TRITON_INTERPRET=1 from the start")
+    monkeypatch.setenv("KVEVICT_KERNELS", kernels)
+    policies = ["keydiff", "criticalkv:h2o", "caote:h2o", "keydiff", "knorm", "criticalkv:h2o"]
+    policies += ["criticalkv:h2o", "fastcaote:h2o", "criticalkv"]
+    with monkeypatch.context() as m:
+        m.setenv("KVEVICT_BATCHED", "0")
+        want = _run("flash", torch.float32, policies=policies)
+    got = _run("flash", torch.float32, policies=policies)
+    assert torch.equal(want[0], got[0]) and torch.equal(want[1], got[1])
+    dead = _evicted_slots(got[4])
+    assert torch.equal(want[2]["h2o"][~dead], got[2]["h2o"][~dead])
+    assert len(got[3]) == len(COMPACT) and all(torch.equal(a, b) for a, b in zip(want[3], got[3]))
