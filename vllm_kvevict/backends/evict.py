@@ -205,7 +205,9 @@ class _Selection:
     kept_tok: dict[int, torch.Tensor] = field(default_factory=dict)
     merged: dict[int, tuple[torch.Tensor, torch.Tensor]] = field(default_factory=dict)
     to_select: list[tuple[int, torch.Tensor]] = field(default_factory=list)
-    scores: torch.Tensor | None = None  # every score of ``to_select`` in one tensor, when one call made them
+    scores: torch.Tensor | None = (
+        None  # every score of ``to_select`` in one tensor (one call made them, or the selection)
+    )
     packed: torch.Tensor | None = None  # the selection's kept tokens of rows ``packed_rows``, in order
     packed_rows: list[int] = field(default_factory=list)
 
@@ -326,7 +328,7 @@ def _score_groups(plan, work, groups: dict, t: _Tokens, sel: _Selection, layer: 
 
 def _columns(g_cu: Ragged, L: torch.Tensor, m: tuple[int, ...], G: int, lens: tuple, keep: tuple) -> Columns:
     """The rows of a columnar group (made once per step, shared by the layers)."""
-    return Columns(g_cu.dev, torch_ops.row_ids(g_cu), L, on_device(m, L.device), G, g_cu, lens, keep)
+    return Columns(torch_ops.row_ids(g_cu), L, on_device(m, L.device), G, g_cu, lens, keep)
 
 
 def _hand_to_recall(plan, work, t: _Tokens, sel: _Selection, evicted: dict) -> None:
@@ -365,9 +367,9 @@ def _packed_scores(plan, t: _Tokens, sel: _Selection) -> torch.Tensor:
     without one (their policy's own eviction) or not scored."""
     H = t.dense()[0].shape[1]  # a row handing its tokens to recall is never scored in place
     out = torch.full((t.bounds[-1], H), float("-inf"), device=t.slots.device)
-    if sel.to_select:
+    if sel.scores is not None:  # every selected row's, packed by the selection
         tok, _ = _packed(plan, t.bounds, [i for i, _ in sel.to_select], out.device)
-        out[tok] = sel.scores if sel.scores is not None else torch.cat([sc for _, sc in sel.to_select])
+        out[tok] = sel.scores
     return out
 
 
@@ -379,7 +381,9 @@ def _select(plan, work, t: _Tokens, sel: _Selection) -> None:
     sel_rows = [work[i].row for i in idxs]
     tok, s_cu = _packed(plan, t.bounds, idxs, t.K.device)
     keep = [plan.seq_lens[r] - plan.e_new[r] for r in sel_rows]
-    scores = sel.scores if sel.scores is not None else torch.cat([s for _, s in sel.to_select])
+    if sel.scores is None:  # kept: recall reads them again
+        sel.scores = torch.cat([s for _, s in sel.to_select])
+    scores = sel.scores
     if isinstance(tok, slice):  # consecutive rows: the selection gives indices into the packed tokens
         sel.packed, _ = ops.select_topk(scores, t.pos[tok], s_cu, keep, packed_offset=tok.start)
     else:  # each row's first packed token added, once per kept token (made by the step's first layer)

@@ -193,12 +193,12 @@ def step_queries(needs: Needs, Q: torch.Tensor, q_pos: torch.Tensor) -> tuple[to
 @dataclass(frozen=True)
 class Columns:
     """The rows of packed attention column sums (:meth:`Policy.score_columns`): row ``r`` is the
-    packed tokens ``[cu[r], cu[r + 1])``; ``row``: each token's row; ``L``: each row's tokens
-    computed so far; ``m``: how many queries each row's sums add up; ``G``: query heads per KV
-    head. Device tensors, made once per step; on the host: ``ragged`` (the offsets), ``lens``
-    (each row's L) and ``keep`` (how many tokens each row keeps: 0 for a row that does not compact)."""
+    packed tokens ``[cu[r], cu[r + 1])`` (``ragged``: those offsets on the host and the device);
+    ``row``: each token's row; ``L``: each row's tokens computed so far; ``m``: how many queries
+    each row's sums add up; ``G``: query heads per KV head. Device tensors, made once per step; on
+    the host: ``lens`` (each row's L) and ``keep`` (how many tokens each row keeps: 0 for a row
+    that does not compact)."""
 
-    cu: torch.Tensor
     row: torch.Tensor
     L: torch.Tensor
     m: torch.Tensor
@@ -214,7 +214,17 @@ class Columns:
         row = torch.zeros(n, dtype=torch.long, device=dev)
         cu, L = Ragged.of([n], dev), view.length
         keep = view.keep if view.keep is not None else view.budget or 0
-        return cls(cu.dev, row, on_device([L], dev), on_device([m], dev), view.G, cu, (L,), (keep,))
+        return cls(row, on_device([L], dev), on_device([m], dev), view.G, cu, (L,), (keep,))
+
+    @property
+    def cu(self) -> torch.Tensor:
+        """``[R + 1]``: the rows' offsets on the device."""
+        return self.ragged.dev
+
+    @property
+    def counts(self) -> torch.Tensor:
+        """``[R]``: each row's packed tokens, on the device."""
+        return self.cu[1:] - self.cu[:-1]
 
     @property
     def first(self) -> torch.Tensor:

@@ -81,7 +81,7 @@ def caote_columns(h: torch.Tensor, V: torch.Tensor, cols: Columns, fast: bool) -
     """Eq. 21 (``fast``: Eq. 23) for the base scores ``h [N, H]`` and values ``V [N, H, d]`` of
     packed rows (``cols``). Each row's sums are segmented sums, not ``index_add_`` (atomics on
     CUDA): the same bits on every run and whichever rows share the call."""
-    lens = cols.cu[1:] - cols.cu[:-1]
+    lens = cols.counts
     total = torch.segment_reduce(h, "sum", lengths=lens, axis=0)[cols.row]  # [N, H]: the row's
     n = lens[cols.row].to(h.dtype)[:, None]
     hn = torch.where(total > 0, h / total.clamp_min(torch.finfo(h.dtype).tiny), 1.0 / n)

@@ -56,7 +56,7 @@ def snapkv_columns(
     window's mean attention, pooled within the prefix; its window slots: that mean, raw) and the
     mask of the protected window positions; ``A [N, H_q]``: the window's attention summed per key."""
     A = A / cols.m[cols.row][:, None]  # mean over each row's window
-    n = cols.cu[1:] - cols.cu[:-1]
+    n = cols.counts
     pre_end = (cols.cu[1:] - torch.minimum(cols.L.clamp(max=p.window), n))[cols.row]  # window slots last
     pooled = pool_segments(A, cols.first, pre_end, p.kernel, p.pooling)
     A = torch.where((torch.arange(A.shape[0], device=A.device) < pre_end)[:, None], pooled, A)
