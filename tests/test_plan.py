@@ -188,14 +188,17 @@ def test_an_attempt_starts_its_query_window_afresh():
     from vllm_kvevict.backends.flash_layout import FLASH_LAYOUT
     from vllm_kvevict.backends.layer import LayerEviction
     from vllm_kvevict.backends.layout import Heads
+    from vllm_kvevict.policies.snapkv import SnapKV, SnapKVParams
 
     layer = LayerEviction(FLASH_LAYOUT, Heads(2, 1, 0.5), "model.layers.0.self_attn.attn", 0)
+
+    policy = SnapKV(SnapKVParams(window=8))
 
     def window(L_prev, m, start):
         step = RunnerStep(**{**_step(["a"], [1000], [None]).__dict__, "starts": frozenset({"a"} if start else ())})
         plan = plan_step(_cm([L_prev + m], [m]), SERVER, BS, step)
-        Q = torch.full((2, m, 4), float(L_prev))
-        return layer.query_window(plan, 0, Q, 8)
+        query = torch.full((m, 2, 4), float(L_prev))
+        return layer.query_windows(plan, [policy], query)[0]
 
     assert window(0, 5, True).shape[1] == 5
     assert window(5, 5, False).shape[1] == 8  # the attempt's queries accumulate up to the window

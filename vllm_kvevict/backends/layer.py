@@ -27,9 +27,9 @@ from vllm_kvevict.backends.evict import RowWork, evict_step
 from vllm_kvevict.backends.layout import CacheLayout, Heads
 from vllm_kvevict.backends.plan import StepPlan
 from vllm_kvevict.backends.projection import output_projection
+from vllm_kvevict.backends.queries import QueryWindows, Renewal
 from vllm_kvevict.backends.recall import Recall
 from vllm_kvevict.backends.slots import SlotStore
-from vllm_kvevict.kernels import torch_ops
 from vllm_kvevict.policies.base import RowInputs, step_queries
 
 
@@ -70,6 +70,7 @@ class LayerEviction:
         self.key = name or f"layer@{id(self)}"
         self.slots = SlotStore()
         self.recall = Recall(layout, self.slots, heads, self.key, index)
+        self.windows = QueryWindows("queries")
         self._w_o: torch.Tensor | None = None
 
     def before(self, query: torch.Tensor, kv_cache: torch.Tensor, plan: StepPlan) -> None:
@@ -148,16 +149,17 @@ class LayerEviction:
         """The rows with something to do in this step, each with what its policy reads; a row whose
         inputs cannot be prepared (e.g. no W_O on this model) falls back to the safe policy."""
         compact = set(plan.compact_rows)
+        windows = self.query_windows(plan, policies, query)
         work = []
         for r, policy in enumerate(policies):
             if policy is None:
                 continue
             try:
-                item = self._row_work(plan, r, policy, r in compact, query)
+                item = self._row_work(plan, r, policy, r in compact, query, windows.get(r))
             except Exception as err:  # noqa: BLE001 - e.g. no W_O on this model: that request falls back
                 fault.fall_back(plan.states[r], plan.req_ids[r] if plan.req_ids else None, policy, err)
                 try:
-                    item = self._row_work(plan, r, fault.SAFE_POLICY, r in compact, query)
+                    item = self._row_work(plan, r, fault.SAFE_POLICY, r in compact, query, None)
                 except Exception:  # noqa: BLE001 - the safe policy reads nothing it prepares
                     item = RowWork(r, fault.SAFE_POLICY, True) if r in compact else None
             if item is not None:
@@ -166,24 +168,50 @@ class LayerEviction:
                 work.append(item)
         return work
 
-    def _row_work(self, plan: StepPlan, r: int, policy, compacts: bool, query) -> RowWork | None:
+    def query_windows(self, plan: StepPlan, policies: list, query) -> dict[int, torch.Tensor]:
+        """The query windows of the rows whose policy keeps one (they move every step), renewed
+        together: row -> its last ``w`` queries ``[H_q, <=w, d]``, this step's included. Queries
+        kept from an earlier step at positions this step computes again go first: speculative
+        decoding's draft tokens that the sampler rejected (their positions are now other
+        tokens'). If they cannot be renewed (out of memory), those rows fall back."""
+        rows = [r for r, p in enumerate(policies) if p is not None and p.needs.query_window]
+        if not rows:
+            return {}
+        qsl, renewals = plan.query_start_loc, []
+        for r in rows:
+            ls = plan.layer_state(r, self.key)
+            Q = query[qsl[r] : qsl[r + 1]].transpose(0, 1)  # [H_q, m, d]
+            renewals.append(Renewal(ls, Q, policies[r].needs.query_window, max(0, ls.queries_end - plan.L_prev[r])))
+        try:
+            got = self.windows.renew(renewals)
+        except Exception as err:  # noqa: BLE001 - e.g. out of memory: those requests fall back
+            for r in rows:
+                fault.fall_back(plan.states[r], plan.req_ids[r] if plan.req_ids else None, policies[r], err)
+                policies[r] = fault.SAFE_POLICY
+            return {}
+        for r in rows:
+            plan.layer_state(r, self.key).queries_end = plan.seq_lens[r]
+        return dict(zip(rows, got))
+
+    def _row_work(
+        self, plan: StepPlan, r: int, policy, compacts: bool, query, window: torch.Tensor | None
+    ) -> RowWork | None:
         """What row ``r``'s policy needs besides the KV (its :class:`~vllm_kvevict.policies.Needs`:
-        queries, W_O), or None when it has nothing to do in this step."""
+        queries, W_O), or None when it has nothing to do in this step. ``window``: its query window
+        (a policy with one)."""
         needs = policy.needs
-        w = needs.query_window
-        if not compacts and not needs.observes and not w:
-            return None
-        qsl, L = plan.query_start_loc, plan.seq_lens[r]
-        Q = query[qsl[r] : qsl[r + 1]].transpose(0, 1)  # [H_q, m, d]
-        Q_sel: torch.Tensor | None
-        q_pos: torch.Tensor | None
-        if w:  # the query window moves every step
-            Qw = self.query_window(plan, r, Q, w)
-            Q_sel, q_pos = Qw, plan.arange[L - Qw.shape[1] : L]
-        else:
-            Q_sel, q_pos = step_queries(needs, Q, plan.positions[qsl[r] : qsl[r + 1]].long())
         if not compacts and not needs.observes:
             return None
+        qsl, L = plan.query_start_loc, plan.seq_lens[r]
+        Q_sel: torch.Tensor | None
+        q_pos: torch.Tensor | None
+        if needs.query_window:
+            if window is None:
+                raise RuntimeError("kvevict: the row's query window was not renewed")
+            Q_sel, q_pos = window, plan.arange[L - window.shape[1] : L]
+        else:
+            Q = query[qsl[r] : qsl[r + 1]].transpose(0, 1)  # [H_q, m, d]
+            Q_sel, q_pos = step_queries(needs, Q, plan.positions[qsl[r] : qsl[r + 1]].long())
         h = self.heads
         inputs = RowInputs(
             L=L,
@@ -196,18 +224,6 @@ class LayerEviction:
             W_O=self.w_o() if needs.w_o and compacts else None,
         )
         return RowWork(r, policy, compacts, inputs)
-
-    def query_window(self, plan: StepPlan, r: int, Q: torch.Tensor, w: int) -> torch.Tensor:
-        """The request's last ``w`` queries ``[H_q, <=w, d]``, this step's included. Queries kept from
-        an earlier step at positions this step computes again go first: speculative decoding's
-        draft tokens that the sampler rejected (their positions are now other tokens')."""
-        st = plan.layer_state(r, self.key)
-        prev = st.queries
-        if prev is not None and st.queries_end > plan.L_prev[r]:
-            prev = prev[:, : max(0, prev.shape[1] - (st.queries_end - plan.L_prev[r]))]
-        st.queries = buf = torch_ops.last_columns(prev, Q, w)  # one copy: Q lives in vLLM's buffer
-        st.queries_end = plan.seq_lens[r]
-        return buf
 
     def w_o(self) -> torch.Tensor:
         """The layer's output projection ``[H_q, d, D]`` on this rank, read the first time a policy asks."""

@@ -34,6 +34,7 @@ from vllm_kvevict._logging import logger
 from vllm_kvevict.backends import fault
 from vllm_kvevict.backends.dump import dump_kept
 from vllm_kvevict.backends.layout import CacheLayout, Heads
+from vllm_kvevict.backends.queries import QueryWindows, Renewal
 from vllm_kvevict.backends.slots import SlotStore
 from vllm_kvevict.backends.tier_store import TIERS, Tier, TierEntry, best_entries, merge_entries
 from vllm_kvevict.backends.tier_store import on_device as tier_on_device
@@ -154,6 +155,7 @@ class Recall:
 
     def __init__(self, layout: CacheLayout, slots: SlotStore, heads: Heads, key: Hashable, index: int) -> None:
         self.layout, self.slots, self.heads, self.key, self.index = layout, slots, heads, key, index
+        self.queries = QueryWindows("recall_queries")
 
     def rows(self, plan, policies, query) -> set[int]:
         """Rows whose request keeps a recall tier in this step (recall on, its prompt not complete
@@ -162,15 +164,15 @@ class Recall:
         rows: set[int] = set()
         if not plan.states or plan.prompt_lens is None:
             return rows
-        qsl = plan.query_start_loc
+        qsl, renewals = plan.query_start_loc, []
         for r, (st, policy) in enumerate(zip(plan.states, policies)):
             recall = st.settings.recall
             if policy is None or not recall.enabled or policy.needs.merges or plan.L_prev[r] >= plan.prompt_lens[r]:
                 continue
             rows.add(r)
             Q = query[qsl[r] : qsl[r + 1]].transpose(0, 1)  # [H_q, m, d]
-            ls = plan.layer_state(r, self.key)
-            ls.recall_queries = torch_ops.last_columns(ls.recall_queries, Q, recall.window)
+            renewals.append(Renewal(plan.layer_state(r, self.key), Q, recall.window))
+        self.queries.renew(renewals)  # one copy for every row
         return rows
 
     def stash(self, plan, evicted: dict) -> None:

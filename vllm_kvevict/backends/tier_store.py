@@ -190,9 +190,11 @@ class TierStore:
     ) -> None:
         """One layer's tier of ``request_id`` right after its compaction at ``point``, with its latest
         queries (kept only for a request whose windows the engine core caches: it started the
-        attempt with a Start)."""
+        attempt with a Start); the queries copied (a view of a layer's renewed windows would hold
+        every request's)."""
         if request_id in self._snapshotting:
-            self._taken.setdefault((request_id, point), {})[layer] = LayerSnapshot(entries, queries)
+            own = None if queries is None else queries.clone()
+            self._taken.setdefault((request_id, point), {})[layer] = LayerSnapshot(entries, own)
 
     def apply(self, messages: Iterable[Message]) -> None:
         """The engine core's messages for the step about to be built, in order."""

@@ -134,13 +134,6 @@ def per_head(x: torch.Tensor, idx: torch.Tensor) -> torch.Tensor:
     return x.reshape(-1, *x.shape[2:]).index_select(0, flat).view(*idx.shape, *x.shape[2:])
 
 
-def last_columns(prev: torch.Tensor | None, new: torch.Tensor, w: int) -> torch.Tensor:
-    """The last ``w`` of ``prev`` followed by ``new`` along dim 1, in a tensor of its own: one
-    copy, whatever it takes from each (``new`` may live in a buffer its owner reuses)."""
-    older = 0 if prev is None else min(prev.shape[1], w - new.shape[1])
-    return torch.cat([prev[:, -older:], new], dim=1) if prev is not None and older > 0 else new[:, -w:].clone()
-
-
 def complement(
     n: int, kept: torch.Tensor, candidates: torch.Tensor | None = None, count: int | None = None
 ) -> torch.Tensor:
