@@ -444,7 +444,7 @@ def test_every_op_has_both_implementations(tri):
         params = [list(inspect.signature(getattr(mod, name)).parameters) for mod in (ops, ref, tri)]
         assert params[0] == params[1] == params[2], name
     # the policies' scores: stated in torch in the policy's file, fused in Triton, same parameters
-    assert set(FUSED) == {"keydiff_scores", "key_norms", "projected_value_norms", "pool_segments"}
+    assert set(FUSED) == {"keydiff_scores", "key_norms", "projected_value_norms", "pool_segments", "snapkv_scores"}
     for name, statement in FUSED.items():
         assert list(inspect.signature(getattr(tri, name)).parameters) == list(inspect.signature(statement).parameters)
 
@@ -519,3 +519,34 @@ def test_pool_segments_is_pool1d_per_segment_and_triton_has_its_bits(tri, mode, 
         if n - t:
             want = pool1d(x[a : a + n - t].T, kernel, mode).T
             torch.testing.assert_close(got[a : a + n - t], want, rtol=1e-6, atol=1e-7)
+
+
+@pytest.mark.parametrize("mode", ["avg", "max"])
+@pytest.mark.parametrize("G", [1, 3])
+def test_snapkv_scores_in_one_kernel_equal_its_statement(tri, mode, G):
+    """SnapKV's window mean, pooling within each row's prefix, group mean and the window's
+    protection in one Triton kernel: the statement's scores (close: the group's mean adds in
+    another order), ``+inf`` exactly where the statement protects; positions packed or read where
+    they are (the in-place step); rows shorter than the window, one that computed fewer tokens
+    than it holds, and an empty one."""
+    g = torch.Generator().manual_seed(G)
+    lens, Ls, ms, H, window = [40, 5, 0, 300, 33], [40, 5, 0, 290, 700], [32, 5, 1, 32, 3], 2, 32
+    N, bs = sum(lens), 32
+    cu = ref.cu_from_lengths(torch.tensor(lens)).to(DEV)
+    row = torch.repeat_interleave(torch.arange(len(lens)), torch.tensor(lens)).to(DEV)
+    A = (torch.rand(N, H * G, generator=g) * 5).to(DEV)
+    L, m = torch.tensor(Ls, device=DEV), torch.tensor(ms, device=DEV)
+    pos = torch.stack([torch.randperm(max(Ls) + 1, generator=g)[:N] for _ in range(H)], 1)
+    pos = torch.minimum(pos, L[row].cpu()[:, None] - 1).to(DEV)  # a row's tokens are older than its L
+    slots = torch.randperm(N + 7, generator=g)[:N].to(DEV)
+    pcache = torch.full(((N + 7 + bs - 1) // bs, bs, H), -1, dtype=torch.int32, device=DEV)
+    pcache[slots // bs, slots % bs] = pos.to(torch.int32)
+    paged = ref.PagedKeys(pcache, slots // bs, slots % bs)
+    for protect in (False, True):
+        args = (row, cu, m, L, G, window, 7, mode, protect)
+        want = FUSED["snapkv_scores"](A, pos, *args)
+        for p in (pos, paged):
+            got = tri.snapkv_scores(A, p, *args)
+            assert torch.equal(got.isinf(), want.isinf()) and (want.isinf().any() == protect)
+            fin = ~want.isinf()
+            torch.testing.assert_close(got[fin], want[fin], rtol=1e-6, atol=1e-7)

@@ -67,3 +67,22 @@ def test_rejected_drafts_go_and_replaced_windows_are_not_copied_along():
     gc.collect()
     (w,) = windows.renew([Renewal(a, _queries(8, 1), 8)])
     assert _held(w) == list(range(1, 9))
+
+
+def test_windows_renewed_together_are_read_without_a_copy():
+    """The column sums read the renewed windows of a step's rows, in order, as one view of the
+    renewal's buffer (``joined``: no copy); parts that do not lie back to back are concatenated."""
+    from vllm_kvevict.kernels.torch_ops import joined
+
+    windows = QueryWindows("queries")
+    states = [LayerState() for _ in range(3)]
+    got = windows.renew([Renewal(s, _queries(10 * i, 4 + i), 8) for i, s in enumerate(states)])
+    parts = [w.transpose(0, 1) for w in got]
+    with Launches() as counted:
+        Q = joined(parts)
+    assert not counted.ops and torch.equal(Q, torch.cat(parts))
+    assert Q.untyped_storage().data_ptr() == parts[0].untyped_storage().data_ptr()
+    for order in ([parts[1], parts[0], parts[2]], [parts[0], parts[2]], [parts[0], _queries(0, 3).transpose(0, 1)]):
+        with Launches() as counted:
+            Q = joined(order)
+        assert sum(counted.ops.values()) == 1 and torch.equal(Q, torch.cat(order))

@@ -456,7 +456,7 @@ def _attention(plan, work: list[RowWork], row_views: list[tuple[int, KVView]], g
         return {}
     K_all, pos_all = t.K, t.pos  # in place, or gathered
     dev, inputs = K_all.device, [work[i].inputs for i in rows]
-    Q = torch.cat([x.Q.transpose(0, 1) for x in inputs])  # [M, H_q, d]
+    Q = torch_ops.joined([x.Q.transpose(0, 1) for x in inputs])  # [M, H_q, d]: no copy where renewed together
     m = tuple(x.Q.shape[1] for x in inputs)
     lens = tuple(plan.seq_lens[work[i].row] for i in rows)
     cu_q = _per_step(plan, ("queries", m), lambda: Ragged.of(m, dev))

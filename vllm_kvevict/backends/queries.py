@@ -5,7 +5,9 @@ recall's latest queries), renewed for all the requests of a step with one copy.
 A request's window is its last ``w`` queries ``[H_q, <=w, d]``: what it kept before this step,
 then this step's own (which live in vLLM's query buffer, reused by the next step, so they must be
 copied). The step's new windows are made by one ``torch.cat`` of every request's parts, each
-window a view of the result: the copies do not grow with the requests of the step. A request that
+window a view of the result (``[sum w, H_q, d]``, the rows' windows back to back, so the column sums over them read
+it as it is: :func:`~vllm_kvevict.kernels.torch_ops.joined`): the copies do not grow with the
+requests of the step. A request that
 keeps a window from the last renewal but is not in this step has its window copied along, so one
 tensor per layer is live whichever requests the scheduler leaves out (a window is never pinned
 in a buffer the others have left).
@@ -55,18 +57,19 @@ class QueryWindows:
                 prev = prev[:, : max(0, prev.shape[1] - x.drop)]
             older = 0 if prev is None else min(prev.shape[1], x.w - x.Q.shape[1])
             new = [prev[:, prev.shape[1] - older :], x.Q] if older > 0 else [x.Q[:, -x.w :]]
-            parts += new
+            parts += [t.transpose(0, 1) for t in new]
             spans.append(sum(t.shape[1] for t in new))
         states = [x.ls for x in rows]
         for ls in self._others(states):
-            parts.append(getattr(ls, self.attr))
-            spans.append(parts[-1].shape[1])
+            parts.append(getattr(ls, self.attr).transpose(0, 1))
+            spans.append(parts[-1].shape[0])
             states.append(ls)
-        self._buf = buf = torch.cat(parts, dim=1)
+        # [sum w, H_q, d]: the rows' windows back to back, as the column sums read their queries
+        self._buf = buf = torch.cat(parts)
         self._holders = {}
         at = 0
         for ls, n in zip(states, spans):
-            setattr(ls, self.attr, buf[:, at : at + n])
+            setattr(ls, self.attr, buf[at : at + n].transpose(0, 1))
             self._holders[id(ls)] = weakref.ref(ls)
             at += n
         return [getattr(x.ls, self.attr) for x in rows]

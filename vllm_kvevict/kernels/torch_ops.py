@@ -134,6 +134,21 @@ def per_head(x: torch.Tensor, idx: torch.Tensor) -> torch.Tensor:
     return x.reshape(-1, *x.shape[2:]).index_select(0, flat).view(*idx.shape, *x.shape[2:])
 
 
+def joined(parts: list[torch.Tensor]) -> torch.Tensor:
+    """``torch.cat(parts)`` (along dim 0), without a copy where the parts already lie back to back
+    in one tensor with the same strides and sizes past dim 0 (e.g. the views of a step's renewed
+    query windows, in order): then a view of them."""
+    first = parts[0]
+    at, ptr = first.storage_offset(), first.untyped_storage().data_ptr()
+    for t in parts:
+        same = t.stride() == first.stride() and t.shape[1:] == first.shape[1:]
+        if not same or t.untyped_storage().data_ptr() != ptr or t.storage_offset() != at:
+            return torch.cat(parts)
+        at += t.shape[0] * t.stride(0)
+    M = sum(t.shape[0] for t in parts)
+    return first.as_strided((M, *first.shape[1:]), first.stride(), first.storage_offset())
+
+
 def complement(
     n: int, kept: torch.Tensor, candidates: torch.Tensor | None = None, count: int | None = None
 ) -> torch.Tensor:

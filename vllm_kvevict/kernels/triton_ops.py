@@ -406,6 +406,102 @@ def pool_segments(x, start, end, kernel: int, mode: str):
 
 
 @triton.jit
+def _snapkv_kernel(
+    a_ptr,
+    row_ptr,
+    cu_ptr,
+    m_ptr,
+    L_ptr,
+    p_ptr,
+    blk_ptr,
+    off_ptr,
+    out_ptr,
+    N,
+    p_b,
+    p_o,
+    p_h,
+    HQ: tl.constexpr,
+    G: tl.constexpr,
+    WINDOW: tl.constexpr,
+    PAD: tl.constexpr,
+    AVG: tl.constexpr,
+    PROTECT: tl.constexpr,
+    PAGED: tl.constexpr,
+    TILE_T: tl.constexpr,
+):
+    """Grid (token tile, KV head): each token's mean over its query window, pooled within its
+    row's prefix (raw in the row's last ``WINDOW`` slots), averaged over the head's query group;
+    ``PROTECT``: ``+inf`` where its position is among the row's last ``WINDOW``."""
+    i = (tl.program_id(0) * TILE_T + tl.arange(0, TILE_T)).to(tl.int64)
+    h = tl.program_id(1)
+    ok = i < N
+    r = tl.load(row_ptr + i, mask=ok, other=0)
+    start = tl.load(cu_ptr + r, mask=ok, other=0)
+    end = tl.load(cu_ptr + r + 1, mask=ok, other=0)
+    L = tl.load(L_ptr + r, mask=ok, other=0)
+    m = tl.load(m_ptr + r, mask=ok, other=1).to(tl.float32)
+    pre_end = end - tl.minimum(tl.minimum(L, WINDOW), end - start)
+    in_pre = i < pre_end
+    fill = 0.0 if AVG else float("-inf")
+    total = tl.zeros([TILE_T], dtype=tl.float32)
+    for g in tl.static_range(G):
+        c = h * G + g
+        own = tl.load(a_ptr + i * HQ + c, mask=ok, other=0.0) / m
+        j = i - PAD
+        acc = tl.load(a_ptr + j * HQ + c, mask=ok & in_pre & (j >= start) & (j < pre_end), other=fill) / m
+        for o in tl.static_range(1, 2 * PAD + 1):
+            j = i - PAD + o
+            v = tl.load(a_ptr + j * HQ + c, mask=ok & in_pre & (j >= start) & (j < pre_end), other=fill) / m
+            acc = acc + v if AVG else tl.maximum(acc, v)
+        if AVG:
+            acc = acc / (2 * PAD + 1)
+        total += tl.where(in_pre, acc, own)
+    s = total / G
+    if PROTECT:
+        p = _pos_at(p_ptr, blk_ptr, off_ptr, i, ok, h, p_b, p_o, p_h, PAGED)
+        s = tl.where(p >= L - WINDOW, float("inf"), s)
+    tl.store(out_ptr + i * (HQ // G) + h, s, mask=ok)
+
+
+def snapkv_scores(A, pos, row, cu, m, L, G: int, window: int, kernel: int, pooling: str, protect: bool):
+    N, Hq = A.shape
+    H = Hq // G
+    out = torch.empty(N, H, dtype=torch.float32, device=A.device)
+    if N == 0:
+        return out
+    paged = isinstance(pos, PagedKeys)
+    if paged:
+        p, blk, off = pos.cache, pos.blocks, pos.offsets
+        strides = pos.cache.stride()[:3]
+    else:
+        p = pos.contiguous()
+        blk = off = p
+        strides = (p.stride(0), 0, p.stride(1))
+    _snapkv_kernel[(triton.cdiv(N, TILE), H)](
+        A.float().contiguous(),
+        row.long().contiguous(),
+        cu.long().contiguous(),
+        m.contiguous(),
+        L.long().contiguous(),
+        p,
+        blk,
+        off,
+        out,
+        N,
+        *strides,
+        HQ=Hq,
+        G=G,
+        WINDOW=window,
+        PAD=kernel // 2,
+        AVG=pooling == "avg",
+        PROTECT=protect,
+        PAGED=paged,
+        TILE_T=TILE,
+    )
+    return out
+
+
+@triton.jit
 def _sort_key(s, p):
     """int64 key ordering (score, position); see torch_ops.sort_keys."""
     bits = (s + 0.0).to(tl.int32, bitcast=True).to(tl.int64)

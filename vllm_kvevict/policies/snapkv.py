@@ -19,6 +19,7 @@ from typing import Literal
 import torch
 from pydantic import Field, field_validator
 
+from vllm_kvevict.kernels import ops
 from vllm_kvevict.kernels.torch_ops import PagedKeys, dense_positions
 from vllm_kvevict.policies.attention import pool_segments
 from vllm_kvevict.policies.base import Columns, KVView, Needs, Packed, Policy, PolicyParams
@@ -52,16 +53,39 @@ class SnapKVParams(PolicyParams):
 def snapkv_columns(
     A: torch.Tensor, pos: torch.Tensor | PagedKeys, cols: Columns, p: SnapKVParams
 ) -> tuple[torch.Tensor, torch.Tensor]:
-    """SnapKV's formula over packed rows: finite scores ``[N, H_kv]`` (each row's prefix: its
-    window's mean attention, pooled within the prefix; its window slots: that mean, raw) and the
-    mask of the protected window positions; ``A [N, H_q]``: the window's attention summed per key."""
-    A = A / cols.m[cols.row][:, None]  # mean over each row's window
-    n = cols.counts
-    pre_end = (cols.cu[1:] - torch.minimum(cols.L.clamp(max=p.window), n))[cols.row]  # window slots last
-    pooled = pool_segments(A, cols.first, pre_end, p.kernel, p.pooling)
+    """SnapKV's finite scores ``[N, H_kv]`` of packed rows (:func:`snapkv_scores`) and the mask of
+    the protected window positions (for policies that build on them)."""
+    s = snapkv_scores(A, pos, cols.row, cols.cu, cols.m, cols.L, cols.G, p.window, p.kernel, p.pooling, False)
+    return s, dense_positions(pos) >= (cols.L[cols.row] - p.window)[:, None]
+
+
+@ops.fused("snapkv_scores")
+def snapkv_scores(
+    A: torch.Tensor,
+    pos: torch.Tensor | PagedKeys,
+    row: torch.Tensor,
+    cu: torch.Tensor,
+    m: torch.Tensor,
+    L: torch.Tensor,
+    G: int,
+    window: int,
+    kernel: int,
+    pooling: str,
+    protect: bool,
+) -> torch.Tensor:
+    """SnapKV's formula over packed rows (row ``r``: tokens ``[cu[r], cu[r + 1])``, ``L[r]`` long,
+    ``m[r]`` queries; ``row``: each token's): ``[N, H_kv]``, each row's prefix its window's mean
+    attention pooled within the prefix, its window slots that mean raw, averaged over each KV
+    head's query group; ``protect``: ``+inf`` at the window's positions (``>= L - window``).
+    ``A [N, H_q]``: the window's attention summed per key."""
+    A = A / m[row][:, None]  # mean over each row's window
+    pre_end = (cu[1:] - torch.minimum(L.clamp(max=window), cu[1:] - cu[:-1]))[row]  # window slots last
+    pooled = pool_segments(A, cu[:-1][row], pre_end, kernel, pooling)
     A = torch.where((torch.arange(A.shape[0], device=A.device) < pre_end)[:, None], pooled, A)
-    in_win = dense_positions(pos) >= (cols.L[cols.row] - p.window)[:, None]
-    return A.reshape(A.shape[0], -1, cols.G).mean(-1), in_win
+    s = A.reshape(A.shape[0], -1, G).mean(-1)
+    if protect:
+        s = s.masked_fill(dense_positions(pos) >= (L[row] - window)[:, None], float("inf"))
+    return s
 
 
 def snapkv_needs(p: SnapKVParams) -> Needs:
@@ -81,5 +105,5 @@ class SnapKV(Policy[SnapKVParams]):
         return self.score_one_row(view)
 
     def score_columns(self, x: Packed, cols: Columns) -> torch.Tensor:
-        s, protected = snapkv_columns(x.A, x.pos, cols, self.params)
-        return s.masked_fill(protected, float("inf"))
+        p = self.params
+        return snapkv_scores(x.A, x.pos, cols.row, cols.cu, cols.m, cols.L, cols.G, p.window, p.kernel, p.pooling, True)
