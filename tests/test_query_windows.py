@@ -86,3 +86,31 @@ def test_windows_renewed_together_are_read_without_a_copy():
         with Launches() as counted:
             Q = joined(order)
         assert sum(counted.ops.values()) == 1 and torch.equal(Q, torch.cat(order))
+
+
+def test_windows_that_cannot_be_renewed_fall_back_their_requests_only(monkeypatch):
+    """A renewal that raises (out of memory) falls back the requests whose policy keeps a window,
+    to the safe policy, and turns recall off for those that keep recall's queries (they keep what
+    their policy keeps); the step goes on: every request compacts, nothing escapes."""
+    from tests.step_driver import Driver, Request
+    from vllm_kvevict.backends import queries
+
+    def fail(self, rows):
+        if rows:
+            raise torch.OutOfMemoryError("no memory for the query windows")
+        return []
+
+    requests = [Request("snap", 300, "snapkv"), Request("kd", 280, "keydiff"), Request("rc", 290, "keydiff", True)]
+    driver = Driver(requests, {"policy": "keydiff", "budget": 64})
+    try:
+        steps = driver.schedule(chunk=96, decodes=2)
+        driver.step(next(steps))
+        assert not driver.fell_back()
+        monkeypatch.setattr(queries.QueryWindows, "renew", fail)
+        compacted = set()
+        for tokens in steps:
+            plan = driver.step(tokens)
+            compacted |= {plan.req_ids[r] for r in plan.compact_rows}
+        assert driver.fell_back() == ["snap: snapkv", "rc: recall"] and compacted == {"snap", "kd", "rc"}
+    finally:
+        driver.close()

@@ -172,7 +172,13 @@ class Recall:
             rows.add(r)
             Q = query[qsl[r] : qsl[r + 1]].transpose(0, 1)  # [H_q, m, d]
             renewals.append(Renewal(plan.layer_state(r, self.key), Q, recall.window))
-        self.queries.renew(renewals)  # one copy for every row
+        try:
+            self.queries.renew(renewals)  # one copy for every row
+        except Exception as err:  # noqa: BLE001 - e.g. out of memory: those rows keep what their policy keeps
+            for r in sorted(rows):
+                plan.layer_state(r, self.key).tier = None
+                self.failed(plan, r, err)
+            return set()
         return rows
 
     def stash(self, plan, evicted: dict) -> None:
