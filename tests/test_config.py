@@ -344,3 +344,26 @@ def test_recall_decode_scores_the_answer_with_recall_s_equation():
         assert st.decode_policy is st.policy
     with pytest.raises(KVEvictConfigError, match="decode"):
         parse_config({"recall": {"decode": "answer"}})
+
+
+def test_a_stride_below_the_window_says_windows_are_not_shared():
+    """``cache_windows`` with a ``chunked`` stride below ``W`` caches no window (a compaction
+    would rewrite an earlier point's): the server says why at start-up, and agrees with what
+    each request then does (``RequestSettings.shares_windows``)."""
+    from vllm_kvevict.request import resolve
+
+    cases = [
+        ({"budget": 512, "stride": 256}, True),
+        ({"budget": 512, "stride": 500}, False),  # both round up to 512 blocks of 32
+        ({"budget": 512}, False),
+        ({"budget": 512, "stride": 256, "cache_windows": False}, False),
+        ({"budget": 512, "stride": 256, "trigger": "once"}, False),
+        ({"policy": "criticalkv", "budget": 512, "stride": 256}, False),  # its own trigger: once
+    ]
+    for data, warned in cases:
+        cfg = parse_config(data)
+        why = cfg.windows_not_shared(32)
+        assert (why is not None) == warned, data
+        if warned:
+            assert "stride 256" in why and "(512)" in why
+            assert not resolve(cfg, None, 32).shares_windows

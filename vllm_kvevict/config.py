@@ -286,6 +286,18 @@ class KVEvictConfig(_build_model()):  # type: ignore[misc]
             stride=round_up(self.stride, block_size) if self.stride else 0,
         )
 
+    def windows_not_shared(self, block_size: int) -> str | None:
+        """Why compacted windows are never cached for reuse under this configuration although
+        ``cache_windows`` asks for them (None: they are, or it does not ask): a ``chunked`` stride
+        below ``W`` (a compaction would rewrite the window an earlier point cached)."""
+        w = self.window(block_size)
+        if not (self.cache_windows and w.enabled and w.trigger == "chunked") or w.step >= w.window:
+            return None
+        return (
+            f"stride {w.step} is below the budget rounded up to a block ({w.window}): compacted windows are not "
+            "cached for reuse (cache_windows needs a stride of at least that; unset stride for the budget)"
+        )
+
     def summary(self) -> str:
         if not self.enabled:
             return "eviction disabled"

@@ -53,6 +53,10 @@ def check_config(vllm_config) -> None:
         logger.debug("kvevict: configuration from %s: %s", source, cfg.summary())
         _check_kv_cache_dtype(vllm_config, cfg)
         _refuse_unsafe_combinations(vllm_config, cfg)
+        cache = getattr(vllm_config, "cache_config", None)
+        why = cfg.windows_not_shared(getattr(cache, "block_size", None) or 16)
+        if why is not None and getattr(cache, "enable_prefix_caching", False):
+            logger.warning("kvevict: %s", why)
     else:
         logger.warning(
             "kvevict: a kvevict configuration was given (%s) but the attention backend is not "
