@@ -444,7 +444,14 @@ def test_every_op_has_both_implementations(tri):
         params = [list(inspect.signature(getattr(mod, name)).parameters) for mod in (ops, ref, tri)]
         assert params[0] == params[1] == params[2], name
     # the policies' scores: stated in torch in the policy's file, fused in Triton, same parameters
-    assert set(FUSED) == {"keydiff_scores", "key_norms", "projected_value_norms", "pool_segments", "snapkv_scores"}
+    assert set(FUSED) == {
+        "keydiff_scores",
+        "key_norms",
+        "projected_value_norms",
+        "pool_segments",
+        "snapkv_scores",
+        "caote_scores",
+    }
     for name, statement in FUSED.items():
         assert list(inspect.signature(getattr(tri, name)).parameters) == list(inspect.signature(statement).parameters)
 
@@ -550,3 +557,27 @@ def test_snapkv_scores_in_one_kernel_equal_its_statement(tri, mode, G):
             assert torch.equal(got.isinf(), want.isinf()) and (want.isinf().any() == protect)
             fin = ~want.isinf()
             torch.testing.assert_close(got[fin], want[fin], rtol=1e-6, atol=1e-7)
+
+
+@pytest.mark.parametrize("fast", [False, True])
+def test_caote_scores_in_one_kernel_equal_its_statement(tri, fast):
+    """CAOTE's closed form (FastCAOTE's) in one Triton kernel, one program per (row, KV head):
+    the statement's errors (close: the row's sums add in tiles), values packed or read where they
+    are; rows longer than a tile, of one token, empty, and one whose base scores are all zero
+    (each token then weighs 1/n)."""
+    g = torch.Generator().manual_seed(int(fast))
+    lens, H, D, bs = [150, 1, 0, 40, 7], 2, 24, 32
+    N = sum(lens)
+    cu = ref.cu_from_lengths(torch.tensor(lens)).to(DEV)
+    row = torch.repeat_interleave(torch.arange(len(lens)), torch.tensor(lens)).to(DEV)
+    h = torch.rand(N, H, generator=g)
+    h[151:191] = 0.0  # row 3: no base score at all
+    h = h.to(DEV)
+    V = torch.randn(N, H, D, generator=g).to(DEV)
+    slots = torch.randperm(N + 9, generator=g)[:N].to(DEV)
+    cache = torch.zeros((N + 9 + bs - 1) // bs, bs, H, D, device=DEV)
+    cache[slots // bs, slots % bs] = V
+    want = FUSED["caote_scores"](h, V, cu, row, fast)
+    assert torch.isfinite(want).all()
+    for v in (V, ref.PagedKeys(cache, slots // bs, slots % bs)):
+        torch.testing.assert_close(tri.caote_scores(h, v, cu, row, fast), want, rtol=1e-5, atol=1e-6)

@@ -40,7 +40,7 @@ BOUND = {
     ("triton", "tova"): 8,
     ("triton", "snapkv"): 8,
     ("triton", "h2o"): 15,
-    ("triton", "caote"): 35,
+    ("triton", "caote"): 15,
     ("triton", "keydiff+recall"): 34,
     ("triton", "criticalkv"): 22,
 }

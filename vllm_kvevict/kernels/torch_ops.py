@@ -35,6 +35,8 @@ import torch
 import torch.nn.functional as F
 
 EPS = 1e-8
+#: CAOTE's floor of ``1 - h^norm`` (a token holding all of its row's base score)
+ONE_MINUS_MIN = 1e-6
 #: query rows per matmul in :func:`column_sums`: bounds the transient [H_q, rows, n] tensor
 ROW_CHUNK = 256
 

@@ -25,7 +25,7 @@ import torch
 import triton
 import triton.language as tl
 
-from vllm_kvevict.kernels.torch_ops import EPS, PagedKeys, Ragged, cu_from_lengths, keep_counts, ragged
+from vllm_kvevict.kernels.torch_ops import EPS, ONE_MINUS_MIN, PagedKeys, Ragged, cu_from_lengths, keep_counts, ragged
 
 TILE = 128
 
@@ -1144,5 +1144,101 @@ def projected_value_norms(V, W_O, G: int):
     TT = 64 if Bd <= 128 else 32
     _proj_norm_kernel[(H, triton.cdiv(n, TT))](
         V, W_O, out, n, *V.stride(), *W_O.stride(), D, G=G, d=d, TILE_T=TT, BLOCK_d=Bd, TILE_D=64, PREC=prec
+    )
+    return out
+
+
+@triton.jit
+def _caote_kernel(
+    h_ptr,
+    v_ptr,
+    blk_ptr,
+    off_ptr,
+    cu_ptr,
+    out_ptr,
+    s_b,
+    s_o,
+    s_h,
+    s_d,
+    one_minus_min,
+    tiny,
+    H: tl.constexpr,
+    D: tl.constexpr,
+    BLOCK_D: tl.constexpr,
+    FAST: tl.constexpr,
+    PAGED: tl.constexpr,
+    TILE_T: tl.constexpr,
+):
+    """Grid (row, KV head): the row's base scores summed, then ``X`` (each value weighted by its
+    normalised score as the statement weighs it, or their mean), then each token's error
+    ``h^norm / (1 - h^norm) * ||X - v||``."""
+    r = tl.program_id(0)
+    hd = tl.program_id(1)
+    t0, n = _row_range(cu_ptr, r)
+    d = tl.arange(0, BLOCK_D)
+    sh = tl.zeros([TILE_T], dtype=tl.float32)
+    for start in tl.range(0, n, TILE_T):
+        j = start + tl.arange(0, TILE_T)
+        sh += tl.load(h_ptr + (t0 + j).to(tl.int64) * H + hd, mask=j < n, other=0.0)
+    total = tl.sum(sh, axis=0)
+    nf = tl.maximum(n, 1).to(tl.float32)
+    X = tl.zeros([BLOCK_D], dtype=tl.float32)
+    for start in tl.range(0, n, TILE_T):
+        j = start + tl.arange(0, TILE_T)
+        tok = (t0 + j).to(tl.int64)
+        at = _key_offsets(blk_ptr, off_ptr, tok, j < n, hd, d, s_b, s_o, s_h, s_d, PAGED)
+        v = tl.load(v_ptr + at, mask=(j < n)[:, None] & (d < D)[None, :], other=0.0).to(tl.float32)
+        if FAST:
+            X += tl.sum(v, axis=0)
+        else:
+            hv = tl.load(h_ptr + tok * H + hd, mask=j < n, other=0.0)
+            hn = tl.where(total > 0, hv / tl.maximum(total, tiny), 1.0 / nf)
+            X += tl.sum(tl.where((j < n)[:, None], hn[:, None] * v, 0.0), axis=0)
+    if FAST:
+        X = X / nf
+    for start in tl.range(0, n, TILE_T):
+        j = start + tl.arange(0, TILE_T)
+        tok = (t0 + j).to(tl.int64)
+        hv = tl.load(h_ptr + tok * H + hd, mask=j < n, other=0.0)
+        at = _key_offsets(blk_ptr, off_ptr, tok, j < n, hd, d, s_b, s_o, s_h, s_d, PAGED)
+        v = tl.load(v_ptr + at, mask=(j < n)[:, None] & (d < D)[None, :], other=0.0).to(tl.float32)
+        hn = tl.where(total > 0, hv / tl.maximum(total, tiny), 1.0 / nf)
+        diff = tl.where((d < D)[None, :], X[None, :] - v, 0.0)
+        dist = tl.sqrt(tl.sum(diff * diff, axis=1))
+        tl.store(out_ptr + tok * H + hd, hn / tl.maximum(1.0 - hn, one_minus_min) * dist, mask=j < n)
+
+
+def caote_scores(h, V, cu, row, fast: bool):
+    """:func:`vllm_kvevict.policies.caote.caote_scores` in one launch; ``V`` packed or read where
+    it is (:class:`PagedKeys`)."""
+    N, H = h.shape
+    out = torch.empty(N, H, dtype=torch.float32, device=h.device)
+    R = cu.shape[0] - 1
+    if N == 0 or R == 0:
+        return out
+    if isinstance(V, PagedKeys):
+        v, blk, off, strides, paged = V.cache, V.blocks, V.offsets, V.cache.stride(), True
+        D = V.cache.shape[-1]
+    else:
+        v = V.contiguous()
+        blk = off = cu
+        D = v.shape[-1]
+        strides, paged = (H * D, 0, D, 1), False
+    _caote_kernel[(R, H)](
+        h.float().contiguous(),
+        v,
+        blk,
+        off,
+        cu.long().contiguous(),
+        out,
+        *strides,
+        ONE_MINUS_MIN,
+        torch.finfo(torch.float32).tiny,
+        H=H,
+        D=D,
+        BLOCK_D=max(16, triton.next_power_of_2(D)),
+        FAST=fast,
+        PAGED=paged,
+        TILE_T=64,
     )
     return out

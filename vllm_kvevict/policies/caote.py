@@ -21,6 +21,8 @@ from typing import ClassVar, Literal, TypeVar
 import torch
 from pydantic import Field
 
+from vllm_kvevict.kernels import ops
+from vllm_kvevict.kernels.torch_ops import ONE_MINUS_MIN, PagedKeys
 from vllm_kvevict.policies.base import Columns, KVView, Needs, Packed, Policy, PolicyParams
 from vllm_kvevict.policies.h2o import H2O, h2o_observe, h2o_observe_columns
 from vllm_kvevict.policies.h2o import STATE as H2O_STATE
@@ -28,7 +30,6 @@ from vllm_kvevict.policies.snapkv import SnapKVParams, snapkv_columns, snapkv_ne
 from vllm_kvevict.policies.tova import TOVA, tova_columns
 
 Base = Literal["h2o", "tova", "snapkv"]
-ONE_MINUS_MIN = 1e-6
 
 
 class BaseScoreParams(PolicyParams):
@@ -77,20 +78,30 @@ class BaseScorePolicy(Policy[BP]):
         return min(self.params.snapkv.window, L, n) if self.params.base == "snapkv" else 0
 
 
-def caote_columns(h: torch.Tensor, V: torch.Tensor, cols: Columns, fast: bool) -> torch.Tensor:
-    """Eq. 21 (``fast``: Eq. 23) for the base scores ``h [N, H]`` and values ``V [N, H, d]`` of
-    packed rows (``cols``). Each row's sums are segmented sums, not ``index_add_`` (atomics on
-    CUDA): the same bits on every run and whichever rows share the call."""
-    lens = cols.counts
-    total = torch.segment_reduce(h, "sum", lengths=lens, axis=0)[cols.row]  # [N, H]: the row's
-    n = lens[cols.row].to(h.dtype)[:, None]
+def caote_columns(h: torch.Tensor, V: torch.Tensor | PagedKeys, cols: Columns, fast: bool) -> torch.Tensor:
+    """Eq. 21 (``fast``: Eq. 23) for the base scores ``h [N, H]`` and values ``V [N, H, d]`` (or
+    read where they are) of packed rows (``cols``)."""
+    return caote_scores(h, V, cols.cu, cols.row, fast)
+
+
+@ops.fused("caote_scores")
+def caote_scores(
+    h: torch.Tensor, V: torch.Tensor | PagedKeys, cu: torch.Tensor, row: torch.Tensor, fast: bool
+) -> torch.Tensor:
+    """Eq. 21 (``fast``: Eq. 23) of packed rows (row ``r``: tokens ``[cu[r], cu[r + 1])``;
+    ``row``: each token's): ``[N, H]``. Each row's sums are segmented sums, not ``index_add_``
+    (atomics on CUDA): the same bits on every run and whichever rows share the call."""
+    V = V.gather() if isinstance(V, PagedKeys) else V
+    lens = cu[1:] - cu[:-1]
+    total = torch.segment_reduce(h, "sum", lengths=lens, axis=0)[row]  # [N, H]: the row's
+    n = lens[row].to(h.dtype)[:, None]
     hn = torch.where(total > 0, h / total.clamp_min(torch.finfo(h.dtype).tiny), 1.0 / n)
     V = V.float()
     if fast:
         X = torch.segment_reduce(V, "sum", lengths=lens, axis=0) / lens.clamp_min(1).float()[:, None, None]
     else:
         X = torch.segment_reduce(hn[..., None] * V, "sum", lengths=lens, axis=0)
-    return hn / (1 - hn).clamp_min(ONE_MINUS_MIN) * (X[cols.row] - V).norm(dim=-1)
+    return hn / (1 - hn).clamp_min(ONE_MINUS_MIN) * (X[row] - V).norm(dim=-1)
 
 
 class CAOTE(BaseScorePolicy[BaseScoreParams]):
@@ -104,7 +115,7 @@ class CAOTE(BaseScorePolicy[BaseScoreParams]):
 
     def score_columns(self, x: Packed, cols: Columns) -> torch.Tensor:
         h, protected = self.base_columns(x, cols)
-        c = caote_columns(h, x.values(), cols, self.fast)
+        c = caote_columns(h.float(), x.V[x.tok], cols, self.fast)
         return c if protected is None else c.masked_fill(protected, float("inf"))
 
 
