@@ -5,12 +5,11 @@ recall's latest queries), renewed for all the requests of a step with one copy.
 A request's window is its last ``w`` queries ``[H_q, <=w, d]``: what it kept before this step,
 then this step's own (which live in vLLM's query buffer, reused by the next step, so they must be
 copied). The step's new windows are made by one ``torch.cat`` of every request's parts, each
-window a view of the result (``[sum w, H_q, d]``, the rows' windows back to back, so the column sums over them read
-it as it is: :func:`~vllm_kvevict.kernels.torch_ops.joined`): the copies do not grow with the
-requests of the step. A request that
-keeps a window from the last renewal but is not in this step has its window copied along, so one
-tensor per layer is live whichever requests the scheduler leaves out (a window is never pinned
-in a buffer the others have left).
+window a view of the result (``[sum w, H_q, d]``, the rows' windows back to back, so the column
+sums read them as they are: :func:`~vllm_kvevict.kernels.torch_ops.joined`): the copies do not
+grow with the requests of the step. A request that keeps a window from the last renewal but is not
+in this step has its window copied along, so one tensor per layer is live whichever requests the
+scheduler leaves out (a window is never pinned in a buffer the others have left).
 """
 
 from __future__ import annotations
@@ -41,7 +40,7 @@ class QueryWindows:
 
     def __init__(self, attr: str) -> None:
         self.attr = attr
-        self._buf: torch.Tensor | None = None  # the last renewal's windows, side by side on dim 1
+        self._buf: torch.Tensor | None = None  # the last renewal's windows, back to back on dim 0
         self._holders: dict[int, weakref.ref[LayerState]] = {}  # the states holding a view of it
 
     def renew(self, rows: list[Renewal]) -> list[torch.Tensor]:

@@ -17,12 +17,19 @@ import torch
 import torch.nn.functional as F
 
 from vllm_kvevict.kernels import ops
+from vllm_kvevict.kernels.torch_ops import PagedKeys, dense_positions
 
 
 def columns_group_mean(A: torch.Tensor, G: int) -> torch.Tensor:
     """``[N, H_q]`` -> ``[N, H_kv]``: packed column sums averaged over each KV head's G query heads
     (KeyDiff App. B.2)."""
     return A.reshape(A.shape[0], -1, G).mean(-1)
+
+
+def in_window(pos: torch.Tensor | PagedKeys, L: torch.Tensor, window: int) -> torch.Tensor:
+    """``[N, H_kv]``: whether each token's position is among its row's last ``window`` (``L [N]``:
+    each token's row length; ``pos`` packed or read where they are)."""
+    return dense_positions(pos) >= (L - window)[:, None]
 
 
 def pool1d(x: torch.Tensor, kernel: int, mode: str) -> torch.Tensor:

@@ -221,16 +221,6 @@ class Columns:
         """``[R + 1]``: the rows' offsets on the device."""
         return self.ragged.dev
 
-    @property
-    def counts(self) -> torch.Tensor:
-        """``[R]``: each row's packed tokens, on the device."""
-        return self.cu[1:] - self.cu[:-1]
-
-    @property
-    def first(self) -> torch.Tensor:
-        """``[N]``: each token's row's first packed index."""
-        return self.cu[:-1][self.row]
-
 
 @dataclass
 class Packed:

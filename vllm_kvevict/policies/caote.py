@@ -78,12 +78,6 @@ class BaseScorePolicy(Policy[BP]):
         return min(self.params.snapkv.window, L, n) if self.params.base == "snapkv" else 0
 
 
-def caote_columns(h: torch.Tensor, V: torch.Tensor | PagedKeys, cols: Columns, fast: bool) -> torch.Tensor:
-    """Eq. 21 (``fast``: Eq. 23) for the base scores ``h [N, H]`` and values ``V [N, H, d]`` (or
-    read where they are) of packed rows (``cols``)."""
-    return caote_scores(h, V, cols.cu, cols.row, fast)
-
-
 @ops.fused("caote_scores")
 def caote_scores(
     h: torch.Tensor, V: torch.Tensor | PagedKeys, cu: torch.Tensor, row: torch.Tensor, fast: bool
@@ -115,7 +109,7 @@ class CAOTE(BaseScorePolicy[BaseScoreParams]):
 
     def score_columns(self, x: Packed, cols: Columns) -> torch.Tensor:
         h, protected = self.base_columns(x, cols)
-        c = caote_columns(h.float(), x.V[x.tok], cols, self.fast)
+        c = caote_scores(h.float(), x.V[x.tok], cols.cu, cols.row, self.fast)
         return c if protected is None else c.masked_fill(protected, float("inf"))
 
 

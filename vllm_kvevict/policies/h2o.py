@@ -14,8 +14,8 @@ from __future__ import annotations
 import torch
 from pydantic import Field
 
-from vllm_kvevict.kernels.torch_ops import PagedKeys, dense_positions
-from vllm_kvevict.policies.attention import columns_group_mean
+from vllm_kvevict.kernels.torch_ops import PagedKeys
+from vllm_kvevict.policies.attention import columns_group_mean, in_window
 from vllm_kvevict.policies.base import MAX_TOKENS_PARAM, Columns, KVView, Needs, Packed, Policy, PolicyParams
 
 STATE = "h2o"
@@ -43,7 +43,7 @@ def h2o_columns(acc: torch.Tensor, pos: torch.Tensor | PagedKeys, L: torch.Tenso
     """``[N, H_kv]``: the accumulators (``acc`` itself where nothing is protected: scores are only
     read), the ``recent`` newest positions of each row (its length ``L [N]`` per token) protected."""
     s = acc.float()
-    return s.masked_fill(dense_positions(pos) >= (L - recent)[:, None], float("inf")) if recent else s
+    return s.masked_fill(in_window(pos, L, recent), float("inf")) if recent else s
 
 
 class H2O(Policy[H2OParams]):

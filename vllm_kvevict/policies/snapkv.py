@@ -20,8 +20,8 @@ import torch
 from pydantic import Field, field_validator
 
 from vllm_kvevict.kernels import ops
-from vllm_kvevict.kernels.torch_ops import PagedKeys, dense_positions
-from vllm_kvevict.policies.attention import pool_segments
+from vllm_kvevict.kernels.torch_ops import PagedKeys
+from vllm_kvevict.policies.attention import in_window, pool_segments
 from vllm_kvevict.policies.base import Columns, KVView, Needs, Packed, Policy, PolicyParams
 
 #: Longest observation window. The backend keeps each request's last ``window`` queries per layer
@@ -56,7 +56,7 @@ def snapkv_columns(
     """SnapKV's finite scores ``[N, H_kv]`` of packed rows (:func:`snapkv_scores`) and the mask of
     the protected window positions (for policies that build on them)."""
     s = snapkv_scores(A, pos, cols.row, cols.cu, cols.m, cols.L, cols.G, p.window, p.kernel, p.pooling, False)
-    return s, dense_positions(pos) >= (cols.L[cols.row] - p.window)[:, None]
+    return s, in_window(pos, cols.L[cols.row], p.window)
 
 
 @ops.fused("snapkv_scores")
@@ -84,7 +84,7 @@ def snapkv_scores(
     A = torch.where((torch.arange(A.shape[0], device=A.device) < pre_end)[:, None], pooled, A)
     s = A.reshape(A.shape[0], -1, G).mean(-1)
     if protect:
-        s = s.masked_fill(dense_positions(pos) >= (L[row] - window)[:, None], float("inf"))
+        s = s.masked_fill(in_window(pos, L[row], window), float("inf"))
     return s
 
 
