@@ -122,7 +122,6 @@ def test_triton_gather_scores_select_scatter(tri, case, dtype):
     # the keys read in place, through their blocks: the same reads as from the gathered copy
     blocks, offs, _ = ref.logical_tokens(bt, rows, st, en, bs)
     assert torch.equal(tri.keydiff_scores_paged(ref.PagedKeys(kc, blocks, offs), cu), tri.keydiff_scores(K, cu))
-    assert torch.equal(tri.key_norms_paged(ref.PagedKeys(kc, blocks, offs)), tri.key_norms(K))
     # some tokens of each head copied out of the cache: the gathered copy's
     pos = torch.randperm(max(1, K.shape[0] * H), generator=torch.Generator().manual_seed(case))[: K.shape[0] * H]
     pos = pos.reshape(K.shape[0], H).to(DEV)
@@ -447,6 +446,7 @@ def test_every_op_has_both_implementations(tri):
     assert set(FUSED) == {
         "keydiff_scores",
         "key_norms",
+        "knorm_scores",
         "projected_value_norms",
         "pool_segments",
         "snapkv_scores",
@@ -557,6 +557,38 @@ def test_snapkv_scores_in_one_kernel_equal_its_statement(tri, mode, G):
             assert torch.equal(got.isinf(), want.isinf()) and (want.isinf().any() == protect)
             fin = ~want.isinf()
             torch.testing.assert_close(got[fin], want[fin], rtol=1e-6, atol=1e-7)
+
+
+def test_knorm_scores_in_one_kernel_equal_its_statement(tri):
+    """K-norm's norms and its sink and recent tokens' protection in one Triton kernel: the
+    statement's scores, ``+inf`` exactly where it protects; keys and positions packed or read where
+    they are (the in-place step); a row split over several programs, a short one, an empty one,
+    and one that computed more tokens than it holds."""
+    g = torch.Generator().manual_seed(3)
+    lens, Ls, H, D, bs = [2300, 5, 0, 140], [2300, 5, 0, 900], 2, 24, 32
+    N = sum(lens)
+    cu = ref.cu_from_lengths(torch.tensor(lens)).to(DEV)
+    row = torch.repeat_interleave(torch.arange(len(lens)), torch.tensor(lens))
+    L = torch.tensor(Ls, device=DEV)
+    K = torch.randn(N, H, D, generator=g).to(DEV)
+    pos = (torch.rand(N, H, generator=g) * L.cpu()[row][:, None]).long().to(DEV)  # older than the row's L
+    slots = torch.randperm(N + 9, generator=g)[:N].to(DEV)
+    kcache = torch.zeros((N + 9 + bs - 1) // bs, bs, H, D, device=DEV)
+    kcache[slots // bs, slots % bs] = K
+    pcache = torch.full(kcache.shape[:3], -1, dtype=torch.int32, device=DEV)
+    pcache[slots // bs, slots % bs] = pos.to(torch.int32)
+    keys, paged = ref.PagedKeys(kcache, slots // bs, slots % bs), ref.PagedKeys(pcache, slots // bs, slots % bs)
+    assert tri.knorm_scores_paged(keys, paged, cu, L, 4, 10).shape == (N, H)
+    for sink, recent in ((4, 10), (0, 0), (3, 200)):
+        want = FUSED["knorm_scores"](K, pos, cu, L, sink, recent)
+        assert want.isinf().any() == (sink + recent > 0)
+        for got in (
+            tri.knorm_scores(K, pos, cu, L, sink, recent),
+            tri.knorm_scores_paged(keys, paged, cu, L, sink, recent),
+        ):
+            assert torch.equal(got.isinf(), want.isinf())
+            fin = ~want.isinf()
+            torch.testing.assert_close(got[fin], want[fin], rtol=1e-6, atol=1e-6)
 
 
 @pytest.mark.parametrize("fast", [False, True])

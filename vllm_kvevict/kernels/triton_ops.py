@@ -326,50 +326,102 @@ def keydiff_scores_paged(keys: PagedKeys, cu):
 
 
 @triton.jit
-def _norm_kernel(
-    k_ptr,
-    blk_ptr,
-    off_ptr,
-    out_ptr,
-    N,
-    s_b,
-    s_o,
-    s_h,
-    s_d,
-    H: tl.constexpr,
-    D: tl.constexpr,
-    TILE_T: tl.constexpr,
-    BLOCK_D: tl.constexpr,
-    PAGED: tl.constexpr,
-):
-    """Grid (tile, head): ``||k||`` of packed tokens, read from ``[N, H, D]`` or in place (``PAGED``)."""
+def _norm_kernel(k_ptr, out_ptr, N, H: tl.constexpr, D: tl.constexpr, TILE_T: tl.constexpr, BLOCK_D: tl.constexpr):
+    """Grid (tile, head): ``||k||`` of packed tokens ``[N, H, D]``."""
     tok = (tl.program_id(0) * TILE_T + tl.arange(0, TILE_T)).to(tl.int64)
     h = tl.program_id(1)
     d = tl.arange(0, BLOCK_D)
     m = tok < N
-    at = _key_offsets(blk_ptr, off_ptr, tok, m, h, d, s_b, s_o, s_h, s_d, PAGED)
-    k = tl.load(k_ptr + at, mask=m[:, None] & (d[None, :] < D), other=0.0).to(tl.float32)
+    k = tl.load(k_ptr + (tok * H + h)[:, None] * D + d[None, :], mask=m[:, None] & (d[None, :] < D), other=0.0)
+    k = k.to(tl.float32)
     tl.store(out_ptr + tok * H + h, tl.sqrt(tl.sum(k * k, axis=1)), mask=m)
-
-
-def _norms(k, blk, off, strides, N: int, H: int, D: int, paged: bool) -> torch.Tensor:
-    out = torch.empty(N, H, dtype=torch.float32, device=k.device)
-    if N:
-        meta = dict(H=H, D=D, TILE_T=TILE, BLOCK_D=triton.next_power_of_2(D), PAGED=paged)
-        _norm_kernel[(triton.cdiv(N, TILE), H)](k, blk, off, out, N, *strides, **meta)
-    return out
 
 
 def key_norms(K):
     N, H, D = K.shape
     K = K.contiguous()
-    return _norms(K, K, K, (H * D, 0, D, 1), N, H, D, False)
+    out = torch.empty(N, H, dtype=torch.float32, device=K.device)
+    if N:
+        meta = dict(H=H, D=D, TILE_T=TILE, BLOCK_D=triton.next_power_of_2(D))
+        _norm_kernel[(triton.cdiv(N, TILE), H)](K, out, N, **meta)
+    return out
 
 
-def key_norms_paged(keys: PagedKeys):
-    """:func:`key_norms` of keys read in place through their blocks: no gathered copy."""
+@triton.jit
+def _knorm_kernel(
+    k_ptr,
+    blk_ptr,
+    off_ptr,
+    s_b,
+    s_o,
+    s_h,
+    s_d,
+    p_ptr,
+    pblk_ptr,
+    poff_ptr,
+    p_b,
+    p_o,
+    p_h,
+    cu_ptr,
+    L_ptr,
+    out_ptr,
+    S,
+    SINK,
+    RECENT,
+    D: tl.constexpr,
+    TILE_T: tl.constexpr,
+    BLOCK_D: tl.constexpr,
+    PAGED: tl.constexpr,
+):
+    """Grid (row, head, chunk): ``-||k||`` of the chunk's tokens, ``+inf`` at positions below
+    ``SINK`` or among the row's last ``RECENT``; keys and positions packed or read in place."""
+    r = tl.program_id(0)
+    h = tl.program_id(1)
+    H = tl.num_programs(1)
+    lo, n = _row_range(cu_ptr, r)
+    L = tl.load(L_ptr + r)
+    chunk = (n + S - 1) // S
+    t0 = tl.program_id(2) * chunk
+    t1 = tl.minimum(n, t0 + chunk)
+    d = tl.arange(0, BLOCK_D)
+    for start in tl.range(t0, t1, TILE_T):
+        t = start + tl.arange(0, TILE_T)
+        mt = t < t1
+        at = _key_offsets(blk_ptr, off_ptr, lo + t, mt, h, d, s_b, s_o, s_h, s_d, PAGED)
+        k = tl.load(k_ptr + at, mask=mt[:, None] & (d[None, :] < D), other=0.0).to(tl.float32)
+        p = _pos_at(p_ptr, pblk_ptr, poff_ptr, lo + t, mt, h, p_b, p_o, p_h, PAGED)
+        s = -tl.sqrt(tl.sum(k * k, axis=1))
+        s = tl.where((p < SINK) | (p >= L - RECENT), float("inf"), s)
+        tl.store(out_ptr + (lo + t) * H + h, s, mask=mt)
+
+
+def _knorm(k, blk, off, strides, pos, p_strides, N: int, H: int, D: int, cu, L, sink: int, recent: int):
+    out = torch.empty(N, H, dtype=torch.float32, device=k.device)
+    if N:
+        R, S = cu.numel() - 1, max(1, min(KEYDIFF_MAX_SPLITS, triton.cdiv(N, KEYDIFF_CHUNK)))
+        meta = dict(D=D, TILE_T=TILE, BLOCK_D=triton.next_power_of_2(D), PAGED=isinstance(pos, PagedKeys))
+        p = (pos.cache, pos.blocks, pos.offsets) if isinstance(pos, PagedKeys) else (pos, pos, pos)
+        _knorm_kernel[(R, H, S)](
+            k, blk, off, *strides, *p, *p_strides, cu, L.long().contiguous(), out, S, sink, recent, **meta
+        )
+    return out
+
+
+def knorm_scores(K, pos, cu, L, sink: int, recent: int):
+    N, H, D = K.shape
+    K, pos = K.contiguous(), pos.contiguous()
+    return _knorm(K, K, K, (H * D, 0, D, 1), pos, (pos.stride(0), 0, pos.stride(1)), N, H, D, cu, L, sink, recent)
+
+
+def knorm_scores_paged(keys: PagedKeys, pos, cu, L, sink: int, recent: int):
+    """:func:`knorm_scores` of keys and positions read in place through their blocks: no gathered
+    copy (``pos``: the positions' :class:`PagedKeys` at the same blocks and offsets)."""
     _, _, H, D = keys.cache.shape
-    return _norms(keys.cache, keys.blocks, keys.offsets, keys.cache.stride(), keys.blocks.numel(), H, D, True)
+    N = keys.blocks.numel()
+    p_strides = pos.cache.stride()[:3]
+    return _knorm(
+        keys.cache, keys.blocks, keys.offsets, keys.cache.stride(), pos, p_strides, N, H, D, cu, L, sink, recent
+    )
 
 
 @triton.jit

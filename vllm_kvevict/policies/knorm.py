@@ -31,10 +31,23 @@ def key_norms(K: torch.Tensor) -> torch.Tensor:
     return K.float().norm(dim=-1)
 
 
-def key_norms_paged(keys: PagedKeys) -> torch.Tensor:
-    """:func:`key_norms` of keys read where they are in the cache: the Triton kernel reads them
-    through their blocks; elsewhere they are gathered first."""
-    return ops.fused_paged("key_norms", key_norms, keys)
+@ops.fused("knorm_scores")
+def knorm_scores(
+    K: torch.Tensor, pos: torch.Tensor | PagedKeys, cu: torch.Tensor, L: torch.Tensor, sink: int, recent: int
+) -> torch.Tensor:
+    """``[N, H]`` float32 K-norm scores of packed rows (row ``r``: tokens ``[cu[r], cu[r + 1])``,
+    ``L[r]`` long): ``-||k_i||``, ``+inf`` at the positions below ``sink`` and the row's last
+    ``recent`` (``>= L - recent``)."""
+    pos = dense_positions(pos)
+    length = L[row_ids(cu, K.shape[0])][:, None]  # each token's row length
+    protected = (pos < sink) | (pos >= length - recent)
+    return (-key_norms(K)).masked_fill(protected, float("inf"))
+
+
+def knorm_scores_paged(keys: PagedKeys, pos, cu, L, sink: int, recent: int) -> torch.Tensor:
+    """:func:`knorm_scores` of keys read where they are in the cache: the Triton kernel reads them
+    (and the positions) through their blocks; elsewhere they are gathered first."""
+    return ops.fused_paged("knorm_scores", knorm_scores, keys, pos, cu, L, sink, recent)
 
 
 class KNorm(Policy[KNormParams]):
@@ -43,13 +56,7 @@ class KNorm(Policy[KNormParams]):
     needs = Needs(decode=True)
 
     def score_ragged(self, K: torch.Tensor, pos, cu, L, layer) -> torch.Tensor:
-        return self._protect(-key_norms(K), pos, cu, L)
+        return knorm_scores(K, pos, cu, L, self.params.sink_tokens, self.params.recent_tokens)
 
     def score_paged(self, keys, pos, cu, L, layer):
-        return self._protect(-key_norms_paged(keys), dense_positions(pos), cu, L)
-
-    def _protect(self, scores: torch.Tensor, pos: torch.Tensor, cu, L) -> torch.Tensor:
-        """The sink and recent tokens scored above every other."""
-        length = L.to(pos.device)[row_ids(cu, scores.shape[0])][:, None]  # each token's row length
-        protected = (pos < self.params.sink_tokens) | (pos >= length - self.params.recent_tokens)
-        return scores.masked_fill(protected, float("inf"))
+        return knorm_scores_paged(keys, pos, cu, L, self.params.sink_tokens, self.params.recent_tokens)
