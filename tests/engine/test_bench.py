@@ -159,6 +159,7 @@ def test_speculative_smoke(smollm2_model, tmp_path):
     assert set(r["ngram_speedup"]) == {"stock", "kvevict"}
 
 
+@pytest.mark.slow
 def test_running_server(smollm2_model, tmp_path, monkeypatch):
     """throughput, memory and prefix against a server already running (--base-url, and
     --stock-base-url on the same one), at the smallest sizes: nothing else is started, each kvevict
