@@ -447,7 +447,9 @@ def test_every_op_has_both_implementations(tri):
         "keydiff_scores",
         "key_norms",
         "knorm_scores",
+        "h2o_observe_columns",
         "projected_value_norms",
+        "criticalkv_scores",
         "pool_segments",
         "snapkv_scores",
         "caote_scores",
@@ -589,6 +591,22 @@ def test_knorm_scores_in_one_kernel_equal_its_statement(tri):
             assert torch.equal(got.isinf(), want.isinf())
             fin = ~want.isinf()
             torch.testing.assert_close(got[fin], want[fin], rtol=1e-6, atol=1e-6)
+
+
+@pytest.mark.parametrize("G", [1, 3])
+def test_h2o_observe_in_one_kernel_equals_its_statement(tri, G):
+    """H2O's observation in one Triton kernel: each key's accumulators plus the step's attention
+    sums averaged over the query group, in place; the sums a slice of a wider buffer and the
+    accumulators a strided view (a request's own rows of the layer's), longer than a tile, and none."""
+    g = torch.Generator().manual_seed(G)
+    for N in (300, 0):
+        H = 2
+        A = (torch.rand(N + 5, H * G + 1, generator=g) * 3).to(DEV)[5:, 1:]  # strided, as a slice of the sums
+        acc = torch.rand(H, N, generator=g).to(DEV).T  # [N, H], column-major
+        want = FUSED["h2o_observe_columns"](A, acc.clone(), G)
+        got = acc.clone().T.contiguous().T  # the same strides as ``acc``
+        assert tri.h2o_observe_columns(A, got, G) is got
+        torch.testing.assert_close(got, want, rtol=1e-6, atol=1e-6)
 
 
 @pytest.mark.parametrize("fast", [False, True])

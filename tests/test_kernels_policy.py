@@ -240,6 +240,26 @@ def test_projected_value_norms(tri, case, dtype):
     torch.testing.assert_close(got_tri, got_ref, **tol(dtype))
 
 
+@pytest.mark.parametrize("case", range(len(PROJ_CASES)))
+def test_criticalkv_scores_in_one_kernel_equal_its_statement(tri, case):
+    """CriticalKV's stage-2 criterion ``(A + eps) * Vp`` in one Triton kernel: the statement's,
+    values packed (strided) or read where they are through their blocks."""
+    from vllm_kvevict.kernels.ops import FUSED
+
+    V, W_O, G = proj_case(case, torch.bfloat16, strided=True)
+    H, n, d = V.shape
+    g = torch.Generator().manual_seed(100 + case)
+    V = V.transpose(0, 1)  # [n, H, d], as the step packs them
+    A = torch.rand(n, H, generator=g).to(DEV)
+    bs = 32
+    slots = torch.randperm(n + 5, generator=g)[:n].to(DEV)
+    cache = torch.zeros((n + 5 + bs - 1) // bs, bs, H, d, dtype=V.dtype, device=DEV)
+    cache[slots // bs, slots % bs] = V
+    want = FUSED["criticalkv_scores"](A, V, W_O, G, 1e-4)
+    for v in (V, ref.PagedKeys(cache, slots // bs, slots % bs)):
+        torch.testing.assert_close(tri.criticalkv_scores(A, v, W_O, G, 1e-4), want, **tol(torch.bfloat16))
+
+
 def test_projected_value_norms_reference_chunks_tokens(monkeypatch):
     V, W_O, G = proj_case(4, torch.float32)
     whole = criticalkv.projected_value_norms(V, W_O, G)

@@ -116,6 +116,7 @@ def evict_step(
     evicted: dict | None = None,
     overlays: dict[int, dict[str, torch.Tensor]] | None = None,
     positions: bool = True,
+    snapshots: dict[str, torch.Tensor] | None = None,
 ) -> list[torch.Tensor | None]:
     """Observe and compact the rows of ``work``; returns the kept positions ``[keep, H]`` of each
     compacting row, in order (``positions=False``: None for each, not computed).
@@ -134,6 +135,10 @@ def evict_step(
     window held outside ``slot_state`` (a request started on a cached window: those slots' blocks
     are shared, their state its own copy). The row reads and observes them there; nothing of it is
     written to ``slot_state`` at those slots.
+
+    ``snapshots``: ``{name: [slots, H]}``, where a compacted window's per-slot state is kept as the
+    compaction left it (for requests that may start on the window once it is cached): the kept
+    tokens' state named there is written there too.
     """
     if not work:
         return []
@@ -157,7 +162,8 @@ def evict_step(
         return []
     kept = _kept(geo, sel)
     src = (t.K, t.V, t.pos, t.state)
-    taken = _write_kept(plan, geo, kept, sel, src, (block_size, write, slot_pos, slot_state, views))
+    dst = (block_size, write, slot_pos, slot_state, views, snapshots or {})
+    taken = _write_kept(plan, geo, kept, sel, src, dst)
     if not positions:
         return [None] * len(geo.out)
     kept_pos = taken.long() if taken is not None else torch_ops.per_head(dense_positions(t.pos), kept)
@@ -509,11 +515,11 @@ def _write_kept(plan, geo: Geometry, idx: torch.Tensor, sel: _Selection, src: tu
     """Write each row's kept tokens ``idx`` (``[sum keep, H]`` into the packed tokens, the rows of
     ``geo.out`` in order) into its logical tokens ``[e_new, L)``, with their positions and per-slot
     state. ``src``: the packed tokens' ``(K, V, positions, state)`` (every state, whichever policy
-    owns it); ``dst``: ``(block_size, write, slot_pos, slot_state, views)``. Everything is read
+    owns it); ``dst``: ``(block_size, write, slot_pos, slot_state, views, snapshots)``. Everything is read
     before anything is written, so overlapping source and destination are safe. Returns the kept
     positions where they were copied out (the in-place step), else None."""
     K_all, V_all, pos_all, state_all = src
-    block_size, write, slot_pos, slot_state, views = dst
+    block_size, write, slot_pos, slot_state, views, snapshots = dst
     dev, out, kept_tok, merged = plan.block_table.device, geo.out, sel.kept_tok, sel.merged
     idx_kv, idx_pos, K_src, V_src, taken = idx, idx, K_all, V_all, None
     if isinstance(K_all, PagedKeys):  # the in-place step: the kept tokens copied out, then written
@@ -539,16 +545,20 @@ def _write_kept(plan, geo: Geometry, idx: torch.Tensor, sel: _Selection, src: tu
             geo.out_rows,
             geo.dst,
         )
-        for k in slot_state:  # ``idx`` already indexes the packed tokens: every row's offset is 0
+        stores = [(k, t) for k in slot_state for t in (slot_state[k], snapshots.get(k)) if t is not None]
+        for k, store in stores:  # ``idx`` already indexes the packed tokens: every row's offset is 0
             zero = _per_step(plan, ("zero", len(out)), lambda: torch.zeros(len(out) + 1, dtype=torch.long, device=dev))
-            cache = slot_state[k].view(nb, block_size, -1)
+            cache = store.view(nb, block_size, -1)
             ops.scatter_paged(cache, state_all[k], idx, zero, geo.cu_keep, plan.block_table, geo.out_rows, geo.dst)
         return taken
     slots = geo.dst_slots
     write(slots, torch_ops.per_head(K_src, idx_kv), torch_ops.per_head(V_src, idx_kv))
     slot_pos[slots] = torch_ops.per_head(pos_all, idx_pos).to(slot_pos.dtype)
     for k in slot_state:
-        slot_state[k][slots] = torch_ops.per_head(state_all[k], idx)
+        kept_state = torch_ops.per_head(state_all[k], idx)
+        slot_state[k][slots] = kept_state
+        if k in snapshots:
+            snapshots[k][slots] = kept_state
     return taken
 
 

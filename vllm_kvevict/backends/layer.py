@@ -240,6 +240,7 @@ class LayerEviction:
             return {}
         bs, state = kv_cache.shape[2], self.slots.state
         overlays = self.slots.overlays(plan, work, kv_cache, self.key) if state else None
+        snapshots = self.slots.snapshot_stores(plan, work, kv_cache) if state else {}
         views = self.layout.views(kv_cache)
 
         def step(items: list[RowWork]) -> list[torch.Tensor | None]:
@@ -257,6 +258,7 @@ class LayerEviction:
                 evicted=evicted,
                 overlays=overlays,
                 positions=bool(envs.KVEVICT_DUMP_DIR),  # read by the dump only
+                snapshots=snapshots,
             )
 
         def in_place(r: int) -> torch.Tensor:
@@ -269,7 +271,7 @@ class LayerEviction:
         except Exception as err:  # noqa: BLE001 - one request's policy must never kill the engine
             work, kept = fault.isolate(plan, work, step, err, in_place)
         if state:
-            self.slots.snapshot_windows(plan, work, kv_cache, self.key)
+            self.slots.drop_window_copies(plan, work, self.key)
         return dict(zip([w.row for w in work if w.compact], kept))
 
     def _report(self, kv_cache, plan: StepPlan, kept_by_row: dict) -> None:

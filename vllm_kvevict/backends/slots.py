@@ -82,7 +82,7 @@ class SlotStore:
         core cuts a pure hit below the first compaction point): its first ``L_prev - e_prev`` slots
         are the window's blocks, shared, and their live state belongs to whoever compacted them
         (and goes on observing them). The request reads the state as the window's compaction left
-        it (:meth:`snapshot_windows`), observes into its copy, and drops the copy once its next
+        it (:meth:`snapshot_stores`), observes into its copy, and drops the copy once its next
         compaction has moved past the window."""
         out = {}
         req_ids = plan.req_ids or []
@@ -106,22 +106,27 @@ class SlotStore:
                 out[r] = ls.window_state
         return out
 
-    def snapshot_windows(self, plan: StepPlan, work: list[RowWork], kv_cache, key: Hashable) -> None:
-        """Keep the per-slot state each compaction of a request that shares its windows left in its
-        window, and drop a row's copy of the window it started on once it has compacted past it.
-        Requests whose snapshot cannot be written fall back (a window is cached with its state or
-        not at all: the engine core hears of the fallback before it caches the window)."""
-        rows = [w for w in work if w.compact and w.policy.needs.state]
-        for w in rows:
-            ls = plan.states[w.row].layers.get(key)
-            if ls is not None:
-                ls.window_state = None
-        rows = [w for w in rows if plan.states[w.row].settings.shares_windows]
-        if not rows:
-            return
+    def snapshot_stores(self, plan: StepPlan, work: list[RowWork], kv_cache) -> dict[str, torch.Tensor]:
+        """Where the step keeps the per-slot state each compaction leaves in its window, for the
+        requests that share their windows (``{name: [slots, H]}``; empty when no compacting row
+        shares one). The compaction writes the kept tokens' state there as well as to their slots
+        (every compacting row's: only a shared window is ever read). Requests whose snapshot
+        cannot be had fall back (a window is cached with its state or not at all: the engine core
+        hears of the fallback before it caches the window)."""
+        rows = [w for w in work if w.compact and w.policy.needs.state and plan.states[w.row].settings.shares_windows]
         try:
-            slots = plan.slots(tuple((w.row, plan.e_new[w.row], plan.seq_lens[w.row]) for w in rows), kv_cache.shape[2])
-            for k, (dtype, init) in {k: v for w in rows for k, v in w.policy.needs.state.items()}.items():
-                self.policy_state(kv_cache, k, dtype, init, snapshot=True)[slots] = self.state[k][slots]
+            return {
+                k: self.policy_state(kv_cache, k, dtype, init, snapshot=True)
+                for w in rows
+                for k, (dtype, init) in w.policy.needs.state.items()
+            }
         except Exception as err:  # noqa: BLE001 - their windows go without their state: not cached
             fault.fall_back_rows(plan, err, [w.row for w in rows])
+            return {}
+
+    def drop_window_copies(self, plan: StepPlan, work: list[RowWork], key: Hashable) -> None:
+        """A row's copy of the window it started on, dropped once it has compacted past it."""
+        for w in work:
+            ls = plan.states[w.row].layers.get(key) if w.compact and w.policy.needs.state else None
+            if ls is not None:
+                ls.window_state = None

@@ -554,6 +554,26 @@ def snapkv_scores(A, pos, row, cu, m, L, G: int, window: int, kernel: int, pooli
 
 
 @triton.jit
+def _h2o_observe_kernel(a_ptr, acc_ptr, N, a_t, a_c, c_t, c_h, G: tl.constexpr, TILE_T: tl.constexpr):
+    """Grid (token tile, KV head): the group's attention sums averaged, added to the accumulators."""
+    i = (tl.program_id(0) * TILE_T + tl.arange(0, TILE_T)).to(tl.int64)
+    h = tl.program_id(1)
+    ok = i < N
+    total = tl.zeros([TILE_T], dtype=tl.float32)
+    for g in tl.static_range(G):
+        total += tl.load(a_ptr + i * a_t + (h * G + g) * a_c, mask=ok, other=0.0).to(tl.float32)
+    at = acc_ptr + i * c_t + h * c_h
+    tl.store(at, tl.load(at, mask=ok, other=0.0) + total / G, mask=ok)
+
+
+def h2o_observe_columns(A, acc, G: int):
+    N, H = acc.shape
+    if N:
+        _h2o_observe_kernel[(triton.cdiv(N, TILE), H)](A, acc, N, *A.stride(), *acc.stride(), G=G, TILE_T=TILE)
+    return acc
+
+
+@triton.jit
 def _sort_key(s, p):
     """int64 key ordering (score, position); see torch_ops.sort_keys."""
     bits = (s + 0.0).to(tl.int32, bitcast=True).to(tl.int64)
@@ -1139,35 +1159,45 @@ def hamming_distances(q_codes, k_codes, G: int):
 @triton.jit
 def _proj_norm_kernel(
     v_ptr,
+    blk_ptr,
+    off_ptr,
+    s_b,
+    s_o,
+    s_h,
+    s_d,
     w_ptr,
-    out_ptr,
-    n,
-    s_vh,
-    s_vt,
-    s_vd,
     s_wh,
     s_wd,
     s_wc,
     Dout,
+    a_ptr,
+    a_t,
+    a_h,
+    out_ptr,
+    o_t,
+    o_h,
+    n,
+    eps,
     G: tl.constexpr,
     d: tl.constexpr,
     TILE_T: tl.constexpr,
     BLOCK_d: tl.constexpr,
     TILE_D: tl.constexpr,
     PREC: tl.constexpr,
+    SCALE: tl.constexpr,
+    PAGED: tl.constexpr,
 ):
-    """policies/criticalkv.py projected_value_norms: per token, the mean over the group's heads of sum |v W_O^g|,
-    a [TILE_T, TILE_D] tile of v W_O^g at a time (tl.dot over d), reduced to per-token sums in
-    registers."""
+    """Grid (KV head, token tile): per token, the mean over the group's heads of ``sum |v W_O^g|``
+    (policies/criticalkv.py ``projected_value_norms``), a ``[TILE_T, TILE_D]`` tile of ``v W_O^g``
+    at a time (``tl.dot`` over d), reduced in registers; ``SCALE``: times ``a + eps``
+    (``criticalkv_scores``). Values packed or read in place (``PAGED``)."""
     h = tl.program_id(0)
-    t = tl.program_id(1) * TILE_T + tl.arange(0, TILE_T)
+    t = (tl.program_id(1) * TILE_T + tl.arange(0, TILE_T)).to(tl.int64)
     k = tl.arange(0, BLOCK_d)
     mk = k < d
-    v = tl.load(
-        v_ptr + h * s_vh + t[:, None].to(tl.int64) * s_vt + k[None, :] * s_vd,
-        mask=(t < n)[:, None] & mk[None, :],
-        other=0.0,
-    ).to(tl.float32)
+    mt = t < n
+    at = _key_offsets(blk_ptr, off_ptr, t, mt, h, k, s_b, s_o, s_h, s_d, PAGED)
+    v = tl.load(v_ptr + at, mask=mt[:, None] & mk[None, :], other=0.0).to(tl.float32)
     acc = tl.zeros([TILE_T], dtype=tl.float32)
     for g in tl.range(0, G):
         w_head = w_ptr + (h * G + g).to(tl.int64) * s_wh
@@ -1177,7 +1207,28 @@ def _proj_norm_kernel(
                 w_head + k[:, None] * s_wd + c[None, :] * s_wc, mask=mk[:, None] & (c < Dout)[None, :], other=0.0
             ).to(tl.float32)
             acc += tl.sum(tl.abs(tl.dot(v, w, input_precision=PREC)), axis=1)
-    tl.store(out_ptr + h * n + t, acc / G, mask=t < n)
+    acc = acc / G
+    if SCALE:
+        acc = (tl.load(a_ptr + t * a_t + h * a_h, mask=mt, other=0.0) + eps) * acc
+    tl.store(out_ptr + t * o_t + h * o_h, acc, mask=mt)
+
+
+def _proj_norms(v, blk, off, strides, H: int, n: int, d: int, W_O, out, o_strides, a, eps: float, paged: bool):
+    """:func:`_proj_norm_kernel` over ``n`` tokens of ``H`` KV heads into ``out`` (``o_strides``:
+    its token and head strides); ``a``: the scores ``[n, H]`` to scale by (None: the norms alone)."""
+    if n == 0:
+        return out
+    W_O = W_O.to(v.device)
+    half = (torch.float16, torch.bfloat16)
+    prec = "tf32" if v.dtype in half and W_O.dtype in half else "ieee"
+    Bd = max(16, triton.next_power_of_2(d))
+    TT = 64 if Bd <= 128 else 32
+    a_args = (a, *a.stride()) if a is not None else (out, 0, 0)
+    _proj_norm_kernel[(H, triton.cdiv(n, TT))](
+        v, blk, off, *strides, W_O, *W_O.stride(), W_O.shape[-1], *a_args, out, *o_strides, n, eps,
+        G=W_O.shape[0] // H, d=d, TILE_T=TT, BLOCK_d=Bd, TILE_D=64, PREC=prec, SCALE=a is not None, PAGED=paged,
+    )  # fmt: skip
+    return out
 
 
 def projected_value_norms(V, W_O, G: int):
@@ -1185,19 +1236,22 @@ def projected_value_norms(V, W_O, G: int):
     ``[n, D]`` product is ever written to memory. Products in float32: 16-bit inputs are exact in
     TF32, so they take the tensor cores at no loss; float32 inputs use IEEE fp32."""
     H, n, d = V.shape
-    D = W_O.shape[-1]
     out = torch.empty(H, n, dtype=torch.float32, device=V.device)
-    if n == 0:
-        return out
-    W_O = W_O.to(V.device)
-    half = (torch.float16, torch.bfloat16)
-    prec = "tf32" if V.dtype in half and W_O.dtype in half else "ieee"
-    Bd = max(16, triton.next_power_of_2(d))
-    TT = 64 if Bd <= 128 else 32
-    _proj_norm_kernel[(H, triton.cdiv(n, TT))](
-        V, W_O, out, n, *V.stride(), *W_O.stride(), D, G=G, d=d, TILE_T=TT, BLOCK_d=Bd, TILE_D=64, PREC=prec
-    )
-    return out
+    strides = (V.stride(1), 0, V.stride(0), V.stride(2))  # token, (offset), head, dim
+    return _proj_norms(V, V, V, strides, H, n, d, W_O, out, (1, n), None, 0.0, False)
+
+
+def criticalkv_scores(A, V, W_O, G: int, eps: float):
+    """``(A + eps) * Vp`` ``[N, H_kv]`` with the projected value norms of :func:`projected_value_norms`;
+    values packed ``[N, H_kv, d]`` or read in place (:class:`PagedKeys`)."""
+    N, H = A.shape
+    out = torch.empty(N, H, dtype=torch.float32, device=A.device)
+    if isinstance(V, PagedKeys):
+        d = V.cache.shape[-1]
+        return _proj_norms(V.cache, V.blocks, V.offsets, V.cache.stride(), H, N, d, W_O, out, (H, 1), A, eps, True)
+    d = V.shape[-1]
+    strides = (V.stride(0), 0, V.stride(1), V.stride(2))
+    return _proj_norms(V, V, V, strides, H, N, d, W_O, out, (H, 1), A, eps, False)
 
 
 @triton.jit

@@ -23,7 +23,7 @@ from vllm_kvevict.kernels.torch_ops import PagedKeys, dense_positions
 def columns_group_mean(A: torch.Tensor, G: int) -> torch.Tensor:
     """``[N, H_q]`` -> ``[N, H_kv]``: packed column sums averaged over each KV head's G query heads
     (KeyDiff App. B.2)."""
-    return A.reshape(A.shape[0], -1, G).mean(-1)
+    return A.reshape(A.shape[0], A.shape[1] // G, G).mean(-1)
 
 
 def in_window(pos: torch.Tensor | PagedKeys, L: torch.Tensor, window: int) -> torch.Tensor:

@@ -23,6 +23,7 @@ from pydantic import Field
 
 from vllm_kvevict.kernels import ops
 from vllm_kvevict.kernels.torch_ops import ONE_MINUS_MIN, PagedKeys
+from vllm_kvevict.policies.attention import in_window
 from vllm_kvevict.policies.base import Columns, KVView, Needs, Packed, Policy, PolicyParams
 from vllm_kvevict.policies.h2o import H2O, h2o_observe, h2o_observe_columns
 from vllm_kvevict.policies.h2o import STATE as H2O_STATE
@@ -70,7 +71,14 @@ class BaseScorePolicy(Policy[BP]):
             return x.state[H2O_STATE].float(), None
         if self.params.base == "tova":
             return tova_columns(x.A, cols.G), None
-        return snapkv_columns(x.A, x.pos, cols, self.params.snapkv)
+        p = self.params.snapkv
+        return snapkv_columns(x.A, x.pos, cols, p, False), in_window(x.pos, cols.L[cols.row], p.window)
+
+    def protected_base(self, x: Packed, cols: Columns) -> torch.Tensor:
+        """The base scores of packed rows ``[N, H_kv]``, ``+inf`` where the base protects."""
+        if self.params.base == "snapkv":
+            return snapkv_columns(x.A, x.pos, cols, self.params.snapkv, True)
+        return self.base_columns(x, cols)[0]
 
     def protected_count(self, L: int, n: int) -> int:
         """How many slots per head the base protects in a row of ``n`` slots and length ``L``

@@ -26,6 +26,7 @@ import torch
 from pydantic import Field
 
 from vllm_kvevict.kernels import ops
+from vllm_kvevict.kernels.torch_ops import PagedKeys
 from vllm_kvevict.policies.base import Columns, KVView, Needs, Packed
 from vllm_kvevict.policies.caote import Base, BaseScoreParams, BaseScorePolicy
 from vllm_kvevict.policies.snapkv import SnapKVParams
@@ -47,6 +48,16 @@ def projected_value_norms(V: torch.Tensor, W_O: torch.Tensor, G: int) -> torch.T
         Vt = V[:, t0 : t0 + step].float()[:, None]  # [H, 1, T, d], shared by the group
         out[:, t0 : t0 + step] = torch.matmul(Vt, W).abs_().sum(dim=-1).mean(dim=1)
     return out
+
+
+@ops.fused("criticalkv_scores")
+def criticalkv_scores(
+    A: torch.Tensor, V: torch.Tensor | PagedKeys, W_O: torch.Tensor, G: int, eps: float
+) -> torch.Tensor:
+    """Stage 2's criterion ``(A + eps) * Vp`` of packed tokens ``[N, H_kv]`` (``A``: their base
+    scores; ``V [N, H_kv, d]``: their values, packed or read where they are)."""
+    V = V.gather() if isinstance(V, PagedKeys) else V
+    return (A + eps) * projected_value_norms(V.transpose(0, 1), W_O, G).T
 
 
 class CriticalSnapKVParams(SnapKVParams):
@@ -72,16 +83,16 @@ class CriticalKV(BaseScorePolicy[CriticalKVParams]):
 
     def score_columns(self, x: Packed, cols: Columns) -> torch.Tensor:
         """Stage-1 winners (and the window) score ``+inf``; the rest their stage-2 criterion."""
-        A, protected = self.base_columns(x, cols)
-        inf = float("inf")
-        # Stage 1: the window and the top floor(alpha b) by attention, b = keep - |window|.
-        win = [self.protected_count(L, n) for L, n in zip(cols.lens, cols.ragged.lengths)]
-        first = [w + math.floor(self.params.alpha * (k - w)) if k else 0 for w, k in zip(win, cols.keep)]
-        s1 = A if protected is None else A.masked_fill(protected, inf)
-        idx, _ = ops.select_topk(s1, x.pos, cols.ragged, first, packed_offset=0)
-        chosen = torch.zeros(A.shape, dtype=torch.bool, device=A.device).scatter_(0, idx, True)
-        # Stage 2: the rest of the budget by attention times the projected value norm.
         if x.W_O is None:
             raise ValueError("criticalkv reads the layer's output projection (W_O); none was given")
-        Vp = projected_value_norms(x.values().transpose(0, 1), x.W_O, cols.G).T
-        return ((A + self.params.eps) * Vp).masked_fill(chosen, inf)
+        A = self.protected_base(x, cols)  # the window at +inf
+        # Stage 1: the window and the top floor(alpha b) by attention, b = keep - |window|. A row's
+        # window holds at most ``w`` of its tokens per head (distinct positions in [L - window, L)),
+        # so every one is among the first chosen.
+        win = [self.protected_count(L, n) for L, n in zip(cols.lens, cols.ragged.lengths)]
+        first = [w + math.floor(self.params.alpha * (k - w)) if k else 0 for w, k in zip(win, cols.keep)]
+        idx, _ = ops.select_topk(A, x.pos, cols.ragged, first, packed_offset=0)
+        # Stage 2: the rest of the budget by attention times the projected value norm (where ``A``
+        # is +inf the criterion is not finite: those tokens are stage 1's, set to +inf here).
+        s2 = criticalkv_scores(A, x.V[x.tok], x.W_O, cols.G, self.params.eps)
+        return s2.scatter_(0, idx, float("inf"))

@@ -14,6 +14,7 @@ from __future__ import annotations
 import torch
 from pydantic import Field
 
+from vllm_kvevict.kernels import ops
 from vllm_kvevict.kernels.torch_ops import PagedKeys
 from vllm_kvevict.policies.attention import columns_group_mean, in_window
 from vllm_kvevict.policies.base import MAX_TOKENS_PARAM, Columns, KVView, Needs, Packed, Policy, PolicyParams
@@ -28,10 +29,12 @@ class H2OParams(PolicyParams):
         return self.recent_tokens + 1
 
 
-def h2o_observe_columns(A: torch.Tensor, acc: torch.Tensor, G: int) -> None:
+@ops.fused("h2o_observe_columns")
+def h2o_observe_columns(A: torch.Tensor, acc: torch.Tensor, G: int) -> torch.Tensor:
     """Add this step's queries' attention summed per key (``A [N, H_q]``, packed rows), group-mean
-    over each KV head's query heads, to every key's accumulator ``acc [N, H_kv]``, in place."""
-    acc += columns_group_mean(A, G)
+    over each KV head's query heads, to every key's accumulator ``acc [N, H_kv]``, in place
+    (returned)."""
+    return acc.add_(columns_group_mean(A, G))
 
 
 def h2o_observe(view: KVView, A: torch.Tensor) -> None:
@@ -62,4 +65,6 @@ class H2O(Policy[H2OParams]):
         return h2o_columns(view.state[STATE].T, view.pos.T, L, self.params.recent_tokens).T
 
     def score_columns(self, x: Packed, cols: Columns) -> torch.Tensor:
+        if not self.params.recent_tokens:  # the accumulators themselves (read only)
+            return x.state[STATE].float()
         return h2o_columns(x.state[STATE], x.pos, cols.L[cols.row], self.params.recent_tokens)

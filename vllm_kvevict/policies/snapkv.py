@@ -50,13 +50,11 @@ class SnapKVParams(PolicyParams):
         return self.window + 1
 
 
-def snapkv_columns(
-    A: torch.Tensor, pos: torch.Tensor | PagedKeys, cols: Columns, p: SnapKVParams
-) -> tuple[torch.Tensor, torch.Tensor]:
-    """SnapKV's finite scores ``[N, H_kv]`` of packed rows (:func:`snapkv_scores`) and the mask of
-    the protected window positions (for policies that build on them)."""
-    s = snapkv_scores(A, pos, cols.row, cols.cu, cols.m, cols.L, cols.G, p.window, p.kernel, p.pooling, False)
-    return s, in_window(pos, cols.L[cols.row], p.window)
+def snapkv_columns(A: torch.Tensor, pos: torch.Tensor | PagedKeys, cols: Columns, p: SnapKVParams, protect: bool):
+    """SnapKV's scores ``[N, H_kv]`` of packed rows (:func:`snapkv_scores`); ``protect``: ``+inf``
+    at the window's positions (else finite: policies that build on them take the window's mask
+    from :func:`~vllm_kvevict.policies.attention.in_window`)."""
+    return snapkv_scores(A, pos, cols.row, cols.cu, cols.m, cols.L, cols.G, p.window, p.kernel, p.pooling, protect)
 
 
 @ops.fused("snapkv_scores")
@@ -105,5 +103,4 @@ class SnapKV(Policy[SnapKVParams]):
         return self.score_one_row(view)
 
     def score_columns(self, x: Packed, cols: Columns) -> torch.Tensor:
-        p = self.params
-        return snapkv_scores(x.A, x.pos, cols.row, cols.cu, cols.m, cols.L, cols.G, p.window, p.kernel, p.pooling, True)
+        return snapkv_columns(x.A, x.pos, cols, self.params, True)
