@@ -161,6 +161,9 @@ def test_selection_protects_the_observation_window_and_orders_by_position():
 def test_complement():
     kept = torch.tensor([[0, 2], [3, 4]])
     assert complement(5, kept).tolist() == [[1, 0], [2, 1], [4, 3]]
+    # token 1 never dropped (another request's): two dropped per head
+    fixed = torch.tensor([0, 1, 0, 0, 0], dtype=torch.int8)
+    assert complement(5, kept, fixed, 2).tolist() == [[2, 0], [4, 3]]
 
 
 @pytest.mark.skipif(not torch.cuda.is_available(), reason="needs a GPU: pinned host memory and CUDA events")

@@ -346,36 +346,39 @@ def _hand_to_recall(plan, work, t: _Tokens, sel: _Selection, evicted: dict) -> N
         return
     dev, N, b = t.slots.device, t.bounds[-1], t.bounds
     counts = [b[i + 1] - b[i] - sel.kept_tok[work[i].row].shape[0] for i in idxs]
-    candidates = _per_step(plan, ("to recall", b, tuple(idxs)), lambda: _marked(b, idxs, dev))
-    kept = [sel.kept_tok[work[i].row] for i in idxs]
-    drop = torch_ops.complement(N, kept[0] if len(kept) == 1 else torch.cat(kept), candidates, sum(counts))
-    take = torch_ops.per_head
+    fixed = _per_step(plan, ("to recall", b, tuple(idxs)), lambda: _unmarked(b, idxs, dev))
+    drop = torch_ops.complement(N, torch_ops.joined([sel.kept_tok[work[i].row] for i in idxs]), fixed, sum(counts))
     K, V = t.dense()
-    parts = (take(K, drop), take(V, drop), take(dense_positions(t.pos), drop), take(_packed_scores(plan, t, sel), drop))
-    state = {k: take(s, drop) for k, s in t.state.items()}
+    (*parts,) = torch_ops.per_head_all(
+        (K, V, dense_positions(t.pos), _packed_scores(plan, t, sel), *t.state.values()), drop
+    )
+    state = dict(zip(t.state, parts[4:]))
     at = 0
     for i, n in zip(idxs, counts):
         sl = slice(at, at + n)
-        evicted[work[i].row] = (*(x[sl] for x in parts), {k: s[sl] for k, s in state.items()})
+        evicted[work[i].row] = (*(x[sl] for x in parts[:4]), {k: s[sl] for k, s in state.items()})
         at += n
 
 
-def _marked(bounds: tuple[int, ...], idxs: list[int], device) -> torch.Tensor:
-    """``[N]`` bool: the packed tokens of work rows ``idxs`` (made on the host)."""
-    mark = [0] * bounds[-1]
+def _unmarked(bounds: tuple[int, ...], idxs: list[int], device) -> torch.Tensor:
+    """``[N]`` int8: 1 for the packed tokens outside work rows ``idxs`` (made on the host)."""
+    mark = [1] * bounds[-1]
     for i in idxs:
-        mark[bounds[i] : bounds[i + 1]] = [1] * (bounds[i + 1] - bounds[i])
-    return on_device(mark, device, torch.bool)
+        mark[bounds[i] : bounds[i + 1]] = [0] * (bounds[i + 1] - bounds[i])
+    return on_device(mark, device, torch.int8)
 
 
 def _packed_scores(plan, t: _Tokens, sel: _Selection) -> torch.Tensor:
     """``[N, H]`` float32: every packed token's score as selected, ``-inf`` for rows selected
     without one (their policy's own eviction) or not scored."""
-    H = t.dense()[0].shape[1]  # a row handing its tokens to recall is never scored in place
-    out = torch.full((t.bounds[-1], H), float("-inf"), device=t.slots.device)
-    if sel.scores is not None:  # every selected row's, packed by the selection
-        tok, _ = _packed(plan, t.bounds, [i for i, _ in sel.to_select], out.device)
-        out[tok] = sel.scores
+    H, N = t.dense()[0].shape[1], t.bounds[-1]  # a row handing its tokens to recall is never scored in place
+    scores = sel.scores
+    tok = _packed(plan, t.bounds, [i for i, _ in sel.to_select], t.slots.device)[0] if scores is not None else None
+    if scores is not None and isinstance(tok, slice) and (tok.start, tok.stop) == (0, N):
+        return scores.float()  # every token selected by its score, in order
+    out = torch.full((N, H), float("-inf"), device=t.slots.device)
+    if scores is not None and tok is not None:  # every selected row's, packed by the selection
+        out[tok] = scores
     return out
 
 

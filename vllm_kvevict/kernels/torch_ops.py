@@ -131,9 +131,15 @@ def per_head(x: torch.Tensor, idx: torch.Tensor) -> torch.Tensor:
     """``x[idx[j, h], h]`` for every ``j`` and head ``h``: ``[m, H, ...]`` from ``x [n, H, ...]`` and
     ``idx [m, H]`` (each head its own tokens). One ``index_select`` on the flattened (token, head)
     axis: several times faster on CPU than the advanced index ``x[idx, arange(H)]``."""
-    H = x.shape[1]
+    return per_head_all((x,), idx)[0]
+
+
+def per_head_all(xs: Sequence[torch.Tensor], idx: torch.Tensor) -> list[torch.Tensor]:
+    """:func:`per_head` of each of ``xs`` (the same ``[n, H]`` leading shape), the flattened
+    indices made once."""
+    H = idx.shape[1]
     flat = (idx.long() * H + torch.arange(H, device=idx.device)).reshape(-1)
-    return x.reshape(-1, *x.shape[2:]).index_select(0, flat).view(*idx.shape, *x.shape[2:])
+    return [x.reshape(-1, *x.shape[2:]).index_select(0, flat).view(*idx.shape, *x.shape[2:]) for x in xs]
 
 
 def joined(parts: list[torch.Tensor]) -> torch.Tensor:
@@ -151,19 +157,17 @@ def joined(parts: list[torch.Tensor]) -> torch.Tensor:
     return first.as_strided((M, *first.shape[1:]), first.stride(), first.storage_offset())
 
 
-def complement(
-    n: int, kept: torch.Tensor, candidates: torch.Tensor | None = None, count: int | None = None
-) -> torch.Tensor:
+def complement(n: int, kept: torch.Tensor, fixed: torch.Tensor | None = None, count: int | None = None) -> torch.Tensor:
     """``[count, H]`` indices of ``range(n)`` not in ``kept [keep, H]`` (per head, ascending);
-    ``candidates``: ``[n]`` bool, the tokens that may be dropped (default all; ``count``, the
-    number dropped per head, then says how many: default ``n - keep``)."""
+    ``fixed``: ``[n]`` int8, 1 for the tokens never dropped (default none; ``count``, the number
+    dropped per head, then says how many: default ``n - keep``)."""
     H = kept.shape[1]
-    if candidates is None:
-        dropped = torch.ones(n, H, dtype=torch.bool, device=kept.device)
+    if fixed is None:
+        mark = torch.zeros(n, H, dtype=torch.int8, device=kept.device)
     else:
-        dropped = candidates[:, None].repeat(1, H)
-    dropped[kept, torch.arange(H, device=kept.device)[None, :]] = False
-    order = torch.argsort((~dropped).to(torch.int8), dim=0, stable=True)
+        mark = fixed[:, None].repeat(1, H)
+    mark[kept, torch.arange(H, device=kept.device)[None, :]] = 1
+    order = torch.argsort(mark, dim=0, stable=True)
     return order[: n - kept.shape[0] if count is None else count]
 
 
