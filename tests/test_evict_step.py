@@ -21,6 +21,7 @@ from vllm_kvevict.backends import flash_layout as flash_cache
 from vllm_kvevict.backends.evict import RowWork, evict_step
 from vllm_kvevict.backends.plan import StepPlan
 from vllm_kvevict.config import parse_config
+from vllm_kvevict.kernels import ops
 from vllm_kvevict.kernels.torch_ops import ragged
 from vllm_kvevict.policies import POLICIES as POLICY_CLASSES
 from vllm_kvevict.policies.base import RowInputs, step_queries
@@ -279,15 +280,27 @@ def test_window_overlay_is_the_rows_own_state(monkeypatch):
         assert torch.equal(state[k][~mask], want_state[k][~mask]), k
 
 
+#: every row scored with the others of its policy: the step reads the window in place
+GROUPED = ["keydiff", "h2o", "snapkv", "keydiff", "knorm", "caote", "snapkv", "tova", "criticalkv"]
+
+
+@pytest.mark.parametrize("in_place", [False, True])
 @pytest.mark.parametrize("kernels", ["torch", "triton"])
-def test_recall_is_handed_what_each_row_drops(monkeypatch, kernels):
+def test_recall_is_handed_what_each_row_drops(monkeypatch, kernels, in_place):
     """Every compacting row that keeps a tier (all but the merging one) is handed exactly the
     window tokens it did not keep, per head and in position order, with their K, V and positions
-    as they were, and the finite score it was dropped by."""
+    as they were, and the finite score it was dropped by; ``in_place``: every policy scored with
+    the others of its own, nothing of the window gathered (only what is kept and dropped copied)."""
     if kernels == "triton" and not CUDA and os.environ.get("TRITON_INTERPRET") != "1":
         pytest.skip("Triton on CPU needs TRITON_INTERPRET=1 from the start")
     monkeypatch.setenv("KVEVICT_KERNELS", kernels)
-    cache, write, slot_pos, state, plan, work = _setup("flash", torch.float32)
+    cache, write, slot_pos, state, plan, work = _setup("flash", torch.float32, GROUPED if in_place else POLICIES)
+    if in_place:
+
+        def gathered(*a, **k):
+            raise AssertionError("the window was gathered")
+
+        monkeypatch.setattr(ops, "gather_paged", gathered)
     for w in work:
         w.keep_evicted = w.compact and not w.policy.needs.merges
     K0, V0 = (t.clone() for t in flash_cache.cache_views(cache))

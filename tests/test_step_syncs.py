@@ -112,13 +112,15 @@ def watch(monkeypatch):
 def _requests(kernels: str, scale: float, keys_only: bool = False) -> list[Request]:
     """Every policy without recall and every policy that keeps a tier with it, in one batch;
     ``keys_only``: the policies scored from keys or their queries' attention (and H2O's state)
-    alone, without recall (the in-place step)."""
+    alone, one of them keeping a tier (the in-place step)."""
     prompts = [300, 200, 257, 180, 330, 140, 240, 150, 275, 199, 230, 170, 310]
     every = [p for p in POLICIES if p != "none" and (kernels == "triton" or p != "lshe")]
     if keys_only:
         mix = [
-            (p, False)
-            for p in ("keydiff", "knorm", "streamingllm", "random", "snapkv", "tova", "h2o", "caote", "keydiff")
+            (p, i == 8)
+            for i, p in enumerate(
+                ("keydiff", "knorm", "streamingllm", "random", "snapkv", "tova", "h2o", "caote", "keydiff")
+            )
         ]
     else:
         mix = [(p, False) for p in every] + [(p, True) for p in every if p != "kvmerger"]  # merging keeps no tier

@@ -121,30 +121,26 @@ def evict_step(
     """Observe and compact the rows of ``work``; returns the kept positions ``[keep, H]`` of each
     compacting row, in order (``positions=False``: None for each, not computed).
 
-    ``evicted``: when given, every compacting row whose ``RowWork.keep_evicted`` is set
-    gets what it drops there, ``{row: (K, V, pos, score, state)}`` (``[n, H, ...]``, the score it
-    was dropped with, ``-inf`` where its policy selects without one), for the recall tier.
+    ``evicted``: when given, every compacting row with ``RowWork.keep_evicted`` gets what it drops
+    there (the recall tier's), ``{row: (K, V, pos, score, state)}`` (``[n, H, ...]``, ``score``: -inf
+    where its policy selects without one).
 
     ``views``: the cache's ``[num_blocks, block_size, H, D]`` K and V views where the layout has
     them: rows read and written by block-table kernels (in place, :func:`_in_place`); otherwise
     through ``gather``/``write`` at explicit slots. Rows of a ``Policy.ragged`` policy are scored
     together; the others through their policy, their attention by one ``column_sums``. Every
     scored row is selected by one ``select_topk``; merging policies select and rewrite K/V.
-
     ``overlays``: ``{row: {name: [n, H]}}``, the per-slot state of the first ``n`` slots of a row's
-    window held outside ``slot_state`` (a request started on a cached window: those slots' blocks
-    are shared, their state its own copy). The row reads and observes them there; nothing of it is
-    written to ``slot_state`` at those slots.
-
-    ``snapshots``: ``{name: [slots, H]}``, where a compacted window's per-slot state is kept as the
-    compaction left it (for requests that may start on the window once it is cached): the kept
-    tokens' state named there is written there too.
+    window held outside ``slot_state`` (a request started on a cached window: those blocks are
+    shared, their state its own copy), read and observed there, never written to ``slot_state``.
+    ``snapshots``: ``{name: [slots, H]}``, where compacted windows' state is kept as the compaction
+    left it (read by requests starting on them once cached): the kept state is written there too.
     """
     if not work:
         return []
     batched = bool(envs.KVEVICT_BATCHED)  # 0: every row through its policy one by one (A/B timing, debugging)
     geo = step_geometry(plan, work, block_size)
-    in_place = views is not None and batched and _in_place(work, evicted is not None)
+    in_place = views is not None and batched and _in_place(work)
     t = _read(plan, geo, work, gather, views, slot_pos, slot_state, overlays or {}, in_place)
     sel = _Selection()
     groups, row_views = _row_views(work, t, layer, G, batched)
@@ -152,8 +148,7 @@ def evict_step(
     observed = _score_rows(plan, work, row_views, t, sel, batched)
     observed_groups = _score_groups(plan, work, groups, t, sel, layer, G, attn)
     _select(plan, work, t, sel)
-    # Nothing is written before every row is scored and selected: a policy that raises leaves the
-    # cache and the per-slot state as they were, so the step can be retried row by row.
+    # Nothing written before every row is scored and selected: a raise leaves all as it was (retried row by row).
     _write_observed(work, t, observed, slot_state, overlays or {})
     _write_group_observed(plan, work, t, observed_groups, slot_state, overlays or {})
     if evicted is not None:  # read before anything is written (the window's slots are rewritten)
@@ -161,20 +156,19 @@ def evict_step(
     if not geo.out:
         return []
     kept = _kept(geo, sel)
-    src = (t.K, t.V, t.pos, t.state)
     dst = (block_size, write, slot_pos, slot_state, views, snapshots or {})
-    taken = _write_kept(plan, geo, kept, sel, src, dst)
+    taken = _write_kept(plan, geo, kept, sel, (t.K, t.V, t.pos, t.state), dst)
     if not positions:
         return [None] * len(geo.out)
     kept_pos = taken.long() if taken is not None else torch_ops.per_head(dense_positions(t.pos), kept)
     return list(kept_pos.split([sel.kept_tok[r].shape[0] for r in geo.out]))
 
 
-def _in_place(work: list[RowWork], recall: bool) -> bool:
-    """Every row is scored (or observed) with the others of its policy (:func:`_grouped`) and
-    hands nothing to recall: its keys are scored where they are and only the kept tokens are
-    copied, nothing of the window gathered."""
-    return all(_grouped(w, True) and not (recall and w.keep_evicted) for w in work)
+def _in_place(work: list[RowWork]) -> bool:
+    """Every row is scored (or observed) with the others of its policy (:func:`_grouped`): its keys
+    are scored where they are and only the kept tokens (and what recall keeps) are copied, nothing
+    of the window gathered."""
+    return all(_grouped(w, True) for w in work)
 
 
 def _grouped(w: RowWork, batched: bool) -> bool:
@@ -348,15 +342,18 @@ def _hand_to_recall(plan, work, t: _Tokens, sel: _Selection, evicted: dict) -> N
     counts = [b[i + 1] - b[i] - sel.kept_tok[work[i].row].shape[0] for i in idxs]
     fixed = _per_step(plan, ("to recall", b, tuple(idxs)), lambda: _unmarked(b, idxs, dev))
     drop = torch_ops.complement(N, torch_ops.joined([sel.kept_tok[work[i].row] for i in idxs]), fixed, sum(counts))
-    K, V = t.dense()
-    (*parts,) = torch_ops.per_head_all(
-        (K, V, dense_positions(t.pos), _packed_scores(plan, t, sel), *t.state.values()), drop
-    )
-    state = dict(zip(t.state, parts[4:]))
+    if isinstance(t.K, PagedKeys) and isinstance(t.V, PagedKeys) and isinstance(t.pos, PagedKeys):  # in place
+        K, V, pos = ops.take_paged(t.K.cache, t.V.cache, t.pos.cache, t.K.blocks, t.K.offsets, drop)
+        score, *state = torch_ops.per_head_all((_packed_scores(plan, t, sel), *t.state.values()), drop)
+        parts = [K, V, pos.long(), score, *state]
+    else:
+        K, V = t.dense()
+        every = (K, V, dense_positions(t.pos), _packed_scores(plan, t, sel), *t.state.values())
+        parts = torch_ops.per_head_all(every, drop)
     at = 0
     for i, n in zip(idxs, counts):
         sl = slice(at, at + n)
-        evicted[work[i].row] = (*(x[sl] for x in parts[:4]), {k: s[sl] for k, s in state.items()})
+        evicted[work[i].row] = (*(x[sl] for x in parts[:4]), {k: s[sl] for k, s in zip(t.state, parts[4:])})
         at += n
 
 
@@ -371,7 +368,7 @@ def _unmarked(bounds: tuple[int, ...], idxs: list[int], device) -> torch.Tensor:
 def _packed_scores(plan, t: _Tokens, sel: _Selection) -> torch.Tensor:
     """``[N, H]`` float32: every packed token's score as selected, ``-inf`` for rows selected
     without one (their policy's own eviction) or not scored."""
-    H, N = t.dense()[0].shape[1], t.bounds[-1]  # a row handing its tokens to recall is never scored in place
+    H, N = (t.K.cache.shape[2] if isinstance(t.K, PagedKeys) else t.K.shape[1]), t.bounds[-1]
     scores = sel.scores
     tok = _packed(plan, t.bounds, [i for i, _ in sel.to_select], t.slots.device)[0] if scores is not None else None
     if scores is not None and isinstance(tok, slice) and (tok.start, tok.stop) == (0, N):

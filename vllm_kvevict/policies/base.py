@@ -228,8 +228,8 @@ class Packed:
     ``A [N, H_q]`` the attention each token receives, summed over its row's queries; ``pos`` int64
     ``[N, H_kv]``, or read where they are (through
     :func:`~vllm_kvevict.kernels.torch_ops.dense_positions`); ``state``: ``{name: [N, H_kv]}`` the
-    per-slot state (observed this step); the values through :meth:`values` (``V`` at ``tok``:
-    read only by a policy that asks); ``W_O``: the layer's output projection ``[H_q, d, D]`` (a
+    per-slot state (observed this step); the values ``V[tok]`` (``[N, H_kv, d]``, packed or read
+    where they are: read only by a policy that asks); ``W_O``: the layer's output projection ``[H_q, d, D]`` (a
     policy with ``Needs.w_o``)."""
 
     A: torch.Tensor
@@ -238,11 +238,6 @@ class Packed:
     V: torch.Tensor | PagedKeys
     tok: torch.Tensor | slice = field(default_factory=lambda: slice(None))
     W_O: torch.Tensor | None = None
-
-    def values(self) -> torch.Tensor:
-        """``[N, H_kv, d]``: the tokens' values (gathered if read where they are)."""
-        V = self.V[self.tok]
-        return V.gather() if isinstance(V, PagedKeys) else V
 
 
 P = TypeVar("P", bound=PolicyParams)
