@@ -207,7 +207,7 @@ def gather_paged(k_cache, v_cache, block_table, rows, starts, ends, cu: Ragged |
     return K, V, offsets
 
 
-#: keydiff: tokens per row chunk, on average over the set, and at most this many chunks per row (as
+#: keydiff (and K-norm): tokens per row chunk, on average over the set, and at most this many chunks per row (as
 #: csrc/): a long row is scored by many programs, not one per (row, head)
 KEYDIFF_CHUNK, KEYDIFF_MAX_SPLITS = 2048, 32
 
@@ -415,7 +415,7 @@ def knorm_scores(K, pos, cu, L, sink: int, recent: int):
 
 def knorm_scores_paged(keys: PagedKeys, pos, cu, L, sink: int, recent: int):
     """:func:`knorm_scores` of keys and positions read in place through their blocks: no gathered
-    copy (``pos``: the positions' :class:`PagedKeys` at the same blocks and offsets)."""
+    copy (``pos``: the positions' :class:`PagedKeys`)."""
     _, _, H, D = keys.cache.shape
     N = keys.blocks.numel()
     p_strides = pos.cache.stride()[:3]
