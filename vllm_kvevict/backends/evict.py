@@ -369,13 +369,13 @@ def _packed_scores(plan, t: _Tokens, sel: _Selection) -> torch.Tensor:
     """``[N, H]`` float32: every packed token's score as selected, ``-inf`` for rows selected
     without one (their policy's own eviction) or not scored."""
     H, N = (t.K.cache.shape[2] if isinstance(t.K, PagedKeys) else t.K.shape[1]), t.bounds[-1]
-    scores = sel.scores
-    tok = _packed(plan, t.bounds, [i for i, _ in sel.to_select], t.slots.device)[0] if scores is not None else None
-    if scores is not None and isinstance(tok, slice) and (tok.start, tok.stop) == (0, N):
-        return scores.float()  # every token selected by its score, in order
+    if sel.scores is None:
+        return torch.full((N, H), float("-inf"), device=t.slots.device)
+    tok, _ = _packed(plan, t.bounds, [i for i, _ in sel.to_select], t.slots.device)
+    if isinstance(tok, slice) and (tok.start, tok.stop) == (0, N):
+        return sel.scores.float()  # every token selected by its score, in order
     out = torch.full((N, H), float("-inf"), device=t.slots.device)
-    if scores is not None and tok is not None:  # every selected row's, packed by the selection
-        out[tok] = scores
+    out[tok] = sel.scores  # every selected row's, packed by the selection
     return out
 
 

@@ -212,6 +212,11 @@ def gather_paged(k_cache, v_cache, block_table, rows, starts, ends, cu: Ragged |
 KEYDIFF_CHUNK, KEYDIFF_MAX_SPLITS = 2048, 32
 
 
+def _splits(N: int) -> int:
+    """How many programs share each row of a set of ``N`` tokens (:data:`KEYDIFF_CHUNK`)."""
+    return max(1, min(KEYDIFF_MAX_SPLITS, triton.cdiv(N, KEYDIFF_CHUNK)))
+
+
 @triton.jit
 def _keydiff_partial_kernel(
     k_ptr,
@@ -299,11 +304,7 @@ def _keydiff_cos_kernel(
 def _keydiff(k, blk, off, strides, N: int, H: int, D: int, cu, paged: bool) -> torch.Tensor:
     out = torch.empty(N, H, dtype=torch.float32, device=k.device)
     if N:
-        R, S, BD = (
-            cu.numel() - 1,
-            max(1, min(KEYDIFF_MAX_SPLITS, triton.cdiv(N, KEYDIFF_CHUNK))),
-            triton.next_power_of_2(D),
-        )
+        R, S, BD = cu.numel() - 1, _splits(N), triton.next_power_of_2(D)
         part = torch.empty(R, H, S, BD, dtype=torch.float32, device=k.device)
         meta = dict(D=D, TILE_T=TILE, BLOCK_D=BD, EPS_=EPS, PAGED=paged)
         _keydiff_partial_kernel[(R, H, S)](k, blk, off, *strides, cu, part, S, **meta)
@@ -398,7 +399,7 @@ def _knorm_kernel(
 def _knorm(k, blk, off, strides, pos, p_strides, N: int, H: int, D: int, cu, L, sink: int, recent: int):
     out = torch.empty(N, H, dtype=torch.float32, device=k.device)
     if N:
-        R, S = cu.numel() - 1, max(1, min(KEYDIFF_MAX_SPLITS, triton.cdiv(N, KEYDIFF_CHUNK)))
+        R, S = cu.numel() - 1, _splits(N)
         meta = dict(D=D, TILE_T=TILE, BLOCK_D=triton.next_power_of_2(D), PAGED=isinstance(pos, PagedKeys))
         p = (pos.cache, pos.blocks, pos.offsets) if isinstance(pos, PagedKeys) else (pos, pos, pos)
         _knorm_kernel[(R, H, S)](
@@ -1213,7 +1214,7 @@ def _proj_norm_kernel(
     tl.store(out_ptr + t * o_t + h * o_h, acc, mask=mt)
 
 
-def _proj_norms(v, blk, off, strides, H: int, n: int, d: int, W_O, out, o_strides, a, eps: float, paged: bool):
+def _proj_norms(v, blk, off, strides, H: int, G: int, n: int, d: int, W_O, out, o_strides, a, eps: float, paged: bool):
     """:func:`_proj_norm_kernel` over ``n`` tokens of ``H`` KV heads into ``out`` (``o_strides``:
     its token and head strides); ``a``: the scores ``[n, H]`` to scale by (None: the norms alone)."""
     if n == 0:
@@ -1226,7 +1227,7 @@ def _proj_norms(v, blk, off, strides, H: int, n: int, d: int, W_O, out, o_stride
     a_args = (a, *a.stride()) if a is not None else (out, 0, 0)
     _proj_norm_kernel[(H, triton.cdiv(n, TT))](
         v, blk, off, *strides, W_O, *W_O.stride(), W_O.shape[-1], *a_args, out, *o_strides, n, eps,
-        G=W_O.shape[0] // H, d=d, TILE_T=TT, BLOCK_d=Bd, TILE_D=64, PREC=prec, SCALE=a is not None, PAGED=paged,
+        G=G, d=d, TILE_T=TT, BLOCK_d=Bd, TILE_D=64, PREC=prec, SCALE=a is not None, PAGED=paged,
     )  # fmt: skip
     return out
 
@@ -1238,7 +1239,7 @@ def projected_value_norms(V, W_O, G: int):
     H, n, d = V.shape
     out = torch.empty(H, n, dtype=torch.float32, device=V.device)
     strides = (V.stride(1), 0, V.stride(0), V.stride(2))  # token, (offset), head, dim
-    return _proj_norms(V, V, V, strides, H, n, d, W_O, out, (1, n), None, 0.0, False)
+    return _proj_norms(V, V, V, strides, H, G, n, d, W_O, out, (1, n), None, 0.0, False)
 
 
 def criticalkv_scores(A, V, W_O, G: int, eps: float):
@@ -1248,10 +1249,10 @@ def criticalkv_scores(A, V, W_O, G: int, eps: float):
     out = torch.empty(N, H, dtype=torch.float32, device=A.device)
     if isinstance(V, PagedKeys):
         d = V.cache.shape[-1]
-        return _proj_norms(V.cache, V.blocks, V.offsets, V.cache.stride(), H, N, d, W_O, out, (H, 1), A, eps, True)
+        return _proj_norms(V.cache, V.blocks, V.offsets, V.cache.stride(), H, G, N, d, W_O, out, (H, 1), A, eps, True)
     d = V.shape[-1]
     strides = (V.stride(0), 0, V.stride(1), V.stride(2))
-    return _proj_norms(V, V, V, strides, H, N, d, W_O, out, (H, 1), A, eps, False)
+    return _proj_norms(V, V, V, strides, H, G, N, d, W_O, out, (H, 1), A, eps, False)
 
 
 @triton.jit

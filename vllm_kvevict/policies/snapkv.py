@@ -21,7 +21,7 @@ from pydantic import Field, field_validator
 
 from vllm_kvevict.kernels import ops
 from vllm_kvevict.kernels.torch_ops import PagedKeys
-from vllm_kvevict.policies.attention import in_window, pool_segments
+from vllm_kvevict.policies.attention import columns_group_mean, in_window, pool_segments
 from vllm_kvevict.policies.base import Columns, KVView, Needs, Packed, Policy, PolicyParams
 
 #: Longest observation window. The backend keeps each request's last ``window`` queries per layer
@@ -80,7 +80,7 @@ def snapkv_scores(
     pre_end = (cu[1:] - torch.minimum(L.clamp(max=window), cu[1:] - cu[:-1]))[row]  # window slots last
     pooled = pool_segments(A, cu[:-1][row], pre_end, kernel, pooling)
     A = torch.where((torch.arange(A.shape[0], device=A.device) < pre_end)[:, None], pooled, A)
-    s = A.reshape(A.shape[0], -1, G).mean(-1)
+    s = columns_group_mean(A, G)
     if protect:
         s = s.masked_fill(in_window(pos, L[row], window), float("inf"))
     return s
