@@ -226,7 +226,7 @@ def test_one_selection_equals_per_row(monkeypatch, kernels):
     monkeypatch.setattr(ops, "select_topk", lambda *a, **k: calls.append(ragged(a[2]).rows) or select(*a, **k))
     monkeypatch.setattr(ops, "column_sums", lambda *a: attn_calls.append(ragged(a[4]).rows) or column_sums(*a))
     got = _run("flash", torch.float32)
-    assert calls == [1, len(COMPACT) - 1]  # criticalkv's stage 1; then every compacting row but kvmerger's
+    assert calls == [len(COMPACT) - 1]  # every compacting row but kvmerger's (criticalkv's stage 1 marks its own)
     assert attn_calls == [sum(p in ("h2o", "kvmerger", "caote", "snapkv", "tova", "criticalkv") for p in POLICIES)]
     assert torch.equal(want[0], got[0]) and torch.equal(want[1], got[1])
     dead = _evicted_slots(got[4])  # a row's policy may leave what it observed there (h2o's rows together do)
@@ -284,18 +284,25 @@ def test_window_overlay_is_the_rows_own_state(monkeypatch):
 GROUPED = ["keydiff", "h2o", "snapkv", "keydiff", "knorm", "caote", "snapkv", "tova", "criticalkv"]
 
 
-@pytest.mark.parametrize("in_place", [False, True])
+@pytest.mark.parametrize("mix", ["every policy", "grouped", "one policy"])
 @pytest.mark.parametrize("kernels", ["torch", "triton"])
-def test_recall_is_handed_what_each_row_drops(monkeypatch, kernels, in_place):
+def test_recall_is_handed_what_each_row_drops(monkeypatch, kernels, mix):
     """Every compacting row that keeps a tier (all but the merging one) is handed exactly the
     window tokens it did not keep, per head and in position order, with their K, V and positions
-    as they were, and the finite score it was dropped by; ``in_place``: every policy scored with
-    the others of its own, nothing of the window gathered (only what is kept and dropped copied)."""
+    as they were, and the finite score it was dropped by. ``grouped``: every policy scored with
+    the others of its own, nothing of the window gathered (only what is kept and dropped copied);
+    ``one policy``: so, and one selection finds what every row keeps and drops (``select_split``)."""
     if kernels == "triton" and not CUDA and os.environ.get("TRITON_INTERPRET") != "1":
         pytest.skip("Triton on CPU needs TRITON_INTERPRET=1 from the start")
     monkeypatch.setenv("KVEVICT_KERNELS", kernels)
-    cache, write, slot_pos, state, plan, work = _setup("flash", torch.float32, GROUPED if in_place else POLICIES)
-    if in_place:
+    policies = {"every policy": POLICIES, "grouped": GROUPED, "one policy": ["keydiff"] * ROWS}[mix]
+    cache, write, slot_pos, state, plan, work = _setup("flash", torch.float32, policies)
+    if mix == "one policy":  # a row of a policy without state that does not compact has no work (the engine's)
+        work = [w for w in work if w.compact]
+    splits: list[int] = []
+    split = ops.select_split
+    monkeypatch.setattr(ops, "select_split", lambda *a, **k: splits.append(1) or split(*a, **k))
+    if mix != "every policy":
 
         def gathered(*a, **k):
             raise AssertionError("the window was gathered")
@@ -323,6 +330,7 @@ def test_recall_is_handed_what_each_row_drops(monkeypatch, kernels, in_place):
             slots = plan.block_table[r][p // BS] * BS + p % BS
             assert torch.equal(K[:, h], K0.flatten(0, 1)[slots, h]) and torch.equal(V[:, h], V0.flatten(0, 1)[slots, h])
         assert bool(torch.isfinite(score).all()), r
+    assert splits == ([1] if mix == "one policy" else []), splits
 
 
 @pytest.mark.parametrize("kernels", ["torch", "triton"])

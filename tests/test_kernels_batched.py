@@ -132,9 +132,14 @@ def test_triton_gather_scores_select_scatter(tri, case, dtype):
     some = torch.randint(0, max(1, K.shape[0]), (K.shape[0] // 2 + 1, H), generator=g).to(DEV) if K.shape[0] else None
     if some is not None:
         h = torch.arange(H, device=DEV)
+        cols = (torch.randn(K.shape[0], H).to(DEV), torch.arange(K.shape[0] * H).view(-1, H).to(DEV), -pos.float())
         for take in (ref.take_paged, tri.take_paged):
             Kt, Vt, pt = take(kc, vc, pcache, blocks, offs, some)
-            assert torch.equal(Kt, K[some, h]) and torch.equal(Vt, V[some, h]) and torch.equal(pt.long(), pos[some, h])
+            assert torch.equal(Kt, K[some, h]) and torch.equal(Vt, V[some, h]) and torch.equal(pt, pos[some, h])
+            # packed [N, H] columns taken with them (scores, per-slot state): two in the launch, the rest after
+            for n in range(len(cols) + 1):
+                got = take(kc, vc, pcache, blocks, offs, some, cols[:n])
+                assert len(got) == 3 + n and all(torch.equal(g, c[some, h]) for g, c in zip(got[3:], cols))
     s = s.round(decimals=2)  # many exact ties: the tie rule decides
     keep = torch.tensor([max(1, n // 2) for n in lens], device=DEV)
     idx, cu_keep = ref.select_topk(s, pos, cu, keep)
@@ -145,6 +150,20 @@ def test_triton_gather_scores_select_scatter(tri, case, dtype):
     for select in (ref.select_topk, tri.select_topk):
         assert torch.equal(select(s, pos, cu, keep, packed_offset=5)[0], packed)
         assert torch.equal(select(s, paged_pos, cu, keep)[0], idx)  # positions read where they are
+    # and with the tokens each row drops: every packed token not kept, row after row, ascending per head
+    every = set(range(5, K.shape[0] + 5))
+    dropped = [torch.tensor(sorted(every - set(packed[:, j].tolist())), dtype=torch.long) for j in range(H)]
+    dropped = torch.stack(dropped, 1).to(DEV)
+    # a selection that marks its winners (+inf in another score, CriticalKV's stage 1) instead of listing them
+    target = torch.randn(s.shape).to(DEV)
+    want = target.clone().scatter_(0, packed - 5, float("inf"))
+    for mod in (ref, tri):
+        for t in (target.clone(), target.clone().T.contiguous().T):  # contiguous or not
+            assert mod.promote_topk(t, s, paged_pos, cu, keep) is t and torch.equal(t, want), mod.__name__
+    for split in (ref.select_split, tri.select_split):
+        for p in (pos, paged_pos):
+            kept, gone = split(s, p, cu, keep, packed_offset=5)
+            assert torch.equal(kept, packed) and torch.equal(gone, dropped), split.__module__
 
     dst_start = en - (cu_keep[1:] - cu_keep[:-1])
     for name, dst in (("k", kc), ("v", vc)):
@@ -163,6 +182,19 @@ def test_triton_gather_scores_select_scatter(tri, case, dtype):
         got = [x.clone() for x in (kc, vc, pcache)]
         mod.scatter_kv_paged(*got, (K, V, pos), glob, glob, cu_keep, bt, rows, dst_start)
         assert all(torch.equal(w, x) for w, x in zip(want, got)), mod.__name__
+    # with a per-slot state written to one or two stores (the live state and its windows' snapshot),
+    # K and V copied out first (the in-place step: identity indices for them, the state's its own)
+    h = torch.arange(H, device=DEV)
+    taken, ident = (K[glob, h], V[glob, h]), torch.arange(glob.shape[0], device=DEV)[:, None].expand_as(glob)
+    st, base = torch.randn(K.shape[0], H).to(DEV), torch.randn(kc.shape[0], bs, H).to(DEV)
+    want_st = base.clone()
+    ref.scatter_paged(want_st, st, glob, zero, cu_keep, bt, rows, dst_start)
+    for mod, n in ((ref, 1), (ref, 2), (tri, 1), (tri, 2)):
+        got, stores = [x.clone() for x in (kc, vc, pcache)], tuple(base.clone() for _ in range(n))
+        state = ref.StateWrite(st, glob, stores)
+        mod.scatter_kv_paged(*got, (*taken, pos), ident, glob, cu_keep, bt, rows, dst_start, state)
+        assert all(torch.equal(w, x) for w, x in zip(want, got)), mod.__name__
+        assert all(torch.equal(x, want_st) for x in stores), (mod.__name__, n)
     state = torch.randn(kc.shape[0] * bs, H).to(DEV)  # a per-slot state [slots, H], moved the same way
     want, got = state.clone(), state.clone()
     ref.scatter_paged(want.view(-1, bs, H), s, idx, cu, cu_keep, bt, rows, dst_start)
@@ -209,6 +241,34 @@ def test_triton_select_a_row_that_keeps_nothing(tri):
         idx, cu_keep = mod.select_topk(scores, pos, cu, keep)
         assert cu_keep.tolist() == [0, 3, 3, 5]
         assert torch.equal(idx + torch.tensor([0, 0, 0, 22, 22], device=DEV)[:, None], want), mod.__name__
+
+
+@pytest.mark.parametrize("H", [1, 3, 8])
+@pytest.mark.parametrize("states", [0, 1, 2])
+def test_record_slots_in_one_kernel(tri, H, states):
+    """A step's written slots (some repeated: vLLM's padding goes to slot 0) get their positions in
+    every head and each state's initial value (float and int64 ones); other slots are untouched."""
+    g = torch.Generator().manual_seed(H * 10 + states)
+    n_slots, n = 200, 70
+    slots = torch.cat([torch.randperm(n_slots, generator=g)[: n - 3], torch.zeros(3, dtype=torch.long)]).to(DEV)
+    positions = torch.cat([torch.randint(0, 10_000, (n - 3,), generator=g), torch.zeros(3, dtype=torch.long)])
+    positions = positions.to(torch.int32)[:, None].to(DEV)
+    before = [
+        torch.randint(-5, 5, (n_slots, H), generator=g, dtype=torch.int32),
+        torch.randn(n_slots, H, generator=g),
+        torch.randint(0, 9, (n_slots, H), generator=g),
+    ]
+    inits = [0.0, -1]
+    for mod in (ref, tri):
+        pos, *st = (t.clone().to(DEV) for t in before[: 1 + states])
+        mod.record_slots(pos, slots, positions, list(zip(st, inits)))
+        want = before[0].clone().to(DEV)
+        want[slots] = positions
+        assert torch.equal(pos, want), mod.__name__
+        for t, b, init in zip(st, before[1:], inits):
+            w = b.clone().to(DEV)
+            w[slots] = init
+            assert torch.equal(t, w), mod.__name__
 
 
 # -- the engine's step: batched rows against the per-row path ---------------------------------------

@@ -24,7 +24,7 @@ import torch
 
 from vllm_kvevict import envs
 from vllm_kvevict.kernels import ops, torch_ops
-from vllm_kvevict.kernels.torch_ops import PagedKeys, Ragged, dense_positions, on_device
+from vllm_kvevict.kernels.torch_ops import PagedKeys, Ragged, StateWrite, dense_positions, on_device
 from vllm_kvevict.policies.base import Columns, KVView, Packed, Policy, RowInputs
 
 Gather = Callable[
@@ -147,7 +147,7 @@ def evict_step(
     attn = _attention(plan, work, row_views, groups, t, G) if batched else {}  # every row's in one call
     observed = _score_rows(plan, work, row_views, t, sel, batched)
     observed_groups = _score_groups(plan, work, groups, t, sel, layer, G, attn)
-    _select(plan, work, t, sel)
+    _select(plan, work, t, sel, evicted is not None)
     # Nothing written before every row is scored and selected: a raise leaves all as it was (retried row by row).
     _write_observed(work, t, observed, slot_state, overlays or {})
     _write_group_observed(plan, work, t, observed_groups, slot_state, overlays or {})
@@ -160,7 +160,7 @@ def evict_step(
     taken = _write_kept(plan, geo, kept, sel, (t.K, t.V, t.pos, t.state), dst)
     if not positions:
         return [None] * len(geo.out)
-    kept_pos = taken.long() if taken is not None else torch_ops.per_head(dense_positions(t.pos), kept)
+    kept_pos = taken if taken is not None else torch_ops.per_head(dense_positions(t.pos), kept)
     return list(kept_pos.split([sel.kept_tok[r].shape[0] for r in geo.out]))
 
 
@@ -210,6 +210,7 @@ class _Selection:
     )
     packed: torch.Tensor | None = None  # the selection's kept tokens of rows ``packed_rows``, in order
     packed_rows: list[int] = field(default_factory=list)
+    dropped: torch.Tensor | None = None  # the tokens the selection dropped, where recall takes all of them
 
 
 def _read(plan, geo: Geometry, work, gather, views, slot_pos, slot_state, overlays, in_place: bool) -> _Tokens:
@@ -340,12 +341,15 @@ def _hand_to_recall(plan, work, t: _Tokens, sel: _Selection, evicted: dict) -> N
         return
     dev, N, b = t.slots.device, t.bounds[-1], t.bounds
     counts = [b[i + 1] - b[i] - sel.kept_tok[work[i].row].shape[0] for i in idxs]
-    fixed = _per_step(plan, ("to recall", b, tuple(idxs)), lambda: _unmarked(b, idxs, dev))
-    drop = torch_ops.complement(N, torch_ops.joined([sel.kept_tok[work[i].row] for i in idxs]), fixed, sum(counts))
+    if sel.dropped is not None and sel.packed_rows == [work[i].row for i in idxs]:
+        drop = sel.dropped  # the selection's own
+    else:
+        fixed = _per_step(plan, ("to recall", b, tuple(idxs)), lambda: _unmarked(b, idxs, dev))
+        kept = torch_ops.joined([sel.kept_tok[work[i].row] for i in idxs])
+        drop = torch_ops.complement(N, kept, fixed, sum(counts))
     if isinstance(t.K, PagedKeys) and isinstance(t.V, PagedKeys) and isinstance(t.pos, PagedKeys):  # in place
-        K, V, pos = ops.take_paged(t.K.cache, t.V.cache, t.pos.cache, t.K.blocks, t.K.offsets, drop)
-        score, *state = torch_ops.per_head_all((_packed_scores(plan, t, sel), *t.state.values()), drop)
-        parts = [K, V, pos.long(), score, *state]
+        columns = (_packed_scores(plan, t, sel), *t.state.values())
+        parts = list(ops.take_paged(t.K.cache, t.V.cache, t.pos.cache, t.K.blocks, t.K.offsets, drop, columns))
     else:
         K, V = t.dense()
         every = (K, V, dense_positions(t.pos), _packed_scores(plan, t, sel), *t.state.values())
@@ -379,8 +383,10 @@ def _packed_scores(plan, t: _Tokens, sel: _Selection) -> torch.Tensor:
     return out
 
 
-def _select(plan, work, t: _Tokens, sel: _Selection) -> None:
-    """One top-k for every row with the default selection, whatever its policy."""
+def _select(plan, work, t: _Tokens, sel: _Selection, recall: bool) -> None:
+    """One top-k for every row with the default selection, whatever its policy; ``recall``: the
+    step hands what rows drop to recall (the selection writes the dropped tokens too where recall
+    takes every row's)."""
     if not sel.to_select:
         return
     idxs = [i for i, _ in sel.to_select]
@@ -390,7 +396,9 @@ def _select(plan, work, t: _Tokens, sel: _Selection) -> None:
     if sel.scores is None:  # kept: recall reads them again
         sel.scores = torch.cat([s for _, s in sel.to_select])
     scores = sel.scores
-    if isinstance(tok, slice):  # consecutive rows: the selection gives indices into the packed tokens
+    if isinstance(tok, slice) and recall and all(work[i].keep_evicted for i in idxs):
+        sel.packed, sel.dropped = ops.select_split(scores, t.pos[tok], s_cu, keep, packed_offset=tok.start)
+    elif isinstance(tok, slice):  # consecutive rows: the selection gives indices into the packed tokens
         sel.packed, _ = ops.select_topk(scores, t.pos[tok], s_cu, keep, packed_offset=tok.start)
     else:  # each row's first packed token added, once per kept token (made by the step's first layer)
         idx, _ = ops.select_topk(scores, t.pos[tok], s_cu, keep)
@@ -531,25 +539,24 @@ def _write_kept(plan, geo: Geometry, idx: torch.Tensor, sel: _Selection, src: tu
         pos_all = taken
     elif merged:  # merging rows read their new K/V, appended after the packed tokens
         idx_kv, K_src, V_src = _merged_sources(out, kept_tok, merged, K_all, V_all)
-    if views is not None:  # block-table kernels: K, V and positions in one, each state in one
+    if views is not None:  # block-table kernels: K, V, positions and a state (with its snapshot) in one
         nb = views[0].shape[0]
-        ops.scatter_kv_paged(
-            views[0],
-            views[1],
-            slot_pos.view(nb, block_size, -1),
-            (K_src, V_src, pos_all),
-            idx_kv,
-            idx_pos,
-            geo.cu_keep,
-            plan.block_table,
-            geo.out_rows,
-            geo.dst,
-        )
-        stores = [(k, t) for k in slot_state for t in (slot_state[k], snapshots.get(k)) if t is not None]
-        for k, store in stores:  # ``idx`` already indexes the packed tokens: every row's offset is 0
+        states = [
+            StateWrite(
+                state_all[k],
+                idx,
+                tuple(t.view(nb, block_size, -1) for t in (slot_state[k], snapshots.get(k)) if t is not None),
+            )
+            for k in slot_state
+        ]
+        where = (geo.cu_keep, plan.block_table, geo.out_rows, geo.dst)
+        pos_cache = slot_pos.view(nb, block_size, -1)
+        kv = (K_src, V_src, pos_all)
+        ops.scatter_kv_paged(views[0], views[1], pos_cache, kv, idx_kv, idx_pos, *where, state=next(iter(states), None))
+        for st in states[1:]:  # ``idx`` already indexes the packed tokens: every row's offset is 0
             zero = _per_step(plan, ("zero", len(out)), lambda: torch.zeros(len(out) + 1, dtype=torch.long, device=dev))
-            cache = store.view(nb, block_size, -1)
-            ops.scatter_paged(cache, state_all[k], idx, zero, geo.cu_keep, plan.block_table, geo.out_rows, geo.dst)
+            for cache in st.dsts:
+                ops.scatter_paged(cache, st.src, idx, zero, *where)
         return taken
     slots = geo.dst_slots
     write(slots, torch_ops.per_head(K_src, idx_kv), torch_ops.per_head(V_src, idx_kv))

@@ -3,10 +3,12 @@
 (:class:`~vllm_kvevict.backends.base.KVEvictImplMixin` calls :meth:`LayerEviction.before` and
 :meth:`LayerEviction.after` around the impl's ``forward``).
 
-After attention, a short pipeline over the step's plan: record the step's slot positions ->
-(``recall.prefill: all``) the prefill chunks' attention over the window and the tier -> each row's policy (the safe one where its state cannot be had) -> the rows with work, their inputs
-prepared (a row whose inputs cannot be, falls back) -> the eviction step, one request's failure
-isolated -> what the step dropped to recall -> recall's re-selection at a prompt's end -> report.
+After attention, a short pipeline over the step's plan: each row's policy (the safe one where its
+state cannot be had) -> the step's slot positions recorded and its policies' per-slot state reset
+(one write) -> (``recall.prefill: all``) the prefill chunks' attention over the window and the
+tier -> the rows with work, their inputs prepared (a row whose inputs cannot be, falls back) -> the
+eviction step, one request's failure isolated -> what the step dropped to recall -> recall's
+re-selection at a prompt's end -> report.
 Before attention, in a step that completes a prompt with recall on, recall re-selects the window
 the prompt's last tokens attend to. Whatever escapes the guards of each part falls back the step's
 evicting requests and never reaches vLLM.
@@ -30,6 +32,7 @@ from vllm_kvevict.backends.projection import output_projection
 from vllm_kvevict.backends.queries import QueryWindows, Renewal
 from vllm_kvevict.backends.recall import Recall
 from vllm_kvevict.backends.slots import SlotStore
+from vllm_kvevict.kernels import ops
 from vllm_kvevict.policies.base import RowInputs, step_queries
 
 
@@ -95,11 +98,11 @@ class LayerEviction:
         if not plan.states:  # a dummy batch: no request behind its rows
             return
         with _eviction_time(query.device), _guarded(plan):
-            slot_pos = self._record_positions(kv_cache, plan)
+            policies = self._policies(kv_cache, plan)
+            slot_pos = self._record(kv_cache, plan, policies)
             if slot_pos is None:
                 return
             self.recall.attend_all(query, out, kv_cache, plan)
-            policies = self._policies(kv_cache, plan)
             recall_rows = self.recall.rows(plan, policies, query)
             work = self._work(plan, policies, query, recall_rows)
             if not work and not recall_rows:
@@ -110,34 +113,32 @@ class LayerEviction:
             kept.update(self.recall.at_prompt_end(kv_cache, plan, recall_rows))
             self._report(kv_cache, plan, kept)
 
-    def _record_positions(self, kv_cache, plan: StepPlan) -> torch.Tensor | None:
+    def _record(self, kv_cache, plan: StepPlan, policies: list) -> torch.Tensor | None:
         """The slot positions with this step's written slots recorded (those of hits were, before
-        attention); None when the positions cannot be had (their rows fall back, windows left as
-        they are)."""
+        attention), and the per-slot state of the rows' policies reset there to its initial value;
+        None when the positions cannot be had (their rows fall back, windows left as they are)."""
         try:
             slot_pos = self.slots.positions(kv_cache)
         except Exception as err:  # noqa: BLE001 - no positions to score by: windows left as they are
             fault.fall_back_rows(plan, err)
             return None
-        slots, positions = plan.written
-        slot_pos[slots] = positions
+        needs = {name: init for p in policies if p is not None for name, (_, init) in p.needs.state.items()}
+        ops.record_slots(slot_pos, *plan.written, [(self.slots.state[k], init) for k, init in needs.items()])
         return slot_pos
 
     def _policies(self, kv_cache, plan: StepPlan) -> list:
-        """Each row's policy (None: it does not evict), its per-slot state for this step's slots
-        reset to the policy's initial value; the state is allocated the first time a policy needs
-        it, and a request whose policy's state cannot be had (out of memory) falls back to the
-        safe policy, which keeps none."""
+        """Each row's policy (None: it does not evict), its per-slot state allocated the first time
+        a policy needs it; a request whose policy's state cannot be had (out of memory) falls back
+        to the safe policy, which keeps none."""
         done = plan.prompt_lens  # a row decoding: its prompt was complete before this step
         policies = [
             fault.policy_of(st, done is not None and plan.L_prev[r] >= done[r]) if st.settings.evicts else None
             for r, st in enumerate(plan.states)
         ]
-        written = plan.written[0]
         for p in {id(p): p for p in policies if p is not None}.values():
             try:
                 for name, (dtype, init) in p.needs.state.items():
-                    self.slots.policy_state(kv_cache, name, dtype, init)[written] = init
+                    self.slots.policy_state(kv_cache, name, dtype, init)
             except Exception as err:  # noqa: BLE001 - those requests fall back, the engine goes on
                 for r, q in enumerate(policies):
                     if q is p:

@@ -29,9 +29,12 @@ from vllm_kvevict.kernels import torch_ops
 from vllm_kvevict.kernels.torch_ops import PagedKeys, Ragged
 
 OPS = (
+    "record_slots",
     "gather_paged",
     "take_paged",
     "select_topk",
+    "select_split",
+    "promote_topk",
     "scatter_paged",
     "scatter_kv_paged",
     "column_sums",
@@ -130,21 +133,37 @@ def gather_paged(k_cache, v_cache, block_table, rows, starts, ends, cu: Ragged |
     return mod.gather_paged(k_cache, v_cache, block_table, rows, starts, ends, cu)
 
 
-def take_paged(k_cache, v_cache, pos_cache, blocks, offsets, idx):
-    return backend_for(k_cache, "take_paged").take_paged(k_cache, v_cache, pos_cache, blocks, offsets, idx)
+def take_paged(k_cache, v_cache, pos_cache, blocks, offsets, idx, extra=()):
+    """``(K, V, positions, *extra)`` of the packed tokens ``idx``; ``extra``: packed ``[N, H]``
+    columns taken with them (Triton: two in the same launch)."""
+    return backend_for(k_cache, "take_paged").take_paged(k_cache, v_cache, pos_cache, blocks, offsets, idx, extra)
+
+
+def _selector(scores, cu: Ragged) -> ModuleType:
+    """Triton's selection, or torch's (a sort) on a GPU for sets with rows past
+    :data:`SELECT_TRITON_MAX_ROW` under ``auto``."""
+    mod = backend_for(scores, "select_topk")
+    long = cu.longest > SELECT_TRITON_MAX_ROW and envs.KVEVICT_KERNELS in ("auto", "cuda")
+    return torch_ops if mod is not torch_ops and scores.is_cuda and long else mod
 
 
 def select_topk(scores, pos, cu: Ragged | torch.Tensor, keep, packed_offset: int | None = None):
-    mod = backend_for(scores, "select_topk")
     cu = torch_ops.ragged(cu)
-    if (
-        mod is not torch_ops
-        and scores.is_cuda
-        and envs.KVEVICT_KERNELS in ("auto", "cuda")
-        and cu.longest > SELECT_TRITON_MAX_ROW
-    ):
-        mod = torch_ops
-    return mod.select_topk(scores, pos, cu, keep, packed_offset)
+    return _selector(scores, cu).select_topk(scores, pos, cu, keep, packed_offset)
+
+
+def select_split(scores, pos, cu: Ragged | torch.Tensor, keep, packed_offset: int = 0):
+    """:func:`select_topk` into the packed tokens, with the tokens each row drops, ``[N - sum keep,
+    H]`` (one launch with Triton: the selection writes both)."""
+    cu = torch_ops.ragged(cu)
+    return _selector(scores, cu).select_split(scores, pos, cu, keep, packed_offset)
+
+
+def promote_topk(target, scores, pos, cu: Ragged | torch.Tensor, keep):
+    """``target`` set to ``+inf`` at each row's top ``keep`` by ``scores`` (a selection that marks
+    its winners instead of listing them: one launch with Triton)."""
+    cu = torch_ops.ragged(cu)
+    return _selector(scores, cu).promote_topk(target, scores, pos, cu, keep)
 
 
 def scatter_paged(dst, src, idx, cu, cu_keep, block_table, rows, dst_start):
@@ -154,15 +173,28 @@ def scatter_paged(dst, src, idx, cu, cu_keep, block_table, rows, dst_start):
     return mod.scatter_paged(dst, src, idx, cu, cu_keep, block_table, rows, dst_start)
 
 
-def scatter_kv_paged(k_cache, v_cache, pos_cache, src, idx_kv, idx_pos, cu_keep, block_table, rows, dst_start):
+def scatter_kv_paged(
+    k_cache, v_cache, pos_cache, src, idx_kv, idx_pos, cu_keep, block_table, rows, dst_start, state=None
+):
+    """``state``: a :class:`~.torch_ops.StateWrite`, a per-slot state written with the kept tokens."""
     mod = backend_for(k_cache, "scatter_paged")
     if mod.__name__.endswith("cuda_ops"):  # the extension's scatter, once per cache
         zero = torch.zeros(rows.numel() + 1, dtype=torch.long, device=k_cache.device)
-        for dst, x, idx in zip((k_cache, v_cache, pos_cache), src, (idx_kv, idx_kv, idx_pos)):
+        writes = [(k_cache, src[0], idx_kv), (v_cache, src[1], idx_kv), (pos_cache, src[2], idx_pos)]
+        writes += [(dst, state.src, state.idx) for dst in state.dsts] if state is not None else []
+        for dst, x, idx in writes:
             scatter_paged(dst, x, idx, zero, cu_keep, block_table, rows, dst_start)
         return
     mod = backend_for(k_cache, "scatter_kv_paged")
-    mod.scatter_kv_paged(k_cache, v_cache, pos_cache, src, idx_kv, idx_pos, cu_keep, block_table, rows, dst_start)
+    mod.scatter_kv_paged(
+        k_cache, v_cache, pos_cache, src, idx_kv, idx_pos, cu_keep, block_table, rows, dst_start, state
+    )
+
+
+def record_slots(slot_pos, slots, positions, states=()):
+    """A step's written slots' positions, and each per-slot state ``(t, init)`` reset (one launch
+    with Triton for the positions and the first state)."""
+    return backend_for(slot_pos, "record_slots").record_slots(slot_pos, slots, positions, list(states))
 
 
 def column_sums(Q, K, q_pos, k_pos, cu_q, cu_k, G, scale, softcap=None, sinks=None):

@@ -29,6 +29,7 @@ from __future__ import annotations
 import itertools
 from collections.abc import Sequence
 from dataclasses import dataclass
+from typing import NamedTuple
 
 import numpy as np
 import torch
@@ -219,13 +220,16 @@ def take_paged(
     blocks: torch.Tensor,
     offsets: torch.Tensor,
     idx: torch.Tensor,
-) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
-    """``K, V [M, H, D]`` and positions ``[M, H]``: ``cache[blocks[idx[j, h]], offsets[idx[j, h]],
-    h]``, each head its own tokens (``idx [M, H]`` into a packed set whose token ``i`` is at
-    ``blocks[i], offsets[i]`` of the ``[num_blocks, block_size, H(, D)]`` views; ``pos_cache``: the
-    slot positions so viewed): the kept tokens copied out of the cache."""
-    where = blocks[idx], offsets[idx], torch.arange(idx.shape[1], device=idx.device)
-    return k_cache[where], v_cache[where], pos_cache[where]
+    extra: Sequence[torch.Tensor] = (),
+) -> tuple[torch.Tensor, ...]:
+    """``K, V [M, H, D]`` and positions ``[M, H]`` (int64): ``cache[blocks[idx[j, h]],
+    offsets[idx[j, h]], h]``, each head its own tokens (``idx [M, H]`` into a packed set whose token
+    ``i`` is at ``blocks[i], offsets[i]`` of the ``[num_blocks, block_size, H(, D)]`` views;
+    ``pos_cache``: the slot positions so viewed): the kept tokens copied out of the cache. Then
+    each of ``extra`` (packed ``[N, H]``: scores, per-slot state) at the same indices."""
+    h = torch.arange(idx.shape[1], device=idx.device)
+    where = blocks[idx], offsets[idx], h
+    return (k_cache[where], v_cache[where], pos_cache[where].long(), *(x[idx, h] for x in extra))
 
 
 def dense_positions(pos: torch.Tensor | PagedKeys) -> torch.Tensor:
@@ -291,6 +295,25 @@ def select_topk(
     return (tok - row_start[tok]).contiguous(), cu_keep.dev
 
 
+def select_split(
+    scores: torch.Tensor, pos: torch.Tensor | PagedKeys, cu: Ragged | torch.Tensor, keep, packed_offset: int = 0
+) -> tuple[torch.Tensor, torch.Tensor]:
+    """:func:`select_topk` of every row as indices into the packed tokens (plus ``packed_offset``),
+    and the tokens it drops, ``[N - sum keep, H]``, row after row, ascending within each head."""
+    kept, _ = select_topk(scores, pos, cu, keep, packed_offset=0)
+    dropped = complement(scores.shape[0], kept)
+    return (kept + packed_offset, dropped + packed_offset) if packed_offset else (kept, dropped)
+
+
+def promote_topk(
+    target: torch.Tensor, scores: torch.Tensor, pos: torch.Tensor | PagedKeys, cu: Ragged | torch.Tensor, keep
+) -> torch.Tensor:
+    """``target`` (``[N, H]`` float32, packed like ``scores``) set to ``+inf`` in place at each
+    row's :func:`select_topk` by ``scores``; returned."""
+    kept, _ = select_topk(scores, pos, cu, keep, packed_offset=0)
+    return target.scatter_(0, kept, float("inf"))
+
+
 def scatter_paged(
     dst: torch.Tensor,
     src: torch.Tensor,
@@ -316,6 +339,27 @@ def scatter_paged(
     dst[blocks[:, None], offs[:, None], h] = src[cu_src[:-1][rid][:, None] + idx, h].to(dst.dtype)
 
 
+def record_slots(
+    slot_pos: torch.Tensor, slots: torch.Tensor, positions: torch.Tensor, states: Sequence[tuple[torch.Tensor, float]]
+) -> None:
+    """A step's written ``slots [n]``: their positions ``[n, 1]`` in every head of ``slot_pos``
+    ``[num_slots, H]``, and each per-slot state ``(t [num_slots, H], init)`` reset to ``init``."""
+    slot_pos[slots] = positions.to(slot_pos.dtype)
+    for t, init in states:
+        t[slots] = init
+
+
+class StateWrite(NamedTuple):
+    """A per-slot state written with the kept K and V (:func:`scatter_kv_paged`): the packed
+    tokens' state ``src [N, H]`` at ``idx [sum keep, H]`` (into the packed tokens, like
+    ``idx_kv``) to each of ``dsts``, ``[num_blocks, block_size, H]`` views of the same shape and
+    dtype (the live state and its windows' snapshot)."""
+
+    src: torch.Tensor
+    idx: torch.Tensor
+    dsts: tuple[torch.Tensor, ...]
+
+
 def scatter_kv_paged(
     k_cache: torch.Tensor,
     v_cache: torch.Tensor,
@@ -327,11 +371,12 @@ def scatter_kv_paged(
     block_table: torch.Tensor,
     rows: torch.Tensor,
     dst_start: torch.Tensor,
+    state: StateWrite | None = None,
 ) -> None:
     """:func:`scatter_paged` of K, V (``src[0:2]``, ``[N, H, D]``, at ``idx_kv``) and positions
     (``src[2]``, ``[N, H]``, at ``idx_pos``) together, every index into the packed sources (no row
-    offset): one write per kept token of the three caches (``pos_cache``: the slot positions viewed
-    ``[num_blocks, block_size, H]``)."""
+    offset): one write per kept token of the caches (``pos_cache``: the slot positions viewed
+    ``[num_blocks, block_size, H]``). ``state``: a per-slot state moved with them."""
     cu_keep = ragged(cu_keep)
     keep = cu_keep.dev[1:] - cu_keep.dev[:-1]
     start = dst_start.long()
@@ -342,6 +387,10 @@ def scatter_kv_paged(
     k_cache[where] = K[idx_kv, h].to(k_cache.dtype)
     v_cache[where] = V[idx_kv, h].to(v_cache.dtype)
     pos_cache[where] = pos[idx_pos, h].to(pos_cache.dtype)
+    if state is not None:
+        kept = state.src[state.idx, h]
+        for dst in state.dsts:
+            dst[where] = kept.to(dst.dtype)
 
 
 def attention_probs(

@@ -118,6 +118,10 @@ def _take_kernel(
     ok_ptr,
     ov_ptr,
     op_ptr,
+    x1_ptr,
+    x2_ptr,
+    o1_ptr,
+    o2_ptr,
     M,
     s_b,
     s_o,
@@ -130,9 +134,11 @@ def _take_kernel(
     D: tl.constexpr,
     TILE_T: tl.constexpr,
     BLOCK_D: tl.constexpr,
+    EXTRA: tl.constexpr,
 ):
     """Grid (tile, head): K, V and the position of tokens ``idx[j, h]`` (packed indices read
-    through their blocks and offsets) into ``[M, H, D]`` and ``[M, H]``."""
+    through their blocks and offsets) into ``[M, H, D]`` and ``[M, H]``, and ``EXTRA`` (0-2)
+    packed ``[N, H]`` columns at the same indices."""
     j = (tl.program_id(0) * TILE_T + tl.arange(0, TILE_T)).to(tl.int64)
     h = tl.program_id(1)
     m = j < M
@@ -143,16 +149,24 @@ def _take_kernel(
     dst = (j[:, None] * H + h) * D + d[None, :]
     tl.store(ok_ptr + dst, tl.load(k_ptr + src, mask=md), mask=md)
     tl.store(ov_ptr + dst, tl.load(v_ptr + src, mask=md), mask=md)
-    tl.store(op_ptr + j * H + h, _pos_at(p_ptr, blk_ptr, off_ptr, tok, m, h, p_b, p_o, p_h, True), mask=m)
+    p = _pos_at(p_ptr, blk_ptr, off_ptr, tok, m, h, p_b, p_o, p_h, True)
+    tl.store(op_ptr + j * H + h, p.to(op_ptr.dtype.element_ty), mask=m)
+    if EXTRA > 0:
+        tl.store(o1_ptr + j * H + h, tl.load(x1_ptr + tok * H + h, mask=m), mask=m)
+        if EXTRA > 1:
+            tl.store(o2_ptr + j * H + h, tl.load(x2_ptr + tok * H + h, mask=m), mask=m)
 
 
-def take_paged(k_cache, v_cache, pos_cache, blocks, offsets, idx):
+def take_paged(k_cache, v_cache, pos_cache, blocks, offsets, idx, extra=()):
     assert k_cache.stride() == v_cache.stride()
     M, H = idx.shape
     D = k_cache.shape[-1]
     K = torch.empty(M, H, D, dtype=k_cache.dtype, device=k_cache.device)
     V = torch.empty_like(K)
-    pos = torch.empty(M, H, dtype=pos_cache.dtype, device=pos_cache.device)
+    pos = torch.empty(M, H, dtype=torch.int64, device=pos_cache.device)
+    xs = [x.contiguous() for x in extra[:2]]
+    outs = [torch.empty(M, H, dtype=x.dtype, device=x.device) for x in xs]
+    rest = [x[idx, torch.arange(H, device=idx.device)] for x in extra[2:]]
     if M:
         grid = (triton.cdiv(M, TILE), H)
         _take_kernel[grid](
@@ -165,6 +179,8 @@ def take_paged(k_cache, v_cache, pos_cache, blocks, offsets, idx):
             K,
             V,
             pos,
+            *(xs + [pos, pos])[:2],
+            *(outs + [pos, pos])[:2],
             M,
             *k_cache.stride(),
             *pos_cache.stride(),
@@ -172,8 +188,9 @@ def take_paged(k_cache, v_cache, pos_cache, blocks, offsets, idx):
             D=D,
             TILE_T=TILE,
             BLOCK_D=triton.next_power_of_2(D),
+            EXTRA=len(xs),
         )
-    return K, V, pos
+    return (K, V, pos, *outs, *rest)
 
 
 def gather_paged(k_cache, v_cache, block_table, rows, starts, ends, cu: Ragged | None = None):
@@ -591,6 +608,7 @@ def _select_kernel(
     cu_ptr,
     cuk_ptr,
     out_ptr,
+    drop_ptr,
     offset,
     p_b,
     p_o,
@@ -599,9 +617,13 @@ def _select_kernel(
     TILE_T: tl.constexpr,
     PACKED: tl.constexpr,
     PAGED: tl.constexpr,
+    DROP: tl.constexpr,
+    MARK: tl.constexpr,
 ):
     """Grid (row, head): the row's kept tokens (at most its length, ``cu_keep``), as row-local
-    indices (``PACKED``: packed ones plus ``offset``); positions read where they are (``PAGED``)."""
+    indices (``PACKED``: packed ones plus ``offset``); positions read where they are (``PAGED``);
+    ``DROP``: the others too, at ``drop_ptr`` (the row's from ``cu[r] - cu_keep[r]``); ``MARK``: no
+    indices, ``out_ptr`` (packed ``[N, H]`` scores) set to ``+inf`` at the kept tokens instead."""
     r = tl.program_id(0)
     h = tl.program_id(1)
     lo, n = _row_range(cu_ptr, r)
@@ -622,22 +644,46 @@ def _select_kernel(
                 cnt += tl.sum(((_sort_key(s, p) >= cand) & m).to(tl.int64), axis=0)
             T = tl.where(cnt >= keep, cand, T)
     base = tl.zeros([], dtype=tl.int64)
-    for start in tl.range(0, n, TILE_T):  # kept indices in token order
+    for start in tl.range(0, n, TILE_T):  # kept indices in token order (and the dropped ones)
         t = start + tl.arange(0, TILE_T)
         m = t < n
         s = tl.load(s_ptr + (lo + t) * H + h, mask=m, other=0.0)
         p = _pos_at(p_ptr, blk_ptr, off_ptr, lo + t, m, h, p_b, p_o, p_h, PAGED)
         k = ((_sort_key(s, p) >= T) & m).to(tl.int64)
         at = base + tl.cumsum(k, axis=0) - 1
-        tl.store(out_ptr + (out0 + at) * H + h, t.to(tl.int64) + shift, mask=k > 0)
+        if MARK:
+            tl.store(out_ptr + (lo + t) * H + h, float("inf"), mask=k > 0)
+        else:
+            tl.store(out_ptr + (out0 + at) * H + h, t.to(tl.int64) + shift, mask=k > 0)
+        if DROP:  # token t is the (t - kept before it)-th dropped
+            gone = (lo - out0) + t - at - 1
+            tl.store(drop_ptr + gone * H + h, t.to(tl.int64) + shift, mask=m & (k == 0))
         base += tl.sum(k, axis=0)
 
 
 def select_topk(scores, pos, cu, keep, packed_offset: int | None = None):
+    out, kept, _ = _select(scores, pos, cu, keep, packed_offset, False)
+    return out, kept
+
+
+def select_split(scores, pos, cu, keep, packed_offset: int = 0):
+    out, _, drop = _select(scores, pos, cu, keep, packed_offset, True)
+    return out, drop
+
+
+def promote_topk(target, scores, pos, cu, keep):
+    assert target.shape == scores.shape and target.dtype == torch.float32
+    marked = target if target.is_contiguous() else target.contiguous()
+    _select(scores, pos, cu, keep, None, False, marked)
+    return target if marked is target else target.copy_(marked)
+
+
+def _select(scores, pos, cu, keep, packed_offset: int | None, split: bool, mark=None):
     N, H = scores.shape
     cu = ragged(cu)
     kept = Ragged.of(keep_counts(cu, keep), scores.device)
-    out = torch.empty(kept.total, H, dtype=torch.int64, device=scores.device)
+    out = mark if mark is not None else torch.empty(kept.total, H, dtype=torch.int64, device=scores.device)
+    drop = torch.empty(N - kept.total if split else 0, H, dtype=torch.int64, device=scores.device)
     if N:
         if isinstance(pos, PagedKeys):  # the slot positions, viewed [blocks, block_size, H]
             p, blk, off, strides = pos.cache, pos.blocks, pos.offsets, pos.cache.stride()
@@ -652,14 +698,17 @@ def select_topk(scores, pos, cu, keep, packed_offset: int | None = None):
             cu.dev,
             kept.dev,
             out,
+            drop,
             packed_offset or 0,
             *strides,
             H=H,
             TILE_T=TILE,
             PACKED=packed_offset is not None,
             PAGED=isinstance(pos, PagedKeys),
+            DROP=split,
+            MARK=mark is not None,
         )
-    return out, kept.dev
+    return out, kept.dev, drop
 
 
 @triton.jit
@@ -727,6 +776,50 @@ def scatter_paged(dst, src, idx, cu, cu_keep, block_table, rows, dst_start):
 
 
 @triton.jit
+def _record_kernel(
+    sp_ptr,
+    slots_ptr,
+    pos_ptr,
+    st_ptr,
+    n,
+    init,
+    H: tl.constexpr,
+    BLOCK_H: tl.constexpr,
+    TILE_T: tl.constexpr,
+    STATE: tl.constexpr,
+):
+    """Grid (tile): each written slot's position in every head, and a state's initial value."""
+    t = (tl.program_id(0) * TILE_T + tl.arange(0, TILE_T)).to(tl.int64)
+    h = tl.arange(0, BLOCK_H)
+    m = (t < n)[:, None] & (h < H)[None, :]
+    at = tl.load(slots_ptr + t, mask=t < n, other=0).to(tl.int64)[:, None] * H + h[None, :]
+    p = tl.load(pos_ptr + t, mask=t < n, other=0)
+    tl.store(sp_ptr + at, tl.broadcast_to(p[:, None], (TILE_T, BLOCK_H)).to(sp_ptr.dtype.element_ty), mask=m)
+    if STATE:
+        tl.store(st_ptr + at, tl.full((TILE_T, BLOCK_H), init, tl.float32).to(st_ptr.dtype.element_ty), mask=m)
+
+
+def record_slots(slot_pos, slots, positions, states):
+    n, H = slots.numel(), slot_pos.shape[1]
+    assert slot_pos.is_contiguous() and all(t.is_contiguous() and t.shape == slot_pos.shape for t, _ in states)
+    if n:
+        st, init = states[0] if states else (slot_pos, 0)
+        grid = (triton.cdiv(n, TILE),)
+        args = (slot_pos, slots.contiguous(), positions.contiguous(), st, n, float(init))
+        _record_kernel[grid](*args, H=H, BLOCK_H=triton.next_power_of_2(H), TILE_T=TILE, STATE=bool(states))
+        for t, init in states[1:]:
+            t[slots] = init
+
+
+@triton.jit
+def _put_column(dst_ptr, src_ptr, idx_ptr, at, m, h, H: tl.constexpr, where):
+    """``src[idx[at], h]`` of a packed ``[N, H]`` column stored at ``dst + where``; returned."""
+    x = tl.load(src_ptr + tl.load(idx_ptr + at, mask=m, other=0).to(tl.int64) * H + h, mask=m)
+    tl.store(dst_ptr + where, x.to(dst_ptr.dtype.element_ty), mask=m)
+    return x
+
+
+@triton.jit
 def _scatter_kv_kernel(
     k_ptr,
     v_ptr,
@@ -736,6 +829,10 @@ def _scatter_kv_kernel(
     ps_ptr,
     ikv_ptr,
     ipos_ptr,
+    st_ptr,
+    ist_ptr,
+    d1_ptr,
+    d2_ptr,
     cuk_ptr,
     bt_ptr,
     rows_ptr,
@@ -747,15 +844,20 @@ def _scatter_kv_kernel(
     p_b,
     p_o,
     p_h,
+    q_b,
+    q_o,
+    q_h,
     s_bt,
     bs,
     H: tl.constexpr,
     D: tl.constexpr,
     TILE_T: tl.constexpr,
     BLOCK_D: tl.constexpr,
+    STATES: tl.constexpr,
 ):
     """Grid (row, tile, head): the row's kept K, V (packed sources at ``idx_kv``) and positions
-    (at ``idx_pos``) written at its logical tokens from ``dst_start``; each slot found once."""
+    (at ``idx_pos``) written at its logical tokens from ``dst_start``, and a per-slot state (at its
+    own indices) to ``STATES`` stores (0-2); each slot found once."""
     r = tl.program_id(0)
     j = tl.program_id(1) * TILE_T + tl.arange(0, TILE_T)
     h = tl.program_id(2)
@@ -770,18 +872,27 @@ def _scatter_kv_kernel(
     dst = blk[:, None] * s_b + off[:, None] * s_o + h * s_h + d[None, :] * s_d
     tl.store(k_ptr + dst, tl.load(ks_ptr + src, mask=md).to(k_ptr.dtype.element_ty), mask=md)
     tl.store(v_ptr + dst, tl.load(vs_ptr + src, mask=md).to(v_ptr.dtype.element_ty), mask=md)
-    ip = tl.load(ipos_ptr + at, mask=m, other=0).to(tl.int64)
-    p = tl.load(ps_ptr + ip * H + h, mask=m)
-    tl.store(p_ptr + blk * p_b + off * p_o + h * p_h, p.to(p_ptr.dtype.element_ty), mask=m)
+    _put_column(p_ptr, ps_ptr, ipos_ptr, at, m, h, H, blk * p_b + off * p_o + h * p_h)
+    if STATES > 0:
+        q = blk * q_b + off * q_o + h * q_h
+        x = _put_column(d1_ptr, st_ptr, ist_ptr, at, m, h, H, q)
+        if STATES > 1:
+            tl.store(d2_ptr + q, x.to(d2_ptr.dtype.element_ty), mask=m)
 
 
-def scatter_kv_paged(k_cache, v_cache, pos_cache, src, idx_kv, idx_pos, cu_keep, block_table, rows, dst_start):
+def scatter_kv_paged(
+    k_cache, v_cache, pos_cache, src, idx_kv, idx_pos, cu_keep, block_table, rows, dst_start, state=None
+):
     assert k_cache.stride() == v_cache.stride()
     nb, bs, H, D = k_cache.shape
     K, V, pos = (x.contiguous() for x in src)
     kept = ragged(cu_keep)
     if kept.total == 0:
         return
+    dsts: tuple[torch.Tensor, ...] = state.dsts if state is not None else ()
+    assert len(dsts) <= 2 and all(d.stride() == dsts[0].stride() and d.dtype == dsts[0].dtype for d in dsts)
+    st, ist = (state.src.contiguous(), state.idx.contiguous()) if state is not None else (pos, idx_pos)
+    d1, d2 = (*dsts, pos_cache, pos_cache)[:2]
     grid = (rows.numel(), triton.cdiv(kept.longest, TILE), H)
     _scatter_kv_kernel[grid](
         k_cache,
@@ -792,18 +903,24 @@ def scatter_kv_paged(k_cache, v_cache, pos_cache, src, idx_kv, idx_pos, cu_keep,
         pos,
         idx_kv.contiguous(),
         idx_pos.contiguous(),
+        st,
+        ist,
+        d1,
+        d2,
         kept.dev,
         block_table,
         rows,
         dst_start,
         *k_cache.stride(),
         *pos_cache.stride(),
+        *d1.stride(),
         block_table.stride(0),
         bs,
         H=H,
         D=D,
         TILE_T=TILE,
         BLOCK_D=triton.next_power_of_2(D),
+        STATES=len(dsts),
     )
 
 

@@ -91,8 +91,7 @@ class CriticalKV(BaseScorePolicy[CriticalKVParams]):
         # so every one is among the first chosen.
         win = [self.protected_count(L, n) for L, n in zip(cols.lens, cols.ragged.lengths)]
         first = [w + math.floor(self.params.alpha * (k - w)) if k else 0 for w, k in zip(win, cols.keep)]
-        idx, _ = ops.select_topk(A, x.pos, cols.ragged, first, packed_offset=0)
         # Stage 2: the rest of the budget by attention times the projected value norm (where ``A``
-        # is +inf the criterion is not finite: those tokens are stage 1's, set to +inf here).
+        # is +inf the criterion is not finite: those tokens are stage 1's, set to +inf with its others).
         s2 = criticalkv_scores(A, x.V[x.tok], x.W_O, cols.G, self.params.eps)
-        return s2.scatter_(0, idx, float("inf"))
+        return ops.promote_topk(s2, A, x.pos, cols.ragged, first)
