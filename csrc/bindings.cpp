@@ -190,20 +190,6 @@ Tensor keydiff_scores(const Tensor& K, const Tensor& cu, double eps, int64_t str
   return out;
 }
 
-// policies/knorm.py key_norms
-Tensor key_norms(const Tensor& K, int64_t stream) {
-  check_keys(K, "key_norms");
-  const int64_t N = K.size(0), H = K.size(1), D = K.size(2);
-  Tensor out = at::empty({N, H}, K.options().dtype(at::kFloat).memory_format(at::MemoryFormat::Contiguous));
-  if (N == 0 || H == 0) return out;
-  if (D == 0) return out.zero_();
-  const Tensor Kc = K.contiguous();
-  check_error(kvevict::key_norms(Kc.data_ptr(), dtype_code(K.scalar_type()), out.data_ptr<float>(), N, H, D,
-                                 K.device().index(), static_cast<intptr_t>(stream)),
-              "key_norms");
-  return out;
-}
-
 }  // namespace
 
 PYBIND11_MODULE(TORCH_EXTENSION_NAME, m) {
@@ -216,5 +202,4 @@ PYBIND11_MODULE(TORCH_EXTENSION_NAME, m) {
         py::arg("dst_start"), py::arg("stream"));
   m.def("keydiff_scores", &keydiff_scores, "torch_ops.keydiff_scores -> [N, H] float32", py::arg("K"),
         py::arg("cu"), py::arg("eps"), py::arg("stream"));
-  m.def("key_norms", &key_norms, "torch_ops.key_norms -> [N, H] float32", py::arg("K"), py::arg("stream"));
 }

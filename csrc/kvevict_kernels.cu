@@ -241,25 +241,6 @@ __global__ void __launch_bounds__(kThreads) keydiff_cos_kernel(
 }
 
 // ---------------------------------------------------------------------------------------------
-// policies/knorm.py key_norms: one warp per (token, head) row of K [N, H, D].
-
-template <typename T>
-__global__ void __launch_bounds__(kThreads) key_norms_kernel(const T* __restrict__ K, float* __restrict__ out,
-                                                             int64_t rows, int D) {
-  const int64_t i = static_cast<int64_t>(blockIdx.x) * kWarps + (threadIdx.x >> 5);
-  const int lane = threadIdx.x & 31;
-  if (i >= rows) return;  // uniform over the warp
-  const T* k = K + i * D;
-  float ss = 0.f;
-  for (int d = lane; d < D; d += 32) {
-    const float x = to_float(k[d]);
-    ss += x * x;
-  }
-  ss = warp_sum(ss);
-  if (lane == 0) out[i] = sqrtf(ss);
-}
-
-// ---------------------------------------------------------------------------------------------
 // Host side
 
 // The widest vector (16, 8, 4, 2 bytes, or one element) that every row of the copy can move: rows
@@ -354,15 +335,6 @@ int launch_keydiff(const void* K, const int64_t* cu, float* partial, float* out,
   return finish();
 }
 
-template <typename T>
-int launch_norms(const void* K, float* out, int64_t N, int64_t H, int64_t D, cudaStream_t stream) {
-  const int64_t rows = N * H;
-  const int64_t blocks = (rows + kWarps - 1) / kWarps;
-  key_norms_kernel<T><<<static_cast<unsigned>(blocks), kThreads, 0, stream>>>(static_cast<const T*>(K), out, rows,
-                                                                              static_cast<int>(D));
-  return finish();
-}
-
 // The launch is asynchronous on the caller's stream, on the caller's device (also made current to
 // this CUDA runtime, which may be a different copy than torch's).
 int prepare(int device) { return static_cast<int>(cudaSetDevice(device)); }
@@ -448,18 +420,6 @@ int keydiff_scores(const void* K, int dtype, const int64_t* cu, float* partial, 
     case kF32: return launch_keydiff<float>(K, cu, partial, out, R, N, H, D, eps, st);
     case kF16: return launch_keydiff<__half>(K, cu, partial, out, R, N, H, D, eps, st);
     case kBF16: return launch_keydiff<__nv_bfloat16>(K, cu, partial, out, R, N, H, D, eps, st);
-    default: return static_cast<int>(cudaErrorInvalidValue);
-  }
-}
-
-int key_norms(const void* K, int dtype, float* out, int64_t N, int64_t H, int64_t D, int device, intptr_t stream) {
-  if (N <= 0 || H <= 0) return 0;
-  if (int err = prepare(device)) return err;
-  const cudaStream_t st = as_stream(stream);
-  switch (dtype) {
-    case kF32: return launch_norms<float>(K, out, N, H, D, st);
-    case kF16: return launch_norms<__half>(K, out, N, H, D, st);
-    case kBF16: return launch_norms<__nv_bfloat16>(K, out, N, H, D, st);
     default: return static_cast<int>(cudaErrorInvalidValue);
   }
 }

@@ -54,10 +54,6 @@ int64_t keydiff_splits(int64_t N);
 int keydiff_scores(const void* K, int dtype, const int64_t* cu, float* partial, float* out, int64_t R,
                    int64_t N, int64_t H, int64_t D, float eps, int device, intptr_t stream);
 
-// policies/knorm.py key_norms: out [N, H] float32 = ||K[n, h, :]||_2, K [N, H, D] contiguous.
-int key_norms(const void* K, int dtype, float* out, int64_t N, int64_t H, int64_t D, int device,
-              intptr_t stream);
-
 // cudaGetErrorString of a launcher's return value.
 const char* error_string(int err);
 

@@ -32,7 +32,6 @@ from vllm_kvevict.kernels import cuda_ops
 from vllm_kvevict.kernels import torch_ops as ref
 from vllm_kvevict.kernels.ops import FUSED
 from vllm_kvevict.policies.keydiff import keydiff_scores
-from vllm_kvevict.policies.knorm import key_norms
 
 CUDA = torch.cuda.is_available()
 TOOLKIT = cuda_ops.cuda_home()
@@ -99,7 +98,6 @@ def build_emulated():
         gather_paged = staticmethod(lambda *a: tuple(ext.gather_paged(*a, 0)))
         scatter_paged = staticmethod(lambda *a: ext.scatter_paged(*a, 0))
         keydiff_scores = staticmethod(lambda K, cu: ext.keydiff_scores(K, cu, ref.EPS, 0))
-        key_norms = staticmethod(lambda K: ext.key_norms(K, 0))
 
     return Emulated
 
@@ -124,7 +122,7 @@ def test_extension_builds_and_imports(ext):
     t0 = time.perf_counter()
     assert cuda_ops.build() is ext and cuda_ops.available()  # cached in the process
     assert time.perf_counter() - t0 < 5
-    for name in ("gather_paged", "scatter_paged", "keydiff_scores", "key_norms"):
+    for name in ("gather_paged", "scatter_paged", "keydiff_scores"):
         assert callable(getattr(ext, name))
     assert cuda_ops.build_dir() in Path(ext.__file__).parents
 
@@ -139,8 +137,6 @@ def test_extension_checks_its_arguments(ext):
         ext.scatter_paged(kc, kc[0], bt, idx, idx, bt, idx, idx, 0)
     with pytest.raises(RuntimeError, match="K must be a CUDA tensor"):
         ext.keydiff_scores(kc[0], idx, ref.EPS, 0)
-    with pytest.raises(RuntimeError, match="K must be a CUDA tensor"):
-        ext.key_norms(kc[0], 0)
 
 
 def test_python_entry_points_refuse_cpu_tensors():
@@ -149,7 +145,7 @@ def test_python_entry_points_refuse_cpu_tensors():
     with pytest.raises(ValueError, match="k_cache must be a CUDA tensor"):
         cuda_ops.gather_paged(kc, kc, None, None, None, None)
     with pytest.raises(ValueError, match="K must be a CUDA tensor"):
-        cuda_ops.key_norms(kc[0])
+        cuda_ops.keydiff_scores(kc[0], torch.zeros(2, dtype=torch.long))
 
 
 # -- on a GPU: against the reference -------------------------------------------------------------
@@ -190,9 +186,9 @@ def check_gather_scores(ops, case: int, layout: str, dtype: torch.dtype):
     assert K2.dtype == K.dtype and K2.shape == K.shape and K2.is_contiguous()
     assert cu2.dtype == torch.int64 and torch.equal(cu, cu2)
     assert torch.equal(K, K2) and torch.equal(V, V2)  # a copy: bit-exact
-    for got, want in ((keydiff_scores(K, cu), FUSED["keydiff_scores"](K, cu)), (key_norms(K), FUSED["key_norms"](K))):
-        assert got.dtype == torch.float32 and got.shape == want.shape
-        torch.testing.assert_close(got, want, atol=1e-5, rtol=1e-5)
+    got, want = keydiff_scores(K, cu), FUSED["keydiff_scores"](K, cu)
+    assert got.dtype == torch.float32 and got.shape == want.shape
+    torch.testing.assert_close(got, want, atol=1e-5, rtol=1e-5)
     return base, views, bt, rows, st, en, K, V, cu
 
 
@@ -257,7 +253,6 @@ def test_keydiff_rows_split_into_chunks(ops, dtype):
     K = (torch.randn(int(cu[-1]), 2, 64, generator=g) + 0.3).to(dtype).to(dev)  # a common direction
     cu = cu.to(dev)
     torch.testing.assert_close(keydiff_scores(K, cu), FUSED["keydiff_scores"](K, cu), atol=1e-5, rtol=1e-5)
-    torch.testing.assert_close(key_norms(K), FUSED["key_norms"](K), atol=1e-5, rtol=1e-5)
 
 
 def test_cuda_ops_empty_sets(ops):
@@ -265,7 +260,7 @@ def test_cuda_ops_empty_sets(ops):
     kc, vc = views(base)
     K, V, cu = ops.gather_paged(kc, vc, bt, rows, st, st)  # every row empty
     assert K.shape == (0, *kc.shape[2:]) and cu.tolist() == [0] * (rows.numel() + 1)
-    assert keydiff_scores(K, cu).shape == (0, kc.shape[2]) and key_norms(K).shape == (0, kc.shape[2])
+    assert keydiff_scores(K, cu).shape == (0, kc.shape[2])
     K, V, cu = ops.gather_paged(kc, vc, bt, rows[:0], st[:0], en[:0])  # no rows at all
     assert K.shape[0] == 0 and cu.tolist() == [0]
 
@@ -281,10 +276,10 @@ def test_cuda_ops_run_on_the_current_stream(ext):
     want = ref.gather_paged(kc, vc, bt, rows, st, en)
     with torch.cuda.stream(s):
         got = ops.gather_paged(kc, vc, bt, rows, st, en)
-        norms = key_norms(got[0])
+        scores = keydiff_scores(got[0], got[2])
     s.synchronize()
     assert torch.equal(want[0], got[0]) and torch.equal(want[1], got[1])
-    torch.testing.assert_close(norms, FUSED["key_norms"](want[0]), atol=1e-5, rtol=1e-5)
+    torch.testing.assert_close(scores, FUSED["keydiff_scores"](want[0], want[2]), atol=1e-5, rtol=1e-5)
 
 
 def test_ops_dispatch(monkeypatch):

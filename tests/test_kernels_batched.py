@@ -118,7 +118,6 @@ def test_triton_gather_scores_select_scatter(tri, case, dtype):
 
     s = FUSED["keydiff_scores"](K, cu)
     torch.testing.assert_close(tri.keydiff_scores(K, cu), s, atol=1e-5, rtol=1e-5)
-    torch.testing.assert_close(tri.key_norms(K), FUSED["key_norms"](K), atol=1e-5, rtol=1e-5)
     # the keys read in place, through their blocks: the same reads as from the gathered copy
     blocks, offs, _ = ref.logical_tokens(bt, rows, st, en, bs)
     assert torch.equal(tri.keydiff_scores_paged(ref.PagedKeys(kc, blocks, offs), cu), tri.keydiff_scores(K, cu))
@@ -505,7 +504,6 @@ def test_every_op_has_both_implementations(tri):
     # the policies' scores: stated in torch in the policy's file, fused in Triton, same parameters
     assert set(FUSED) == {
         "keydiff_scores",
-        "key_norms",
         "knorm_scores",
         "h2o_observe_columns",
         "projected_value_norms",

@@ -1,7 +1,7 @@
 # SPDX-License-Identifier: Apache-2.0
 """The optional CUDA C++ implementation of the batched eviction operations: same signatures and
 semantics as :mod:`vllm_kvevict.kernels.torch_ops` (the specification) for :func:`gather_paged`,
-:func:`scatter_paged`, :func:`keydiff_scores` and :func:`key_norms`. Written against vLLM 0.32.0's
+:func:`scatter_paged` and :func:`keydiff_scores`. Written against vLLM 0.32.0's
 KV-cache layouts (any strides of the ``[num_blocks, block_size, H, D]`` views).
 
 The sources live in ``csrc/`` at the top of the repository and ship inside the package
@@ -278,14 +278,6 @@ def keydiff_scores(K: torch.Tensor, cu: torch.Tensor) -> torch.Tensor:
     ext = build()
     with torch.cuda.device(dev):
         return ext.keydiff_scores(K, cu, EPS, _stream(dev))
-
-
-def key_norms(K: torch.Tensor) -> torch.Tensor:
-    """:func:`vllm_kvevict.policies.knorm.key_norms` (the statement): ``[N, H]`` float32."""
-    dev = _on_cuda(K, "K")
-    ext = build()
-    with torch.cuda.device(dev):
-        return ext.key_norms(K, _stream(dev))
 
 
 def main(argv: list[str] | None = None) -> int:

@@ -45,7 +45,7 @@ OPS = (
 
 
 #: the operations ``csrc/`` implements
-CUDA_OPS = ("gather_paged", "scatter_paged", "keydiff_scores", "key_norms")
+CUDA_OPS = ("gather_paged", "scatter_paged", "keydiff_scores")
 #: operations whose torch implementation ``auto`` runs on a GPU as well (faster there than Triton's)
 TORCH_ON_CUDA = ("column_sums",)
 #: ``select_topk`` on a GPU under ``auto`` (and ``cuda``, which has none): Triton's for sets whose rows are all at most this long,

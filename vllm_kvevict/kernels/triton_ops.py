@@ -344,28 +344,6 @@ def keydiff_scores_paged(keys: PagedKeys, cu):
 
 
 @triton.jit
-def _norm_kernel(k_ptr, out_ptr, N, H: tl.constexpr, D: tl.constexpr, TILE_T: tl.constexpr, BLOCK_D: tl.constexpr):
-    """Grid (tile, head): ``||k||`` of packed tokens ``[N, H, D]``."""
-    tok = (tl.program_id(0) * TILE_T + tl.arange(0, TILE_T)).to(tl.int64)
-    h = tl.program_id(1)
-    d = tl.arange(0, BLOCK_D)
-    m = tok < N
-    k = tl.load(k_ptr + (tok * H + h)[:, None] * D + d[None, :], mask=m[:, None] & (d[None, :] < D), other=0.0)
-    k = k.to(tl.float32)
-    tl.store(out_ptr + tok * H + h, tl.sqrt(tl.sum(k * k, axis=1)), mask=m)
-
-
-def key_norms(K):
-    N, H, D = K.shape
-    K = K.contiguous()
-    out = torch.empty(N, H, dtype=torch.float32, device=K.device)
-    if N:
-        meta = dict(H=H, D=D, TILE_T=TILE, BLOCK_D=triton.next_power_of_2(D))
-        _norm_kernel[(triton.cdiv(N, TILE), H)](K, out, N, **meta)
-    return out
-
-
-@triton.jit
 def _knorm_kernel(
     k_ptr,
     blk_ptr,

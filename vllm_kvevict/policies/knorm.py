@@ -25,7 +25,6 @@ class KNormParams(PolicyParams):
         return self.sink_tokens + self.recent_tokens + 1
 
 
-@ops.fused("key_norms")
 def key_norms(K: torch.Tensor) -> torch.Tensor:
     """``[N, H]`` float32 ``||k_i||_2`` of the keys ``K [N, H, d]``."""
     return K.float().norm(dim=-1)
