@@ -77,6 +77,10 @@ def test_run_writes_table_json_and_plot(tmp_path, capsys, monkeypatch):
                 "2",
                 "--head-dim",
                 "64",
+                "--hidden",
+                "256",
+                "--intermediate",
+                "512",
                 "--dtype",
                 "float32",
                 "--reps",
@@ -99,14 +103,23 @@ def test_run_writes_table_json_and_plot(tmp_path, capsys, monkeypatch):
         assert r["traffic_bw_fraction"] == pytest.approx(r["traffic_bytes"] / r["compact_s"] / report["copy_bw"])
         assert r["compact_s"] > 0 and r["chunk_evict_s"] > 0 and r["chunk_attn_s"] > 0
         assert r["chunk_fraction"] == pytest.approx(r["chunk_evict_s"] / r["chunk_attn_s"])
+        assert r["chunk_layer_s"] > r["chunk_attn_s"]  # the layer's GEMMs beside its attention
+        assert r["layer_fraction"] == pytest.approx(r["chunk_evict_s"] / r["chunk_layer_s"])
+    assert report["shapes"]["hidden"] == 256 and report["shapes"]["intermediate"] == 512
     assert (tmp_path / "kernels.png").stat().st_size > 1000
-    assert "ev/attn" in capsys.readouterr().out
+    assert "ev/layer" in capsys.readouterr().out
+
+
+def test_layer_gemms_are_the_layers_projections_and_mlp():
+    """QKV, O, gate and up, down over the chunk's tokens, at the model's sizes."""
+    out = bench.layer_gemms(48, 64, 160, 8, 2, 16, torch.float32, torch.device("cpu"))()
+    assert [tuple(t.shape) for t in out] == [(48, (8 + 2 * 2) * 16), (48, 64), (48, 2 * 160), (48, 64)]
 
 
 def test_ops_are_timed_per_implementation(tmp_path, capsys):
     """``--ops``: every op of the step timed per implementation that runs on the device (torch
     alone on CPU), over the whole context and over one chunk's window."""
-    args = "--device cpu --requests 2 --contexts 128 --chunk 32 --q-heads 4 --kv-heads 2 --head-dim 64"
+    args = "--device cpu --requests 2 --contexts 128 --chunk 32 --q-heads 4 --kv-heads 2 --head-dim 64 --hidden 128"
     assert bench.main([*args.split(), "--dtype", "float32", "--reps", "1", "--ops", "--out", str(tmp_path)]) == 0
     (row,) = json.loads((tmp_path / "kernels.json").read_text())["rows"]
     ops = ("gather_paged", "keydiff_scores", "select_topk", "scatter_paged", "column_sums")

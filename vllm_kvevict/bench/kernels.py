@@ -21,7 +21,11 @@ Per (requests R, context n) on one layer's paged cache (FlashAttention layout, b
   attention in one ragged ``column_sums``, as the engine runs it) or ``recall`` (recall's
   query-aware score, :func:`~vllm_kvevict.backends.recall.recall_scores`, one request at a time as
   the engine runs it, over the window as candidates, max-pooled over 31 positions, the 32 query
-  positions protected).
+  positions protected). ``layer``: the same chunk's whole prefill step in that layer, the
+  attention above plus the layer's projections and MLP as GEMMs of the model's sizes over the
+  chunk's tokens (``--hidden``, ``--intermediate``; QKV, O, gate and up, down), timed in the same
+  run: the fraction eviction adds to the layer (its norms, RoPE and activation are elementwise
+  and left out, so the fraction is an upper bound).
 
 Times are medians of CUDA-event-timed repetitions (wall clock on CPU). Prints a table and writes
 JSON and a PNG. No vLLM needed: this is what runs on a machine with a GPU and only torch + Triton.
@@ -84,6 +88,28 @@ def paged_layer(R: int, n: int, H: int, D: int, bs: int, dtype, device):
     table = (torch.randperm(nb - 1, device=device)[: R * per] + 1).reshape(R, per).to(torch.int32)
     k, v = cache.transpose(1, 2).split(D, dim=-1)
     return cache, k, v, table
+
+
+def layer_gemms(tokens: int, hidden: int, inter: int, Hq: int, H: int, D: int, dtype, device):
+    """A decoder layer's GEMMs over ``tokens`` tokens at the model's sizes (QKV, O, gate and up,
+    down), as a callable: the rest of the layer's prefill step beside its attention."""
+    g = torch.Generator(device=device).manual_seed(0)
+
+    def rand(*shape):
+        return torch.randn(*shape, generator=g, device=device).to(dtype) / shape[0] ** 0.5
+
+    x, attn, act = rand(tokens, hidden), rand(tokens, Hq * D), rand(tokens, inter)
+    w_qkv, w_o, w_gu, w_d = (
+        rand(hidden, (Hq + 2 * H) * D),
+        rand(Hq * D, hidden),
+        rand(hidden, 2 * inter),
+        rand(inter, hidden),
+    )
+
+    def run():
+        return x @ w_qkv, attn @ w_o, x @ w_gu, act @ w_d
+
+    return run
 
 
 def row_positions(K, cu) -> torch.Tensor:
@@ -209,6 +235,8 @@ def run(
     reps: int,
     score: str = "keydiff",
     per_op: bool = False,
+    hidden: int = 4096,
+    inter: int = 14336,
 ) -> dict:
     dev = torch.device(device)
     bw = copy_bandwidth(dev, 1 << 30 if dev.type == "cuda" else 1 << 26)
@@ -243,6 +271,7 @@ def run(
                 return torch.nn.functional.scaled_dot_product_attention(q, kk, vv, attn_mask=mask)
 
             t_attn = _timer(dev, attn, reps)
+            t_gemm = _timer(dev, layer_gemms(R * chunk, hidden, inter, Hq, H, D, dtype, dev), reps)
             by_op = {}
             if per_op:  # each op per implementation: over the whole context and over one chunk's window
                 G = Hq // H
@@ -266,6 +295,8 @@ def run(
                     "chunk_evict_s": t_chunk,
                     "chunk_attn_s": t_attn,
                     "chunk_fraction": t_chunk / t_attn,
+                    "chunk_layer_s": t_attn + t_gemm,
+                    "layer_fraction": t_chunk / (t_attn + t_gemm),
                     **({"ops": by_op} if by_op else {}),
                 }
             )
@@ -275,7 +306,15 @@ def run(
     return {
         "device": torch.cuda.get_device_name(dev) if dev.type == "cuda" else "cpu",
         "copy_bw": bw,
-        "shapes": {"q_heads": Hq, "kv_heads": H, "head_dim": D, "block_size": bs, "dtype": str(dtype)},
+        "shapes": {
+            "q_heads": Hq,
+            "kv_heads": H,
+            "head_dim": D,
+            "hidden": hidden,
+            "intermediate": inter,
+            "block_size": bs,
+            "dtype": str(dtype),
+        },
         "kernels": (
             envs.KVEVICT_KERNELS
             if envs.KVEVICT_KERNELS != "auto"
@@ -292,6 +331,7 @@ def format_row(r: dict) -> str:
         f"{r['compact_bw'] / 1e9:>10.1f}{r['compact_bw_fraction']:>8.2f}{r['traffic_bw_fraction']:>8.2f}"
         f"{r['chunk_evict_s'] * 1e3:>12.3f}"
         f"{r['chunk_attn_s'] * 1e3:>10.3f}{r['chunk_fraction']:>8.3f}"
+        f"{r['chunk_layer_s'] * 1e3:>11.3f}{r['layer_fraction']:>9.3f}"
     )
 
 
@@ -301,7 +341,7 @@ def format_table(report: dict) -> str:
         f"per layer, {report['shapes']}",
         f"{'reqs':>5}{'context':>8}{'budget':>8}{'compact ms':>11}{'GB/s':>10}{'x copy':>8}{'all x':>8}"
         f"{'chunk ev ms':>12}"
-        f"{'attn ms':>10}{'ev/attn':>8}",
+        f"{'attn ms':>10}{'ev/attn':>8}{'layer ms':>11}{'ev/layer':>9}",
     ]
     lines += [format_row(r) for r in report["rows"]]
     timed = [r for r in report["rows"] if "ops" in r]
@@ -328,13 +368,13 @@ def plot(report: dict, path: str) -> None:
     for R in sorted({r["requests"] for r in report["rows"]}):
         rs = [r for r in report["rows"] if r["requests"] == R]
         a1.plot([r["context"] for r in rs], [r["compact_bw_fraction"] for r in rs], marker="o", label=f"{R} req")
-        a2.plot([r["context"] for r in rs], [r["chunk_fraction"] for r in rs], marker="o", label=f"{R} req")
+        a2.plot([r["context"] for r in rs], [r["layer_fraction"] for r in rs], marker="o", label=f"{R} req")
     a1.set_xscale("log", base=2)
     a2.set_xscale("log", base=2)
     a1.set_xlabel("context tokens")
     a2.set_xlabel("context tokens")
     a1.set_ylabel("compaction bandwidth / copy bandwidth")
-    a2.set_ylabel("eviction time / attention time (one chunk)")
+    a2.set_ylabel("eviction time / the layer's prefill step (one chunk)")
     a1.legend()
     a2.legend()
     fig.suptitle(f"{report['device']}: batched eviction kernels")
@@ -353,6 +393,8 @@ def main(argv: list[str] | None = None) -> int:
     ap.add_argument("--q-heads", type=int, default=32)
     ap.add_argument("--kv-heads", type=int, default=8)
     ap.add_argument("--head-dim", type=int, default=128)
+    ap.add_argument("--hidden", type=int, default=4096, help="the model's hidden size (the layer's GEMMs)")
+    ap.add_argument("--intermediate", type=int, default=14336, help="the MLP's intermediate size")
     ap.add_argument("--block-size", type=int, default=16)
     ap.add_argument("--dtype", default="bfloat16")
     ap.add_argument("--reps", type=int, default=10)
@@ -374,6 +416,8 @@ def main(argv: list[str] | None = None) -> int:
         a.reps,
         a.score,
         a.ops,
+        a.hidden,
+        a.intermediate,
     )
     print(format_table(report))
     out = Path(a.out)
