@@ -455,6 +455,37 @@ def test_triton_lshe_victims(tri, case):
     assert torch.equal(want, got_d.cpu())
 
 
+@pytest.mark.parametrize("G", [1, 2, 3])
+def test_lshe_victims_of_every_row_in_one_kernel_equal_its_statement(tri, G):
+    """LSH-E's victims for packed rows (ragged windows and steps, their own budgets, compacted
+    layouts, earlier victims, 3-bit codes: many distance ties) in one launch: the statement's,
+    which runs the reference loop row by row; positions packed and read through their blocks."""
+    import vllm_kvevict.policies.lshe  # noqa: F401 - registers the statement
+
+    g = torch.Generator().manual_seed(G)
+    H, lens, steps, budgets = 2, [40, 150, 9, 64], [12, 30, 5, 1], [20, 60, 3, 63]
+    cu, cq = ref.cu_from_lengths(torch.tensor(lens)), ref.cu_from_lengths(torch.tensor(steps))
+    pos = torch.cat([torch.stack([torch.randperm(n, generator=g) for _ in range(H)], 1) for n in lens])
+    q_pos = torch.cat([torch.arange(n - m, n) for n, m in zip(lens, steps)])
+    codes, q_codes = (
+        torch.randint(0, 8, (sum(lens), H), generator=g),
+        torch.randint(0, 8, (sum(steps), H * G), generator=g),
+    )
+    victim = torch.where(torch.rand(sum(lens), H, generator=g) < 0.1, 0, -1)  # some earlier victims
+    rest = (torch.tensor(budgets), 2, 3, G)  # budgets, sinks, recent tokens, group size
+    want = FUSED["lshe_victims_ragged"](q_codes, codes, pos, victim.clone(), q_pos, cq, cu, *rest)
+    assert (want != victim).any()
+    nb, bs = sum(lens) // 16 + 2, 16
+    slots = torch.randperm(nb * bs, generator=g)[: sum(lens)]
+    pcache = torch.full((nb, bs, H), -7, dtype=torch.int32)
+    pcache[slots // bs, slots % bs] = pos.to(torch.int32)
+    paged = ref.PagedKeys(pcache.to(DEV), (slots // bs).to(DEV), (slots % bs).to(DEV))
+    for p in (pos.to(DEV), paged):
+        on = [t.to(DEV) for t in (q_codes, codes, victim.clone(), q_pos, cq, cu, rest[0])]
+        got = tri.lshe_victims_ragged(*on[:2], p, *on[2:], *rest[1:])
+        assert torch.equal(got.cpu(), want)
+
+
 def _victims_by_the_letter(dist, pos, victim, q_pos, budget, sinks, recent):
     """Alg. 1 line 1 read literally: token by token, head by head, key by key."""
     vic = victim.clone()

@@ -38,6 +38,7 @@ BOUND = {
     ("torch", "caote"): 144,
     ("torch", "keydiff+recall"): 98,
     ("torch", "criticalkv"): 222,
+    ("torch", "lshe"): 241,
     ("triton", "keydiff"): 6,
     ("triton", "knorm"): 5,
     ("triton", "tova"): 8,
@@ -46,15 +47,18 @@ BOUND = {
     ("triton", "caote"): 9,
     ("triton", "keydiff+recall"): 8,
     ("triton", "criticalkv"): 10,
+    ("triton", "lshe"): 20,
 }
-#: what each more request adds, as measured: torch's column sums loop over the requests (the CPU
-#: engine's); nothing else grows (the query windows and recall's queries are renewed with one copy)
+#: what each more request adds, as measured: torch's column sums and LSH-E's victims loop over the
+#: requests (the CPU engine's); nothing else grows (the query windows and recall's queries are
+#: renewed with one copy)
 PER_REQUEST = {
     ("torch", "snapkv"): 12,
     ("torch", "tova"): 10,
     ("torch", "h2o"): 12,
     ("torch", "caote"): 12,
     ("torch", "criticalkv"): 12,
+    ("torch", "lshe"): 24,
 }
 
 
@@ -137,7 +141,7 @@ def _per_layer(kernels: str, policy: str, n: int, active: list) -> collections.C
 
 @pytest.mark.parametrize("kernels", ["torch", "triton"])
 @pytest.mark.parametrize(
-    "policy", ["keydiff", "knorm", "tova", "snapkv", "h2o", "caote", "criticalkv", "keydiff+recall"]
+    "policy", ["keydiff", "knorm", "tova", "snapkv", "h2o", "caote", "criticalkv", "lshe", "keydiff+recall"]
 )
 def test_launches_per_layer_do_not_grow_with_requests(monkeypatch, triton_launches, kernels, policy):
     """Flat in the requests (as measured where not: :data:`PER_REQUEST`), and bounded for 4."""

@@ -302,12 +302,14 @@ def _score_groups(plan, work, groups: dict, t: _Tokens, sel: _Selection, layer: 
         if policy.columnar:
             m = tuple(work[i].inputs.Q.shape[1] for i in idxs)
             keep = tuple(plan.seq_lens[work[i].row] - plan.e_new[work[i].row] if work[i].compact else 0 for i in idxs)
+            budget = tuple(work[i].inputs.budget or 0 for i in idxs)
             cols = _per_step(
-                plan, ("columns", g_cu.host, lens, m, G, keep), lambda: _columns(g_cu, L, m, G, lens, keep)
+                plan,
+                ("columns", g_cu.host, lens, m, G, keep, budget),
+                lambda: _columns(g_cu, L, m, G, lens, keep, budget),
             )
-            state = {k: t.state[k][tok] for k in policy.needs.state}  # views of ``t.state`` where ``tok`` is a slice
-            W_O = next((work[i].inputs.W_O for i in idxs if work[i].compact), None)
-            x = Packed(attn[key], pos, state, t.V, tok, W_O)
+            x = _packed_rows(plan, work, idxs, t, (tok, pos), attn.get(key), layer)
+            state = x.state  # views of ``t.state`` where ``tok`` is a slice
             if policy.needs.observes:
                 policy.observe_columns(x, cols)
                 if not isinstance(tok, slice):
@@ -327,9 +329,29 @@ def _score_groups(plan, work, groups: dict, t: _Tokens, sel: _Selection, layer: 
     return observed
 
 
-def _columns(g_cu: Ragged, L: torch.Tensor, m: tuple[int, ...], G: int, lens: tuple, keep: tuple) -> Columns:
+def _packed_rows(plan, work, idxs: list[int], t: _Tokens, at: tuple, attn: torch.Tensor | None, layer: int) -> Packed:
+    """What a columnar policy reads of its rows' packed tokens (``at``: which, and their positions): ``attn``, their attention,
+    where it reads that; else its queries themselves (packed, no copy where they lie back to back)
+    and the keys."""
+    policy, (tok, pos) = work[idxs[0]].policy, at
+    state = {k: t.state[k][tok] for k in policy.needs.state}
+    W_O = next((work[i].inputs.W_O for i in idxs if work[i].compact), None)
+    x = Packed(attn, pos, state, t.V, tok, W_O, layer=layer)
+    if not policy.needs.attention:
+        lens = tuple(plan.seq_lens[work[i].row] for i in idxs)
+        m = tuple(work[i].inputs.Q.shape[1] for i in idxs)
+        x.K, x.Q = t.K, torch_ops.joined([work[i].inputs.Q.transpose(0, 1) for i in idxs])
+        x.q_pos = _per_step(plan, ("query positions", lens, m), lambda: _last_positions(lens, m, t.slots.device))
+    return x
+
+
+def _columns(
+    g_cu: Ragged, L: torch.Tensor, m: tuple[int, ...], G: int, lens: tuple, keep: tuple, budget: tuple
+) -> Columns:
     """The rows of a columnar group (made once per step, shared by the layers)."""
-    return Columns(torch_ops.row_ids(g_cu), L, on_device(m, L.device), G, g_cu, lens, keep)
+    dev = L.device
+    queries, budgets = Ragged.of(m, dev), on_device(budget, dev)
+    return Columns(torch_ops.row_ids(g_cu), L, on_device(m, dev), G, g_cu, lens, keep, queries, budgets)
 
 
 def _hand_to_recall(plan, work, t: _Tokens, sel: _Selection, evicted: dict) -> None:
@@ -462,7 +484,7 @@ def _attention(plan, work: list[RowWork], row_views: list[tuple[int, KVView]], g
     in one ragged :func:`~vllm_kvevict.kernels.ops.column_sums` over all of them: set as
     ``view.attn`` of the rows scored through their policy (``Needs.attention``), returned as
     ``{group: [N_group, H_q]}`` for the columnar groups (their rows first, one slice each)."""
-    columnar = [(key, idxs) for key, idxs in groups.items() if work[idxs[0]].policy.columnar]
+    columnar = [(key, idxs) for key, idxs in groups.items() if _reads_attention(work[idxs[0]].policy)]
     rows = [i for _, idxs in columnar for i in idxs]
     views = [(i, v) for i, v in row_views if work[i].policy.needs.attention]
     rows += [i for i, _ in views]
@@ -488,6 +510,11 @@ def _attention(plan, work: list[RowWork], row_views: list[tuple[int, KVView]], g
         view.attn = A[ck[j] : ck[j + 1]].T
         j += 1
     return out
+
+
+def _reads_attention(policy: Policy) -> bool:
+    """A columnar policy scored from its queries' attention (not from the queries themselves)."""
+    return policy.columnar and policy.needs.attention
 
 
 def _last_positions(lens: tuple[int, ...], m: tuple[int, ...], device) -> torch.Tensor:

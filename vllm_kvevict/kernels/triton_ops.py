@@ -1174,6 +1174,99 @@ def lshe_victims(dist, pos, victim, q_pos, budget: int, sinks: int, recent: int)
 
 
 @triton.jit
+def _lshe_ragged_kernel(
+    qc_ptr,
+    kc_ptr,
+    p_ptr,
+    blk_ptr,
+    off_ptr,
+    vic_ptr,
+    qpos_ptr,
+    cuq_ptr,
+    cuk_ptr,
+    b_ptr,
+    sinks,
+    recent,
+    p_b,
+    p_o,
+    p_h,
+    H: tl.constexpr,
+    HQ: tl.constexpr,
+    G: tl.constexpr,
+    PAGED: tl.constexpr,
+    TILE_T: tl.constexpr,
+):
+    """Grid (KV head, row): the row's tokens decided in order, as the reference loop does; each
+    scans the row's window in tiles, its Hamming distances summed over the group on the fly."""
+    h, r = tl.program_id(0), tl.program_id(1)
+    q0, m = _row_range(cuq_ptr, r)
+    k0, n = _row_range(cuk_ptr, r)
+    budget = tl.load(b_ptr + r)
+    MIN: tl.constexpr = -9223372036854775807 - 1
+    for i in tl.range(0, m):
+        t = tl.load(qpos_ptr + q0 + i).to(tl.int64)
+        cnt = tl.zeros([], dtype=tl.int64)
+        best = tl.full([], MIN, tl.int64)
+        best_j = tl.full([], 0, tl.int64)
+        for start in tl.range(0, n, TILE_T):
+            j = start + tl.arange(0, TILE_T)
+            mj = j < n
+            p = _pos_at(p_ptr, blk_ptr, off_ptr, k0 + j, mj, h, p_b, p_o, p_h, PAGED).to(tl.int64)
+            v = tl.load(vic_ptr + (k0 + j) * H + h, mask=mj, other=0)
+            alive = (p < t) & (v < 0) & mj
+            cnt += tl.sum(alive.to(tl.int64), axis=0)
+            eligible = alive & (p >= sinks) & (p < t - recent)
+            kc = tl.load(kc_ptr + (k0 + j) * H + h, mask=mj, other=0)
+            d = tl.zeros([TILE_T], dtype=tl.int64)
+            for g in tl.static_range(G):
+                d += _popcount64(tl.load(qc_ptr + (q0 + i) * HQ + h * G + g) ^ kc)
+            key = tl.where(eligible, (d << 32) - p, MIN)  # farthest, then oldest
+            tb = tl.max(key, axis=0)
+            upd = tb > best
+            best_j = tl.where(upd, start + tl.argmax(key, axis=0).to(tl.int64), best_j)
+            best = tl.where(upd, tb, best)
+        if (cnt >= budget) & (best > MIN):
+            tl.store(vic_ptr + (k0 + best_j) * H + h, t.to(vic_ptr.dtype.element_ty))
+        tl.debug_barrier()
+
+
+def lshe_victims_ragged(q_codes, k_codes, pos, victim, q_pos, cu_q, cu_k, budget, sinks: int, recent: int, G: int):
+    """LSH-E's victims for packed rows (see policies.lshe.lshe_victims_ragged): one program per
+    (KV head, row); ``victim [N, H]`` updated in place (returned)."""
+    N, H = k_codes.shape
+    rq, rk = ragged(cu_q), ragged(cu_k)
+    if N == 0 or q_codes.shape[0] == 0 or rk.rows == 0:
+        return victim
+    assert victim.is_contiguous() and k_codes.is_contiguous()
+    if isinstance(pos, PagedKeys):
+        p, blk, off, strides = pos.cache, pos.blocks, pos.offsets, pos.cache.stride()
+    else:
+        p = pos.contiguous()
+        blk, off, strides = p, p, (H, 0, 1)
+    _lshe_ragged_kernel[(H, rk.rows)](
+        q_codes.contiguous(),
+        k_codes,
+        p,
+        blk,
+        off,
+        victim,
+        q_pos.long().contiguous(),
+        rq.dev,
+        rk.dev,
+        budget.long().contiguous(),
+        int(sinks),
+        int(recent),
+        *strides,
+        H=H,
+        HQ=q_codes.shape[1],
+        G=G,
+        PAGED=isinstance(pos, PagedKeys),
+        TILE_T=min(1024, triton.next_power_of_2(max(1, rk.longest))),
+    )
+    return victim
+
+
+@triton.jit
 def _simhash_kernel(
     x_ptr, r_ptr, out_ptr, M, s_xm, s_xd, C, D: tl.constexpr, TILE_M: tl.constexpr, BLOCK_D: tl.constexpr
 ):

@@ -25,6 +25,7 @@ heads may keep different tokens. Slot order within a head is position order, alw
 from __future__ import annotations
 
 import dataclasses
+import functools
 import math
 from dataclasses import dataclass, field
 from typing import Any, ClassVar, Generic, Literal, TypeVar
@@ -197,7 +198,8 @@ class Columns:
     ``row``: each token's row; ``L``: each row's tokens computed so far; ``m``: how many queries
     each row's sums add up; ``G``: query heads per KV head. Device tensors, made once per step; on
     the host: ``lens`` (each row's L) and ``keep`` (how many tokens each row keeps: 0 for a row
-    that does not compact)."""
+    that does not compact). ``queries``: the offsets of the rows' ``m`` queries, packed;
+    ``budget``: each row's configured budget (``[R]``, a policy that reads it)."""
 
     row: torch.Tensor
     L: torch.Tensor
@@ -206,6 +208,17 @@ class Columns:
     ragged: Ragged
     lens: tuple[int, ...]
     keep: tuple[int, ...]
+    queries: Ragged | None = None
+    budget: torch.Tensor | None = None
+
+    @functools.cached_property
+    def newest(self) -> torch.Tensor:
+        """``[sum m]`` int64: the packed tokens of each row's queries, its last ``m`` (this step's),
+        made on the host once per step."""
+        assert self.queries is not None, "the rows' queries were not given"
+        cu, cq = self.ragged.host, self.queries.host
+        last = [j for r in range(len(cu) - 1) for j in range(cu[r + 1] - (cq[r + 1] - cq[r]), cu[r + 1])]
+        return on_device(last, self.L.device)
 
     @classmethod
     def of_view(cls, view: KVView, m: int) -> Columns:
@@ -230,14 +243,27 @@ class Packed:
     :func:`~vllm_kvevict.kernels.torch_ops.dense_positions`); ``state``: ``{name: [N, H_kv]}`` the
     per-slot state (observed this step); the values ``V[tok]`` (``[N, H_kv, d]``, packed or read
     where they are: read only by a policy that asks); ``W_O``: the layer's output projection ``[H_q, d, D]`` (a
-    policy with ``Needs.w_o``)."""
+    policy with ``Needs.w_o``). A policy that reads its queries but not their attention (``attn``
+    None) gets the keys (``K[tok]``, like ``V``), its queries ``Q [M, H_q, d]`` at positions
+    ``q_pos [M]`` (packed by row: ``Columns.queries``) and the layer's index."""
 
-    A: torch.Tensor
+    attn: torch.Tensor | None
     pos: torch.Tensor | PagedKeys
     state: dict[str, torch.Tensor]
     V: torch.Tensor | PagedKeys
     tok: torch.Tensor | slice = field(default_factory=lambda: slice(None))
     W_O: torch.Tensor | None = None
+    K: torch.Tensor | PagedKeys | None = None
+    Q: torch.Tensor | None = None
+    q_pos: torch.Tensor | None = None
+    layer: int = 0
+
+    @property
+    def A(self) -> torch.Tensor:
+        """``[N, H_q]``: the attention each token receives (a policy that reads it)."""
+        if self.attn is None:
+            raise ValueError("this policy reads its queries' attention; none was computed")
+        return self.attn
 
 
 P = TypeVar("P", bound=PolicyParams)

@@ -27,8 +27,18 @@ from typing import Literal
 import torch
 from pydantic import Field
 
-from vllm_kvevict.kernels import ops
-from vllm_kvevict.policies.base import MAX_SEED, MAX_TOKENS_PARAM, KVView, Needs, Policy, PolicyParams
+from vllm_kvevict.kernels import ops, torch_ops
+from vllm_kvevict.kernels.torch_ops import PagedKeys, dense_positions, ragged
+from vllm_kvevict.policies.base import (
+    MAX_SEED,
+    MAX_TOKENS_PARAM,
+    Columns,
+    KVView,
+    Needs,
+    Packed,
+    Policy,
+    PolicyParams,
+)
 
 CODE, VICTIM = "lsh_code", "lsh_victim"
 
@@ -59,6 +69,33 @@ def simhash(x: torch.Tensor, R: torch.Tensor) -> torch.Tensor:
 ROW_CHUNK = 256
 
 
+@ops.fused("lshe_victims_ragged")
+def lshe_victims_ragged(
+    q_codes: torch.Tensor,
+    k_codes: torch.Tensor,
+    pos: torch.Tensor | PagedKeys,
+    victim: torch.Tensor,
+    q_pos: torch.Tensor,
+    cu_q,
+    cu_k,
+    budget: torch.Tensor,
+    sinks: int,
+    recent: int,
+    G: int,
+) -> torch.Tensor:
+    """Alg. 1 line 1 for packed rows: row ``r``'s tokens ``[cu_q[r], cu_q[r + 1])`` in order (their
+    query codes ``q_codes [M, H_q]`` at positions ``q_pos [M]``; or their key codes ``[M, H]`` with
+    ``G = 1``) choose victims among its window ``[cu_k[r], cu_k[r + 1])`` (codes ``k_codes
+    [N, H]``, positions ``pos``, victims ``victim [N, H]``, updated in place and returned), once
+    it holds ``budget[r]`` tokens."""
+    pos, cq, ck = dense_positions(pos), ragged(cu_q).host, ragged(cu_k).host
+    for r, b in enumerate(budget.tolist()):
+        rows, keys = slice(cq[r], cq[r + 1]), slice(ck[r], ck[r + 1])
+        dist = torch_ops.hamming_distances(q_codes[rows].T, k_codes[keys].T, G)
+        torch_ops.lshe_victims(dist, pos[keys].T, victim[keys].T, q_pos[rows], b, sinks, recent)
+    return victim
+
+
 class LSHE(Policy[LSHEParams]):
     name = "lshe"
     Params = LSHEParams
@@ -83,7 +120,29 @@ class LSHE(Policy[LSHEParams]):
                 dist = ops.hamming_distances(code[:, n - m + c0 : n - m + c1], code, 1)
             ops.lshe_victims(dist, view.pos, victim, q_pos[c0:c1], view.budget, p.sink_tokens, p.recent_tokens)
 
+    def observe_columns(self, x: Packed, cols: Columns) -> None:
+        """:meth:`observe` of packed rows: every row's new keys hashed at once, its queries too, and
+        one pass choosing every row's victims (:func:`lshe_victims_ragged`)."""
+        p = self.params
+        if x.K is None or x.Q is None or x.q_pos is None or cols.queries is None or cols.budget is None:
+            raise ValueError("lshe observes its rows from their keys, queries and budgets; some were not given")
+        keys = x.K[x.tok][cols.newest]  # this step's tokens: each row's last m
+        keys = keys.gather() if isinstance(keys, PagedKeys) else keys
+        R = _projection(p.seed, x.layer, p.bits, keys.shape[-1])
+        code, victim = x.state[CODE], x.state[VICTIM]
+        new = simhash(keys, R)  # [M, H]
+        code[cols.newest] = new
+        q_codes, G = (simhash(x.Q, R), cols.G) if p.hash == "query" else (new, 1)
+        args = (x.q_pos, cols.queries, cols.ragged, cols.budget, p.sink_tokens, p.recent_tokens, G)
+        lshe_victims_ragged(q_codes, code, x.pos, victim, *args)
+
     def score(self, view: KVView) -> torch.Tensor:
-        # Non-victims first; among victims the latest-chosen are kept longest.
-        v = view.state[VICTIM]
-        return torch.where(v < 0, torch.full_like(v, 2**40), v).float()
+        return victim_scores(view.state[VICTIM])
+
+    def score_columns(self, x: Packed, cols: Columns) -> torch.Tensor:
+        return victim_scores(x.state[VICTIM])
+
+
+def victim_scores(v: torch.Tensor) -> torch.Tensor:
+    """Non-victims first; among victims the latest-chosen are kept longest."""
+    return torch.where(v < 0, torch.full_like(v, 2**40), v).float()
