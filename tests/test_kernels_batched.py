@@ -460,8 +460,6 @@ def test_lshe_victims_of_every_row_in_one_kernel_equal_its_statement(tri, G):
     """LSH-E's victims for packed rows (ragged windows and steps, their own budgets, compacted
     layouts, earlier victims, 3-bit codes: many distance ties) in one launch: the statement's,
     which runs the reference loop row by row; positions packed and read through their blocks."""
-    import vllm_kvevict.policies.lshe  # noqa: F401 - registers the statement
-
     g = torch.Generator().manual_seed(G)
     H, lens, steps, budgets = 2, [40, 150, 9, 64], [12, 30, 5, 1], [20, 60, 3, 63]
     cu, cq = ref.cu_from_lengths(torch.tensor(lens)), ref.cu_from_lengths(torch.tensor(steps))
@@ -542,6 +540,7 @@ def test_every_op_has_both_implementations(tri):
         "pool_segments",
         "snapkv_scores",
         "caote_scores",
+        "lshe_victims_ragged",
     }
     for name, statement in FUSED.items():
         assert list(inspect.signature(getattr(tri, name)).parameters) == list(inspect.signature(statement).parameters)
