@@ -330,9 +330,9 @@ def _score_groups(plan, work, groups: dict, t: _Tokens, sel: _Selection, layer: 
 
 
 def _packed_rows(plan, work, idxs: list[int], t: _Tokens, at: tuple, attn: torch.Tensor | None, layer: int) -> Packed:
-    """What a columnar policy reads of its rows' packed tokens (``at``: which, and their positions): ``attn``, their attention,
-    where it reads that; else its queries themselves (packed, no copy where they lie back to back)
-    and the keys."""
+    """What a columnar policy reads of its rows' packed tokens (``at``: which, and their
+    positions): ``attn``, their attention, where it reads that; else its queries themselves
+    (packed, no copy where they lie back to back) and the keys."""
     policy, (tok, pos) = work[idxs[0]].policy, at
     state = {k: t.state[k][tok] for k in policy.needs.state}
     W_O = next((work[i].inputs.W_O for i in idxs if work[i].compact), None)
