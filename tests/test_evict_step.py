@@ -209,8 +209,8 @@ def _evicted_slots(plan) -> torch.Tensor:
 
 @pytest.mark.parametrize("kernels", ["torch", "triton"])
 def test_one_selection_equals_per_row(monkeypatch, kernels):
-    """Every row with the default selection (all policies but kvmerger) is selected in one
-    ``select_topk`` call, and every row that reads attention (h2o, caote and kvmerger observing,
+    """Every compacting row, whatever its policy (kvmerger's by the scores of its merged sets), is
+    selected in one ``select_topk`` call, and every row that reads attention (h2o, caote and kvmerger observing,
     snapkv, tova, criticalkv scoring) has it computed by one ragged ``column_sums``: the same state, kept
     sets and cache as each policy computing and selecting on its own (KVEVICT_BATCHED=0)."""
     if kernels == "triton" and not CUDA and os.environ.get("TRITON_INTERPRET") != "1":
@@ -226,7 +226,7 @@ def test_one_selection_equals_per_row(monkeypatch, kernels):
     monkeypatch.setattr(ops, "select_topk", lambda *a, **k: calls.append(ragged(a[2]).rows) or select(*a, **k))
     monkeypatch.setattr(ops, "column_sums", lambda *a: attn_calls.append(ragged(a[4]).rows) or column_sums(*a))
     got = _run("flash", torch.float32)
-    assert calls == [len(COMPACT) - 1]  # every compacting row but kvmerger's (criticalkv's stage 1 marks its own)
+    assert calls == [len(COMPACT)]  # criticalkv's stage 1 marks its own
     assert attn_calls == [sum(p in ("h2o", "kvmerger", "caote", "snapkv", "tova", "criticalkv") for p in POLICIES)]
     assert torch.equal(want[0], got[0]) and torch.equal(want[1], got[1])
     dead = _evicted_slots(got[4])  # a row's policy may leave what it observed there (h2o's rows together do)

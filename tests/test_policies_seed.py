@@ -23,6 +23,7 @@ from tests.policy_reference import (
     ref_pool,
 )
 from vllm_kvevict.policies import POLICIES, KVView, get_policy
+from vllm_kvevict.policies.base import topk_newer
 from vllm_kvevict.policies.lshe import _projection
 
 # ---------------------------------------------------------------------------------------------
@@ -313,6 +314,57 @@ def test_kvmerger_observe_accumulates_and_pivots(G):
         for h in range(2):  # each set sits in its pivot, the argmax of the accumulated attention
             for i, S in enumerate(info[h]["sets"]):
                 assert kept[h, i] == max(S, key=lambda j: float(a[h, j]))
+
+
+@pytest.mark.parametrize("threshold", [0.75, 0.0])
+def test_kvmerger_rows_merged_together_equal_each_alone(threshold):
+    """``merge_columns`` over the packed tokens of several rows (ragged, compacted positions that
+    differ by head, each its own length and keep, one that keeps nothing of what it may merge)
+    equals each row's ``merge`` alone: the same kept slots and the same merged K/V, bit for bit (each
+    set's sum its own). No recent tokens: a row's last may link to nothing."""
+    from vllm_kvevict.kernels.torch_ops import Ragged, on_device
+    from vllm_kvevict.policies.base import Columns, Packed
+
+    pol = make_policy("kvmerger", threshold=threshold, sigma=2.0, recent_ratio=0.17 if threshold else 0.0)
+    g = torch.Generator().manual_seed(5)
+    H, d, shape = 3, 16, [(40, 55, 17), (1, 1, 1), (64, 64, 20), (25, 90, 24), (33, 40, 32)]  # (n, L, keep)
+    views = []
+    for r, (n, L, keep) in enumerate(shape):
+        pos = torch.stack([torch.sort(torch.randperm(L - 1, generator=g)[: n - 1]).values for _ in range(H)])
+        view, _ = build(pol, H=H, G=1, n=n, d=d, L=L, pos=torch.cat([pos, torch.full((H, 1), L - 1)], 1), seed=r)
+        view.K[:, n // 3 : n // 2] = view.K[:, n // 3 : n // 3 + 1] + 0.1 * view.K[:, n // 3 : n // 2]  # a run
+        view.state["h2o"] = torch.rand(H, n, generator=g)
+        views.append((view, keep))
+    cat = lambda f: torch.cat([f(v) for v, _ in views])  # noqa: E731
+    lens = [n for n, _, _ in shape]
+    cu = Ragged.of(lens, "cpu")
+    cols = Columns(
+        torch.repeat_interleave(torch.arange(len(lens)), torch.tensor(lens)),
+        on_device([L for _, L, _ in shape], "cpu"),
+        on_device([0] * len(lens), "cpu"),
+        1,
+        cu,
+        tuple(L for _, L, _ in shape),
+        tuple(k for _, _, k in shape),
+    )
+    x = Packed(
+        None,
+        cat(lambda v: v.pos.T),
+        {"h2o": cat(lambda v: v.state["h2o"].T)},
+        cat(lambda v: v.V.transpose(0, 1)),
+        K=cat(lambda v: v.K.transpose(0, 1)),
+    )
+    score, Km, Vm = pol.merge_columns(x, cols)
+    for r, (view, keep) in enumerate(views):
+        sl = slice(cu.host[r], cu.host[r + 1])
+        kept, merged = pol.merge(view, keep)
+        assert torch.equal(topk_newer(score[sl].T, keep, view.pos), kept), r
+        if merged is None:
+            continue
+        at = kept[..., None].expand(-1, -1, d)
+        assert torch.equal(Km[sl].transpose(0, 1).gather(1, at), merged[0]), r
+        assert torch.equal(Vm[sl].transpose(0, 1).gather(1, at), merged[1]), r
+        assert threshold > 0.5 or not torch.equal(merged[0], view.K.gather(1, at)), "nothing merged"
 
 
 # ---------------------------------------------------------------------------------------------

@@ -10,7 +10,8 @@ and are not counted) and every Triton kernel it launches, in the second layer of
 request compacts (the first layer also builds the step's geometry, shared by the others): the
 steady state, a prompt's second compaction, its per-slot stores allocated by the first and no
 prompt ending in it (recall re-selects a window at a prompt's end, request by request); a policy
-that compacts once (CriticalKV) at the prompts' end.
+that compacts once (CriticalKV, KVMerger) at the prompts' end. KVMerger's merge is its torch
+statement (some 120 operations, once per prompt, for every request of the step together).
 """
 
 from __future__ import annotations
@@ -39,6 +40,7 @@ BOUND = {
     ("torch", "keydiff+recall"): 98,
     ("torch", "criticalkv"): 222,
     ("torch", "lshe"): 241,
+    ("torch", "kvmerger"): 246,
     ("triton", "keydiff"): 6,
     ("triton", "knorm"): 5,
     ("triton", "tova"): 8,
@@ -48,6 +50,7 @@ BOUND = {
     ("triton", "keydiff+recall"): 8,
     ("triton", "criticalkv"): 10,
     ("triton", "lshe"): 20,
+    ("triton", "kvmerger"): 128,
 }
 #: what each more request adds, as measured: torch's column sums and LSH-E's victims loop over the
 #: requests (the CPU engine's); nothing else grows (the query windows and recall's queries are
@@ -59,6 +62,7 @@ PER_REQUEST = {
     ("torch", "caote"): 12,
     ("torch", "criticalkv"): 12,
     ("torch", "lshe"): 24,
+    ("torch", "kvmerger"): 12,
 }
 
 
@@ -141,7 +145,7 @@ def _per_layer(kernels: str, policy: str, n: int, active: list) -> collections.C
 
 @pytest.mark.parametrize("kernels", ["torch", "triton"])
 @pytest.mark.parametrize(
-    "policy", ["keydiff", "knorm", "tova", "snapkv", "h2o", "caote", "criticalkv", "lshe", "keydiff+recall"]
+    "policy", ["keydiff", "knorm", "tova", "snapkv", "h2o", "caote", "criticalkv", "lshe", "kvmerger", "keydiff+recall"]
 )
 def test_launches_per_layer_do_not_grow_with_requests(monkeypatch, triton_launches, kernels, policy):
     """Flat in the requests (as measured where not: :data:`PER_REQUEST`), and bounded for 4."""

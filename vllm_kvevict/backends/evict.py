@@ -167,8 +167,8 @@ def evict_step(
 def _in_place(work: list[RowWork]) -> bool:
     """Every row is scored (or observed) with the others of its policy (:func:`_grouped`): its keys
     are scored where they are and only the kept tokens (and what recall keeps) are copied, nothing
-    of the window gathered."""
-    return all(_grouped(w, True) for w in work)
+    of the window gathered; but a merging policy reads every key and value it merges."""
+    return all(_grouped(w, True) and not (w.compact and w.policy.needs.merges) for w in work)
 
 
 def _grouped(w: RowWork, batched: bool) -> bool:
@@ -211,6 +211,8 @@ class _Selection:
     packed: torch.Tensor | None = None  # the selection's kept tokens of rows ``packed_rows``, in order
     packed_rows: list[int] = field(default_factory=list)
     dropped: torch.Tensor | None = None  # the tokens the selection dropped, where recall takes all of them
+    rewritten: list[tuple[torch.Tensor | slice, torch.Tensor, torch.Tensor]] = field(default_factory=list)
+    """merging groups' packed tokens and their new K, V (``[n, H, D]``: what a kept one is written as)"""
 
 
 def _read(plan, geo: Geometry, work, gather, views, slot_pos, slot_state, overlays, in_place: bool) -> _Tokens:
@@ -318,7 +320,11 @@ def _score_groups(plan, work, groups: dict, t: _Tokens, sel: _Selection, layer: 
                 observed.append((idxs, tok))
             if not any(work[i].compact for i in idxs):
                 continue
-            scores = policy.score_columns(x, cols)
+            if policy.needs.merges:
+                scores, K_new, V_new = policy.merge_columns(x, cols)
+                sel.rewritten.append((tok, K_new, V_new))
+            else:
+                scores = policy.score_columns(x, cols)
         elif isinstance(K, PagedKeys):
             scores = policy.score_paged(K, pos, g_cu.dev, L, layer)
         else:
@@ -337,6 +343,8 @@ def _packed_rows(plan, work, idxs: list[int], t: _Tokens, at: tuple, attn: torch
     state = {k: t.state[k][tok] for k in policy.needs.state}
     W_O = next((work[i].inputs.W_O for i in idxs if work[i].compact), None)
     x = Packed(attn, pos, state, t.V, tok, W_O, layer=layer)
+    if policy.needs.merges:
+        x.K = t.K
     if not policy.needs.attention:
         lens = tuple(plan.seq_lens[work[i].row] for i in idxs)
         m = tuple(work[i].inputs.Q.shape[1] for i in idxs)
@@ -564,8 +572,10 @@ def _write_kept(plan, geo: Geometry, idx: torch.Tensor, sel: _Selection, src: tu
             plan, ("identity", M, H), lambda: torch.arange(M, device=dev)[:, None].expand(M, H).contiguous()
         )
         pos_all = taken
-    elif merged:  # merging rows read their new K/V, appended after the packed tokens
-        idx_kv, K_src, V_src = _merged_sources(out, kept_tok, merged, K_all, V_all)
+    if sel.rewritten:  # merging groups' kept tokens are written as they merged
+        K_src, V_src = _rewritten(K_all, V_all, sel.rewritten)
+    if merged:  # merging rows read their new K/V, appended after the packed tokens
+        idx_kv, K_src, V_src = _merged_sources(out, kept_tok, merged, K_src, V_src)
     if views is not None:  # block-table kernels: K, V, positions and a state (with its snapshot) in one
         nb = views[0].shape[0]
         states = [
@@ -594,6 +604,14 @@ def _write_kept(plan, geo: Geometry, idx: torch.Tensor, sel: _Selection, src: tu
         if k in snapshots:
             snapshots[k][slots] = kept_state
     return taken
+
+
+def _rewritten(K: torch.Tensor, V: torch.Tensor, groups: list) -> tuple[torch.Tensor, torch.Tensor]:
+    """The packed K and V with each merging group's tokens replaced by their new values."""
+    K, V = K.clone(), V.clone()
+    for tok, K_new, V_new in groups:
+        K[tok], V[tok] = K_new.to(K.dtype), V_new.to(V.dtype)
+    return K, V
 
 
 def _merged_sources(out, kept_tok, merged, K_all, V_all) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:

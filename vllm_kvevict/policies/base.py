@@ -13,7 +13,7 @@ equation:
   step, updates ``view.state`` in place (H2O's accumulator, LSH-E's codes); a policy that reads
   its queries' attention writes :meth:`Policy.score_columns` (and :meth:`Policy.observe_columns`)
   over many rows' packed tokens instead;
-* :meth:`Policy.merge` ``(view, keep)``, for merging policies (``Needs.merges``) instead of
+* :meth:`Policy.merge_columns` ``(x, cols)``, for merging policies (``Needs.merges``) instead of
   ``score``: the kept slots and their new K/V.
 
 The attention backend (or the transformers reference, vllm_kvevict/testing/hf_reference.py)
@@ -28,7 +28,7 @@ import dataclasses
 import functools
 import math
 from dataclasses import dataclass, field
-from typing import Any, ClassVar, Generic, Literal, TypeVar
+from typing import Any, ClassVar, Generic, Literal, NamedTuple, TypeVar
 
 import torch
 from pydantic import BaseModel, ConfigDict
@@ -266,12 +266,22 @@ class Packed:
         return self.attn
 
 
+class Merge(NamedTuple):
+    """What a merging policy makes of its rows' packed tokens (:meth:`Policy.merge_columns`):
+    ``score [N, H_kv]`` selects the kept tokens as any score does (``-inf``: never kept while the
+    row has ``keep`` others); ``K``, ``V`` ``[N, H_kv, d]``: what a kept token's slot then holds."""
+
+    score: torch.Tensor
+    K: torch.Tensor
+    V: torch.Tensor
+
+
 P = TypeVar("P", bound=PolicyParams)
 
 
 class Policy(Generic[P]):
     """Base class: subclasses set ``name``, ``Params``, ``needs`` and implement :meth:`score`
-    (or :meth:`score_ragged`; merging policies :meth:`merge`)."""
+    (or :meth:`score_ragged`; merging policies :meth:`merge_columns`)."""
 
     name: ClassVar[str]
     Params: ClassVar[type[PolicyParams]] = PolicyParams
@@ -320,7 +330,9 @@ class Policy(Generic[P]):
         row: it reads its queries' attention, the positions and its per-slot state only."""
         n, cls = self.needs, type(self)
         observes = not n.state or cls.observe_columns is not Policy.observe_columns
-        return cls.score_columns is not Policy.score_columns and observes and not n.merges
+        if n.merges:
+            return cls.merge_columns is not Policy.merge_columns and observes
+        return cls.score_columns is not Policy.score_columns and observes
 
     def score_ragged(
         self, K: torch.Tensor, pos: torch.Tensor, cu: torch.Tensor, L: torch.Tensor, layer: int
@@ -343,10 +355,26 @@ class Policy(Generic[P]):
     def observe(self, view: KVView) -> None:
         """Update ``view.state`` with this step's tokens, in place (policies with ``Needs.state``)."""
 
-    def merge(self, view: KVView, keep: int) -> tuple[torch.Tensor, tuple[torch.Tensor, torch.Tensor] | None]:
-        """Merging policies (``Needs.merges``): the kept slots ``[H_kv, keep]`` (ascending per head)
-        and their new ``(K, V)`` ``[H_kv, keep, d]`` (None: unchanged)."""
+    def merge_columns(self, x: Packed, cols: Columns) -> Merge:
+        """Merging policies (``Needs.merges``): the rows' scores and new K/V (:class:`Merge`), for
+        the packed tokens of many rows at once (``x``: the keys ``x.K`` and values ``x.V`` at
+        ``x.tok``, the positions and per-slot state; ``cols.keep``: each row's kept count). Such
+        a policy writes its rule here once; :meth:`merge` is its one row."""
         raise NotImplementedError(f"{self.name} does not merge")
+
+    def merge(self, view: KVView, keep: int) -> tuple[torch.Tensor, tuple[torch.Tensor, torch.Tensor] | None]:
+        """:meth:`merge_columns` of the view's one row: the kept slots ``[H_kv, keep]`` (ascending
+        per head) and their new ``(K, V)`` ``[H_kv, keep, d]`` (None: all kept, unchanged)."""
+        n = view.pos.shape[1]
+        if keep >= n:
+            return torch.arange(n, device=view.pos.device).expand(view.num_heads, n).clone(), None
+        cols = dataclasses.replace(Columns.of_view(view, 0), keep=(keep,))
+        state = {k: v.T for k, v in view.state.items()}
+        x = Packed(None, view.pos.T, state, view.V.transpose(0, 1), K=view.K.transpose(0, 1), layer=view.layer)
+        m = self.merge_columns(x, cols)
+        kept = topk_newer(m.score.T, keep, view.pos)
+        at = kept[..., None].expand(-1, -1, view.K.shape[-1])
+        return kept, (m.K.transpose(0, 1).gather(1, at), m.V.transpose(0, 1).gather(1, at))
 
     # What the engine calls; not overridden.
     @property

@@ -20,6 +20,9 @@ vary by head. Here each head keeps exactly ``keep`` entries: if merging every li
 fewer, only the ``n - keep`` most similar links are merged (sets stay contiguous); if it leaves
 more, the unprotected entries (merged sets and singletons) with the lowest pivot attention are
 evicted, H2O-style. If the protected share exceeds ``keep``, both ratios shrink in proportion.
+
+Every row of a step merges at once (:meth:`KVMerger.merge_columns`, the packed tokens of all its
+requests, every head); one view's :meth:`~vllm_kvevict.policies.base.Policy.merge` is its one row.
 """
 
 from __future__ import annotations
@@ -30,9 +33,14 @@ from typing import Literal
 import torch
 from pydantic import Field
 
-from vllm_kvevict.policies.base import KVView, Policy, PolicyParams, topk_newer
-from vllm_kvevict.policies.h2o import H2O, h2o_observe
+from vllm_kvevict.kernels.torch_ops import PagedKeys, dense_positions, on_device
+from vllm_kvevict.policies.base import Columns, KVView, Merge, Packed, Policy, PolicyParams
+from vllm_kvevict.policies.h2o import H2O, h2o_observe, h2o_observe_columns
 from vllm_kvevict.policies.h2o import STATE as H2O_STATE
+
+#: The float64 set sums of a merge cover this many bytes at most: the heads are merged a few
+#: at a time where the step's tokens are many (every prompt of a step ending at once).
+MERGE_CHUNK_BYTES = 1 << 28
 
 
 class KVMergerParams(PolicyParams):
@@ -52,74 +60,110 @@ class KVMerger(Policy[KVMergerParams]):
     def observe(self, view: KVView) -> None:
         h2o_observe(view, self.attention(view))
 
-    def protected(self, view: KVView, keep: int) -> torch.Tensor:
-        """``[H, n]`` mask: the recent tokens and the heavy hitters."""
-        p, n = self.params, view.pos.shape[1]
+    def observe_columns(self, x: Packed, cols: Columns) -> None:
+        h2o_observe_columns(x.A, x.state[H2O_STATE], cols.G)
+
+    def merge_columns(self, x: Packed, cols: Columns) -> Merge:
+        """Every row's sets, the heads a few at a time (the float64 sums within
+        :data:`MERGE_CHUNK_BYTES`), in shapes fixed by the packed tokens: nothing read back. A
+        row's merge does not depend on the rows that share the call (its sums are its sets')."""
+        assert x.K is not None, "a merging policy reads the keys"
+        K, V = _tokens(x.K, x.tok), _tokens(x.V, x.tok)
+        a, pos = x.state[H2O_STATE].float(), dense_positions(x.pos)
+        prot, links = self.protected(pos, a, cols), self._links(cols)
+        N, H, d = K.shape
+        step = max(1, MERGE_CHUNK_BYTES // max(1, 8 * N * d))
+        parts = []
+        for h in range(0, H, step):
+            hs = slice(h, h + step)
+            parts.append(
+                _merge_heads(K[:, hs].float(), V[:, hs].float(), a[:, hs], prot[:, hs], cols, links, self.params)
+            )
+        score, Km, Vm = (torch.cat(p, dim=1) for p in zip(*parts))
+        return Merge(score, Km.to(K.dtype), Vm.to(V.dtype))
+
+    def protected(self, pos: torch.Tensor, a: torch.Tensor, cols: Columns) -> torch.Tensor:
+        """``[N, H]`` mask: each row's recent tokens and heavy hitters (ties to the newer), their
+        counts made on the host from the row's length and keep."""
+        counts = [self._protected_counts(n, k) for n, k in zip(cols.ragged.lengths, cols.keep)]
+        per_row = on_device([c[0] for c in counts] + [c[1] for c in counts], pos.device).view(2, -1)
+        n_recent, n_heavy = per_row[:, cols.row, None]
+        recent = pos >= cols.L[cols.row, None] - n_recent
+        heavy = _row_ranks(a.masked_fill(recent, float("-inf")), pos, cols) < n_heavy
+        return recent | heavy
+
+    def _protected_counts(self, n: int, keep: int) -> tuple[int, int]:
+        """``(recent, heavy)`` of a row of ``n`` tokens that keeps ``keep``: both shrink in
+        proportion where they exceed ``keep``."""
+        p = self.params
         n_recent, n_heavy = int(p.recent_ratio * n), int(p.heavy_ratio * n)
         if n_recent + n_heavy > keep:
             shrink = keep / (n_recent + n_heavy)
             n_recent, n_heavy = int(n_recent * shrink), int(n_heavy * shrink)
-        recent = view.pos >= view.length - n_recent
-        a = view.state[H2O_STATE].masked_fill(recent, float("-inf"))
-        heavy = torch.zeros_like(recent)
-        if n_heavy:
-            heavy.scatter_(1, topk_newer(a, n_heavy, view.pos), True)
-        return recent | heavy
+        return n_recent, n_heavy
 
-    def merge(self, view: KVView, keep: int):
-        n = view.pos.shape[1]
-        if keep >= n:
-            return torch.arange(n, device=view.pos.device).expand(view.num_heads, n).clone(), None
-        prot = self.protected(view, keep)
-        K, V = view.K.float(), view.V.float()
-        a = view.state[H2O_STATE].float()
-        kept_all, K_all, V_all = [], [], []
-        for h in range(view.num_heads):
-            kept, Km, Vm = self._merge_head(K[h], V[h], a[h], view.pos[h], prot[h], keep)
-            kept_all.append(kept)
-            K_all.append(Km)
-            V_all.append(Vm)
-        return torch.stack(kept_all), (torch.stack(K_all).to(view.K.dtype), torch.stack(V_all).to(view.V.dtype))
-
-    def _merge_head(self, K, V, a, pos, prot, keep):
-        """One head's merge, in shapes fixed by ``n`` (nothing read back from the device): up to
-        ``n`` sets, those past the last empty."""
-        p, n = self.params, K.shape[0]
-        cos = torch.nn.functional.cosine_similarity(K[1:], K[:-1], dim=-1, eps=1e-8)  # link i: (i, i+1)
-        can = (cos > p.threshold) & ~prot[1:] & ~prot[:-1]
-        # At most n - keep links merge, the most similar: all that can when fewer can.
-        order = torch.argsort(cos.masked_fill(~can, float("-inf")), descending=True, stable=True)
-        rank = torch.empty_like(order).scatter_(0, order, torch.arange(n - 1, device=K.device))
-        link = can & (rank < n - keep)
-        # Sets: maximal runs joined by links; set id of token i = number of non-links before it.
-        sid = torch.cat([torch.zeros(1, dtype=torch.long, device=K.device), torch.cumsum(~link, 0)])
-        # Pivot of each set: largest accumulated attention, ties to the newer (later) token.
-        top = torch.full((n,), float("-inf"), device=K.device).scatter_reduce(0, sid, a, "amax")
-        idx = torch.arange(n, device=K.device)
-        best = torch.full((n,), -1, dtype=torch.long, device=K.device)
-        best = best.scatter_reduce(0, sid, torch.where(a == top[sid], idx, -1), "amax")
-        pivot = best[sid]  # [n] each token's pivot
-        g = torch.exp(-((K[pivot] - K) ** 2).sum(-1) / (2 * p.sigma**2))
-        end = torch.zeros(n, dtype=torch.long, device=K.device).scatter_reduce(0, sid, idx + 1, "amax")
-        size = end - torch.zeros_like(end).scatter_reduce(0, sid, idx, "amin", include_self=False)
-        size = size.masked_fill(best < 0, 0)
-        w = g / _run_sums(g, end, size)[sid]
-        Km = _run_sums(w[:, None] * K, end, size)
-        Vm = _run_sums(w[:, None] * V, end, size)
-        if p.value_scale == "set_size":
-            Vm *= size[:, None].float()
-        # Too many entries: evict the unprotected sets with the lowest pivot attention (the empty
-        # sets lowest of all: at least keep sets are not empty).
-        set_score = a[best].masked_fill(prot[best], float("inf")).masked_fill(best < 0, float("-inf"))
-        chosen = topk_newer(set_score[None], keep, pos[best][None])[0]
-        kept = best[chosen]
-        order = torch.argsort(kept)
-        return kept[order], Km[chosen][order], Vm[chosen][order]
+    def _links(self, cols: Columns) -> torch.Tensor:
+        """``[N, 1]``: how many links may merge in each token's row (``n - keep``)."""
+        return on_device([n - k for n, k in zip(cols.ragged.lengths, cols.keep)], cols.L.device)[cols.row, None]
 
 
-def _run_sums(x: torch.Tensor, end: torch.Tensor, size: torch.Tensor) -> torch.Tensor:
-    """``[n, ...]``: the sum of ``x [n, ...]`` over each set, a run of consecutive tokens ending
-    before ``end`` of ``size`` tokens (0 for an empty set). Differences of a float64 running sum:
-    the same bits on every run, whichever device (no atomics), and no set count read back."""
-    cs = torch.nn.functional.pad(x.double().cumsum(0), (0, 0) * (x.dim() - 1) + (1, 0))
-    return (cs[end] - cs[end - size]).to(x.dtype)
+def _merge_heads(K, V, a, prot, cols: Columns, n_links: torch.Tensor, p: KVMergerParams) -> Merge:
+    """The sets of some heads (``K``, ``V`` float32 ``[N, h, d]``; ``a``, ``prot`` ``[N, h]``):
+    each token's score (its set's pivot attention at the pivot, ``+inf`` protected, ``-inf``
+    elsewhere) and its set's merged K/V. Sets are numbered by token across the rows; a row's last
+    token links to nothing, so no set crosses a row."""
+    N, dev = K.shape[0], K.device
+    idx = torch.arange(N, device=dev)[:, None].expand_as(a)
+    cos = torch.nn.functional.cosine_similarity(K[1:], K[:-1], dim=-1, eps=1e-8)  # link i: (i, i+1)
+    same_row = (cols.row[1:] == cols.row[:-1])[:, None]
+    can = torch.nn.functional.pad((cos > p.threshold) & ~prot[1:] & ~prot[:-1] & same_row, (0, 0, 0, 1))
+    # At most n - keep links of a row merge, the most similar (ties to the earlier): all that can when fewer can.
+    cos = torch.nn.functional.pad(cos, (0, 0, 0, 1)).masked_fill(~can, float("-inf"))
+    link = can & (_row_ranks(cos, -idx, cols) < n_links)
+    # Sets: maximal runs joined by links; set id of token i = number of non-links before it.
+    sid = torch.nn.functional.pad(torch.cumsum(~link[:-1], 0), (0, 0, 1, 0))
+    # Pivot of each set: largest accumulated attention, ties to the newer (later) token.
+    top = torch.full_like(a, float("-inf")).scatter_reduce(0, sid, a, "amax")
+    best = torch.full_like(idx, -1).scatter_reduce(0, sid, torch.where(a == top.gather(0, sid), idx, -1), "amax")
+    pivot = best.gather(0, sid)  # [N, h] each token's pivot
+    g = torch.exp(-((_rows(K, pivot) - K) ** 2).sum(-1) / (2 * p.sigma**2))
+    size = torch.zeros_like(idx).scatter_add_(0, sid, torch.ones_like(idx))  # 0: an empty set (numbered last)
+    w = g / _run_sums(g, size).gather(0, sid)
+    Km = _run_sums(w[..., None] * K, size)
+    Vm = _run_sums(w[..., None] * V, size)
+    if p.value_scale == "set_size":
+        Vm *= size[..., None].float()
+    score = torch.where(pivot == idx, a.masked_fill(prot, float("inf")), float("-inf"))
+    return Merge(score, _rows(Km, sid), _rows(Vm, sid))
+
+
+def _row_ranks(score: torch.Tensor, tie: torch.Tensor, cols: Columns) -> torch.Tensor:
+    """``[N, H]``: each token's rank in its row, per head, by ``score`` descending, ties to the
+    larger ``tie`` (stable sorts: the tie's order, then the score's, then the row's)."""
+    order = torch.argsort(tie, dim=0, descending=True, stable=True)
+    order = order.gather(0, torch.argsort(score.gather(0, order), dim=0, descending=True, stable=True))
+    order = order.gather(0, torch.argsort(cols.row[order], dim=0, stable=True))
+    at = torch.arange(order.shape[0], device=order.device) - cols.cu[cols.row]  # place in its row
+    return torch.empty_like(order).scatter_(0, order, at[:, None].expand_as(order))
+
+
+def _rows(x: torch.Tensor, i: torch.Tensor) -> torch.Tensor:
+    """``x [N, h, d]`` at ``i [N, h]`` per head: ``out[j, h] = x[i[j, h], h]``."""
+    return x.gather(0, i[..., None].expand(-1, -1, x.shape[-1]))
+
+
+def _tokens(t: torch.Tensor | PagedKeys, tok: torch.Tensor | slice) -> torch.Tensor:
+    """The packed tokens ``tok`` of ``t``, copied where they are read in place."""
+    s = t[tok]
+    return s.gather() if isinstance(s, PagedKeys) else s
+
+
+def _run_sums(x: torch.Tensor, size: torch.Tensor) -> torch.Tensor:
+    """``[n, h, ...]``: the sum of ``x [n, h, ...]`` over each set of each head, ``size [n, h]``
+    consecutive tokens (0: an empty set), the sets in token order. A segmented sum in float64
+    (``segment_reduce``: no atomics), each set's own: the same bits on every run, whichever
+    device and whichever rows share the call, and no set count read back."""
+    n, h = size.shape
+    flat = x.double().transpose(0, 1).reshape(n * h, *x.shape[2:])  # every head's sets back to back
+    sums = torch.segment_reduce(flat, "sum", lengths=size.T.reshape(-1), axis=0)
+    return sums.view(h, n, *x.shape[2:]).transpose(0, 1).to(x.dtype)
