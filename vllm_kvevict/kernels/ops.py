@@ -38,9 +38,7 @@ OPS = (
     "scatter_paged",
     "scatter_kv_paged",
     "column_sums",
-    "lshe_victims",
     "simhash_codes",
-    "hamming_distances",
 )
 
 
@@ -206,13 +204,5 @@ def column_sums(Q, K, q_pos, k_pos, cu_q, cu_k, G, scale, softcap=None, sinks=No
     return mod.column_sums(Q, K, q_pos, k_pos, cu_q, cu_k, G, scale, softcap, sinks)
 
 
-def lshe_victims(dist, pos, victim, q_pos, budget, sinks, recent):
-    return backend_for(pos).lshe_victims(dist, pos, victim, q_pos, budget, sinks, recent)
-
-
 def simhash_codes(x, R):
     return backend_for(x).simhash_codes(x, R)
-
-
-def hamming_distances(q_codes, k_codes, G):
-    return backend_for(k_codes).hamming_distances(q_codes, k_codes, G)

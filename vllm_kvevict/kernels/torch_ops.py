@@ -15,10 +15,10 @@ registered with :func:`vllm_kvevict.kernels.ops.fused`.
   position (docs/policies.md, "Ties"), as row-local indices in ascending order, packed ``[sum keep, H]``.
 * :func:`column_sums`: the softmax attention each key receives from its row's queries, causal by
   position, summed over the queries (SnapKV, TOVA, H2O, CAOTE and CriticalKV read it).
-* :func:`lshe_victims`: LSH-E's victim choice (Alg. 1 line 1), token by token, per KV head.
-* :func:`simhash_codes`: LSH-E's SimHash codes ``[R x >= 0]``, bit-packed into int64.
-* :func:`hamming_distances`: ``sum_g popcount(q_g xor k)`` between packed codes, summed over each
-  KV head's query group (LSH-E's distance).
+* :func:`simhash_codes`: LSH-E's SimHash codes ``[R x >= 0]``, bit-packed into int64; its
+  statement's helpers :func:`hamming_distances` (``sum_g popcount(q_g xor k)`` between packed
+  codes, summed over each KV head's query group) and :func:`lshe_victims` (Alg. 1 line 1, token by
+  token, per KV head).
 * :func:`scatter_paged`: write packed per-head rows into logical tokens ``[dst_start[r],
   dst_start[r] + keep[r])`` through the block table (the right-aligned compaction), any
   ``[slots, H, D]`` or ``[slots, H]`` destination addressed by (block, offset, head).

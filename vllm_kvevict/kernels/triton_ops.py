@@ -14,9 +14,10 @@ deterministic, whatever the row length.
 in two launches with grids (query head, row, tile): per-query log-sum-exp, then per-key sums.
 
 The policy kernels: ``simhash_codes`` one program per tile of vectors, a loop over the bits;
-``hamming_distances`` one per (KV head, tile of queries, tile of keys), XOR and a bit-trick popcount
-on the packed codes; ``projected_value_norms`` one per (KV head, tile of tokens), looping over the
-group's heads and over ``D`` in tiles, only per-token sums leaving the program.
+``lshe_victims_ragged`` one per (KV head, row), the Hamming distances (XOR and a bit-trick
+popcount on the packed codes) summed over the group on the fly; ``projected_value_norms`` one per
+(KV head, tile of tokens), looping over the group's heads and over ``D`` in tiles, only per-token
+sums leaving the program.
 """
 
 from __future__ import annotations
@@ -1122,58 +1123,6 @@ def column_sums(Q, K, q_pos, k_pos, cu_q, cu_k, G: int, scale: float, softcap: f
 
 
 @triton.jit
-def _lshe_victims_kernel(dist_ptr, pos_ptr, vic_ptr, qpos_ptr, m, n, budget, sinks, recent, TILE_T: tl.constexpr):
-    h = tl.program_id(0)  # one KV head: its tokens are decided in order, as the reference loop does
-    MIN: tl.constexpr = -9223372036854775807 - 1
-    for i in tl.range(0, m):
-        t = tl.load(qpos_ptr + i)
-        cnt = tl.zeros([], dtype=tl.int64)
-        best = tl.full([], MIN, tl.int64)
-        best_j = tl.full([], 0, tl.int64)
-        for start in tl.range(0, n, TILE_T):
-            j = start + tl.arange(0, TILE_T)
-            mj = j < n
-            p = tl.load(pos_ptr + h * n + j, mask=mj, other=0).to(tl.int64)
-            v = tl.load(vic_ptr + h * n + j, mask=mj, other=0).to(tl.int64)
-            alive = (p < t) & (v < 0) & mj
-            cnt += tl.sum(alive.to(tl.int64), axis=0)
-            eligible = alive & (p >= sinks) & (p < t - recent)
-            d = tl.load(dist_ptr + (h * m + i) * n + j, mask=mj, other=0).to(tl.int64)
-            key = tl.where(eligible, (d << 32) - p, MIN)  # farthest, then oldest
-            tb = tl.max(key, axis=0)
-            tj = tl.argmax(key, axis=0).to(tl.int64)
-            upd = tb > best
-            best_j = tl.where(upd, start + tj, best_j)
-            best = tl.where(upd, tb, best)
-        if (cnt >= budget) & (best > MIN):
-            tl.store(vic_ptr + h * n + best_j, t.to(vic_ptr.dtype.element_ty))
-        tl.debug_barrier()
-
-
-def lshe_victims(dist, pos, victim, q_pos, budget: int, sinks: int, recent: int) -> None:
-    """LSH-E's victim choice (see torch_ops.lshe_victims): one program per KV head, looping over the
-    step's tokens in order and over the window in tiles; ``victim [H, n]`` updated in place."""
-    H, m, n = dist.shape
-    if m == 0 or n == 0:
-        return
-    vic = victim if victim.is_contiguous() else victim.contiguous()
-    _lshe_victims_kernel[(H,)](
-        dist.contiguous(),
-        pos.long().contiguous(),
-        vic,
-        q_pos.long().contiguous(),
-        m,
-        n,
-        int(budget),
-        int(sinks),
-        int(recent),
-        TILE_T=min(1024, triton.next_power_of_2(n)),
-    )
-    if vic is not victim:
-        victim.copy_(vic)
-
-
-@triton.jit
 def _lshe_ragged_kernel(
     qc_ptr,
     kc_ptr,
@@ -1312,37 +1261,6 @@ def _popcount64(x):
     x = x + (x >> 16)
     x = x + (x >> 32)
     return x & 0x7F
-
-
-@triton.jit
-def _hamming_kernel(q_ptr, k_ptr, out_ptr, m, n, G: tl.constexpr, TILE_M: tl.constexpr, TILE_N: tl.constexpr):
-    """torch_ops.hamming_distances: out[h, i, j] = sum_g popcount(q[h G + g, i] ^ k[h, j])."""
-    h = tl.program_id(0)
-    i = tl.program_id(1) * TILE_M + tl.arange(0, TILE_M)
-    j = tl.program_id(2) * TILE_N + tl.arange(0, TILE_N)
-    mi, mj = i < m, j < n
-    k = tl.load(k_ptr + h * n + j, mask=mj, other=0)
-    acc = tl.zeros([TILE_M, TILE_N], dtype=tl.int64)
-    for g in tl.range(0, G):
-        q = tl.load(q_ptr + (h * G + g) * m + i, mask=mi, other=0)
-        acc += _popcount64(q[:, None] ^ k[None, :])
-    out = (h * m + i[:, None]).to(tl.int64) * n + j[None, :]
-    tl.store(out_ptr + out, acc, mask=mi[:, None] & mj[None, :])
-
-
-def hamming_distances(q_codes, k_codes, G: int):
-    """``[H, m, n]`` int64: Hamming distances between packed codes, summed over each KV head's query
-    group (see torch_ops.hamming_distances)."""
-    Hq, m = q_codes.shape
-    H, n = k_codes.shape
-    out = torch.empty(H, m, n, dtype=torch.int64, device=k_codes.device)
-    if m == 0 or n == 0:
-        return out
-    TM, TN = 32, 64
-    _hamming_kernel[(H, triton.cdiv(m, TM), triton.cdiv(n, TN))](
-        q_codes.long().contiguous(), k_codes.long().contiguous(), out, m, n, G=G, TILE_M=TM, TILE_N=TN
-    )
-    return out
 
 
 @triton.jit

@@ -21,6 +21,7 @@ public code, which hashes the incoming key instead of the query.
 
 from __future__ import annotations
 
+from dataclasses import replace
 from functools import lru_cache
 from typing import Literal
 
@@ -28,7 +29,7 @@ import torch
 from pydantic import Field
 
 from vllm_kvevict.kernels import ops, torch_ops
-from vllm_kvevict.kernels.torch_ops import PagedKeys, dense_positions, ragged
+from vllm_kvevict.kernels.torch_ops import PagedKeys, Ragged, dense_positions, on_device, ragged
 from vllm_kvevict.policies.base import (
     MAX_SEED,
     MAX_TOKENS_PARAM,
@@ -65,7 +66,7 @@ def simhash(x: torch.Tensor, R: torch.Tensor) -> torch.Tensor:
     return ops.simhash_codes(x.reshape(-1, x.shape[-1]), R.to(x.device)).view(x.shape[:-1])
 
 
-#: tokens whose distances to the window are computed at once (bounds an [H_q, rows, n] tensor)
+#: tokens whose distances to the window are computed at once (bounds an [H, rows, n] tensor)
 ROW_CHUNK = 256
 
 
@@ -90,9 +91,11 @@ def lshe_victims_ragged(
     it holds ``budget[r]`` tokens."""
     pos, cq, ck = dense_positions(pos), ragged(cu_q).host, ragged(cu_k).host
     for r, b in enumerate(budget.tolist()):
-        rows, keys = slice(cq[r], cq[r + 1]), slice(ck[r], ck[r + 1])
-        dist = torch_ops.hamming_distances(q_codes[rows].T, k_codes[keys].T, G)
-        torch_ops.lshe_victims(dist, pos[keys].T, victim[keys].T, q_pos[rows], b, sinks, recent)
+        keys = slice(ck[r], ck[r + 1])
+        for c0 in range(cq[r], cq[r + 1], ROW_CHUNK):  # in order: a chunk sees the victims before it
+            rows = slice(c0, min(cq[r + 1], c0 + ROW_CHUNK))
+            dist = torch_ops.hamming_distances(q_codes[rows].T, k_codes[keys].T, G)
+            torch_ops.lshe_victims(dist, pos[keys].T, victim[keys].T, q_pos[rows], b, sinks, recent)
     return victim
 
 
@@ -102,23 +105,19 @@ class LSHE(Policy[LSHEParams]):
     needs = Needs(queries="step", state={CODE: (torch.int64, 0), VICTIM: (torch.int64, -1)}, decode=True)
 
     def observe(self, view: KVView) -> None:
-        p = self.params
-        R = _projection(p.seed, view.layer, p.bits, view.K.shape[-1])
-        code, victim = view.state[CODE], view.state[VICTIM]
-        Q, q_pos = view.queries()
+        """:meth:`observe_columns` of the view's one row."""
         if view.budget is None:
             raise ValueError("lshe chooses victims once the window holds its budget: view.budget is needed")
-        m, n = q_pos.shape[0], view.pos.shape[1]
-        # This step's tokens are the window's last m slots, in order; hash their keys.
-        code[:, n - m :] = simhash(view.K[:, n - m :], R)
-        G = view.G
-        for c0 in range(0, m, ROW_CHUNK):
-            c1 = min(m, c0 + ROW_CHUNK)
-            if p.hash == "query":  # sum over the group's query heads of d_H(h(q_t^g), h(k_j))
-                dist = ops.hamming_distances(simhash(Q[:, c0:c1], R), code, G)  # [H, rows, n]
-            else:  # d_H(h(k_t), h(k_j)), per KV head
-                dist = ops.hamming_distances(code[:, n - m + c0 : n - m + c1], code, 1)
-            ops.lshe_victims(dist, view.pos, victim, q_pos[c0:c1], view.budget, p.sink_tokens, p.recent_tokens)
+        Q, q_pos = view.queries()
+        dev, m = view.K.device, q_pos.shape[0]
+        cols = Columns.of_view(view, m)
+        cols = replace(cols, queries=Ragged.of([m], dev), budget=on_device([view.budget], dev))
+        state = {k: view.state[k].T.contiguous() for k in (CODE, VICTIM)}
+        x = Packed(None, view.pos.T, state, view.V.transpose(0, 1), K=view.K.transpose(0, 1), layer=view.layer)
+        x.Q, x.q_pos = Q.transpose(0, 1), q_pos.to(dev)
+        self.observe_columns(x, cols)
+        for k, t in state.items():
+            view.state[k].copy_(t.T)
 
     def observe_columns(self, x: Packed, cols: Columns) -> None:
         """:meth:`observe` of packed rows: every row's new keys hashed at once, its queries too, and
