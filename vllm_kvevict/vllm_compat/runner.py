@@ -21,7 +21,7 @@ import threading
 from collections.abc import Callable
 from dataclasses import dataclass
 
-from vllm_kvevict.vllm_compat.kv_cache import MESSAGES_ATTR
+from vllm_kvevict.vllm_compat import MESSAGES_ATTR
 from vllm_kvevict.vllm_compat.patching import wrap_method
 
 V2_RUNNER_ENV = "VLLM_USE_V2_MODEL_RUNNER"
@@ -61,7 +61,7 @@ def runner_model():
 
 def install_step_hook(on_messages: Callable[[list], None] | None = None) -> None:
     """Publish each step's rows (:class:`RunnerStep`) while the runner builds attention metadata;
-    hand the engine core's messages on each ``SchedulerOutput`` (``kv_cache.MESSAGES_ATTR``) to
+    hand the engine core's messages on each ``SchedulerOutput`` (``MESSAGES_ATTR``) to
     ``on_messages`` before the runner updates its requests from it.
 
     vLLM's ``CommonAttentionMetadata`` carries neither request ids nor prompt lengths; the V1 runner
