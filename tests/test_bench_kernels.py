@@ -7,6 +7,10 @@ script on a lent GPU (docs/benchmarks.md)."""
 from __future__ import annotations
 
 import json
+import os
+import subprocess
+import sys
+from pathlib import Path
 
 import pytest
 import torch
@@ -105,9 +109,32 @@ def test_run_writes_table_json_and_plot(tmp_path, capsys, monkeypatch):
         assert r["chunk_fraction"] == pytest.approx(r["chunk_evict_s"] / r["chunk_attn_s"])
         assert r["chunk_layer_s"] > r["chunk_attn_s"]  # the layer's GEMMs beside its attention
         assert r["layer_fraction"] == pytest.approx(r["chunk_evict_s"] / r["chunk_layer_s"])
+        assert r["step_s"] > 0 and r["step_layer_fraction"] == pytest.approx(r["step_s"] / r["chunk_layer_s"])
     assert report["shapes"]["hidden"] == 256 and report["shapes"]["intermediate"] == 512
     assert (tmp_path / "kernels.png").stat().st_size > 1000
-    assert "ev/layer" in capsys.readouterr().out
+    assert "step/layer" in capsys.readouterr().out
+
+
+@pytest.mark.parametrize("score", bench.SCORES)
+def test_engine_step_compacts_each_window_to_its_budget(monkeypatch, score):
+    """The step the benchmark times is the engine's: each request's window ``[n - budget - chunk,
+    n)`` ends up as ``budget`` tokens per KV head, right-aligned, positions from that window in
+    order; ``recall``: what each request drops handed to its tier, with its scores."""
+    monkeypatch.setenv("KVEVICT_KERNELS", "torch")
+    R, n, chunk, budget, bs, H = 3, 200, 64, 48, 16, 2
+    step = bench.engine_step(R, n, chunk, budget, score, 4, H, 32, bs, torch.float32, torch.device("cpu"))
+    plan, slot_pos = step.plan, step.slot_pos
+    for r in range(R):
+        i = torch.arange(n - budget, n)
+        got = slot_pos[plan.block_table[r][i // bs].long() * bs + i % bs].long()  # [budget, H]
+        assert ((got >= n - budget - chunk) & (got < n)).all()
+        assert (got[1:] > got[:-1]).all(), "kept in position order, each once"
+        if score == "snapkv":  # the observation window is always kept
+            assert (got[-32:] == torch.arange(n - 32, n)[:, None]).all()
+    if score == "recall":
+        assert sorted(step.evicted) == list(range(R)) and all(e[0].shape[0] == chunk for e in step.evicted.values())
+    else:
+        assert step.evicted is None
 
 
 def test_layer_gemms_are_the_layers_projections_and_mlp():
@@ -127,3 +154,27 @@ def test_ops_are_timed_per_implementation(tmp_path, capsys):
         assert set(row["ops"][where]) == set(ops)
         assert all(set(t) == {"torch"} and t["torch"] > 0 for t in row["ops"][where].values())
     assert "select_topk" in capsys.readouterr().out
+
+
+def test_the_gpu_machines_modules_run_without_vllm(tmp_path):
+    """The GPU machine has torch, Triton and nvcc but no vLLM (``scripts/gpu_check.sh``): the
+    benchmark and the kernel tests it runs import, and the benchmark runs, with every ``vllm``
+    import refused."""
+    code = f"""
+import sys
+class NoVLLM:
+    def find_spec(self, name, path=None, target=None):
+        if name == "vllm" or name.startswith("vllm."):
+            raise ImportError("no vLLM on this machine: " + name)
+sys.meta_path.insert(0, NoVLLM())
+import tests.test_kernels_batched, tests.test_kernels_policy, tests.test_csrc, tests.test_recall
+import tests.test_evict_step
+from vllm_kvevict.bench import kernels
+args = "--device cpu --requests 2 --contexts 128 --chunk 32 --q-heads 4 --kv-heads 2 --head-dim 32 --hidden 64"
+sys.exit(kernels.main([*args.split(), "--intermediate", "128", "--reps", "1", "--score", "recall", "--out", {str(tmp_path)!r}]))
+"""
+    root = Path(__file__).resolve().parents[1]
+    env = {**os.environ, "KVEVICT_KERNELS": "torch", "PYTHONPATH": str(root)}
+    out = subprocess.run([sys.executable, "-c", code], cwd=root, env=env, capture_output=True, text=True, timeout=600)
+    assert out.returncode == 0, out.stderr[-3000:]
+    assert json.loads((tmp_path / "kernels.json").read_text())["rows"][0]["step_s"] > 0
