@@ -316,14 +316,22 @@ def test_kvmerger_observe_accumulates_and_pivots(G):
                 assert kept[h, i] == max(S, key=lambda j: float(a[h, j]))
 
 
+@pytest.mark.parametrize("chunk_bytes", [None, 8 * 16 * 70])
 @pytest.mark.parametrize("threshold", [0.75, 0.0])
-def test_kvmerger_rows_merged_together_equal_each_alone(threshold):
+def test_kvmerger_rows_merged_together_equal_each_alone(monkeypatch, threshold, chunk_bytes):
     """``merge_columns`` over the packed tokens of several rows (ragged, compacted positions that
     differ by head, each its own length and keep, one that keeps nothing of what it may merge)
     equals each row's ``merge`` alone: the same kept slots and the same merged K/V, bit for bit (each
-    set's sum its own). No recent tokens: a row's last may link to nothing."""
+    set's sum its own). No recent tokens: a row's last may link to nothing. ``chunk_bytes``: the
+    rows merged at most 70 tokens at a time (rows 0-1, 2, 3-4), one head at a time."""
     from vllm_kvevict.kernels.torch_ops import Ragged, on_device
+    from vllm_kvevict.policies import kvmerger
     from vllm_kvevict.policies.base import Columns, Packed
+
+    calls, merge_heads = [], kvmerger._merge_heads
+    monkeypatch.setattr(kvmerger, "_merge_heads", lambda K, *a: calls.append(K.shape[:2]) or merge_heads(K, *a))
+    if chunk_bytes:
+        monkeypatch.setattr(kvmerger, "MERGE_CHUNK_BYTES", chunk_bytes)
 
     pol = make_policy("kvmerger", threshold=threshold, sigma=2.0, recent_ratio=0.17 if threshold else 0.0)
     g = torch.Generator().manual_seed(5)
@@ -355,6 +363,8 @@ def test_kvmerger_rows_merged_together_equal_each_alone(threshold):
         K=cat(lambda v: v.K.transpose(0, 1)),
     )
     score, Km, Vm = pol.merge_columns(x, cols)
+    want = [(41, 1)] * 3 + [(64, 1)] * 3 + [(58, 1)] * 3 if chunk_bytes else [(sum(lens), 3)]
+    assert [tuple(c) for c in calls] == want
     for r, (view, keep) in enumerate(views):
         sl = slice(cu.host[r], cu.host[r + 1])
         kept, merged = pol.merge(view, keep)

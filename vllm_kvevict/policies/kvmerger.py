@@ -33,14 +33,15 @@ from typing import Literal
 import torch
 from pydantic import Field
 
-from vllm_kvevict.kernels.torch_ops import PagedKeys, dense_positions, on_device
+from vllm_kvevict.kernels.torch_ops import PagedKeys, Ragged, dense_positions, on_device
 from vllm_kvevict.policies.base import Columns, KVView, Merge, Packed, Policy, PolicyParams
 from vllm_kvevict.policies.h2o import H2O, h2o_observe, h2o_observe_columns
 from vllm_kvevict.policies.h2o import STATE as H2O_STATE
 
-#: The float64 set sums of a merge cover this many bytes at most: the heads are merged a few
-#: at a time where the step's tokens are many (every prompt of a step ending at once).
-MERGE_CHUNK_BYTES = 1 << 28
+#: The float64 set sums of one merge call cover this many bytes at most (its other transients a
+#: few times that): the rows and heads are merged a few at a time where a step's tokens are many
+#: (prompts ending together), a row longer than that one head at a time.
+MERGE_CHUNK_BYTES = 1 << 26
 
 
 class KVMergerParams(PolicyParams):
@@ -64,12 +65,19 @@ class KVMerger(Policy[KVMergerParams]):
         h2o_observe_columns(x.A, x.state[H2O_STATE], cols.G)
 
     def merge_columns(self, x: Packed, cols: Columns) -> Merge:
-        """Every row's sets, the heads a few at a time (the float64 sums within
-        :data:`MERGE_CHUNK_BYTES`), in shapes fixed by the packed tokens: nothing read back. A
-        row's merge does not depend on the rows that share the call (its sums are its sets')."""
+        """Every row's sets, in shapes fixed by the packed tokens: nothing read back. The rows and
+        heads are merged a few at a time, so a merge's float64 sums stay within
+        :data:`MERGE_CHUNK_BYTES` however many prompts end in the step; a row's merge does not
+        depend on the rows beside it (its sums are its sets')."""
         assert x.K is not None, "a merging policy reads the keys"
         K, V = _tokens(x.K, x.tok), _tokens(x.V, x.tok)
         a, pos = x.state[H2O_STATE].float(), dense_positions(x.pos)
+        parts = [self._merge_rows(K[sl], V[sl], a[sl], pos[sl], sub) for sl, sub in _row_batches(cols, K.shape[-1])]
+        score, Km, Vm = _joined(parts, 0)
+        return Merge(score, Km.to(K.dtype), Vm.to(V.dtype))
+
+    def _merge_rows(self, K, V, a, pos, cols: Columns) -> Merge:
+        """Some consecutive rows' sets (``cols``: those rows), their heads a few at a time."""
         prot, links = self.protected(pos, a, cols), self._links(cols)
         N, H, d = K.shape
         step = max(1, MERGE_CHUNK_BYTES // max(1, 8 * N * d))
@@ -79,8 +87,7 @@ class KVMerger(Policy[KVMergerParams]):
             parts.append(
                 _merge_heads(K[:, hs].float(), V[:, hs].float(), a[:, hs], prot[:, hs], cols, links, self.params)
             )
-        score, Km, Vm = (torch.cat(p, dim=1) for p in zip(*parts))
-        return Merge(score, Km.to(K.dtype), Vm.to(V.dtype))
+        return _joined(parts, 1)
 
     def protected(self, pos: torch.Tensor, a: torch.Tensor, cols: Columns) -> torch.Tensor:
         """``[N, H]`` mask: each row's recent tokens and heavy hitters (ties to the newer), their
@@ -135,6 +142,33 @@ def _merge_heads(K, V, a, prot, cols: Columns, n_links: torch.Tensor, p: KVMerge
         Vm *= size[..., None].float()
     score = torch.where(pivot == idx, a.masked_fill(prot, float("inf")), float("-inf"))
     return Merge(score, _rows(Km, sid), _rows(Vm, sid))
+
+
+def _joined(parts: list[Merge], dim: int) -> Merge:
+    """The parts' merges joined along ``dim`` (a single part as it is: nothing copied)."""
+    return parts[0] if len(parts) == 1 else Merge(*(torch.cat(p, dim=dim) for p in zip(*parts)))
+
+
+def _row_batches(cols: Columns, d: int) -> list[tuple[slice, Columns]]:
+    """Consecutive rows of ``cols`` in batches of at most ``MERGE_CHUNK_BYTES / 8 d`` tokens (a
+    longer row alone): each batch's packed tokens and its rows (made on the host)."""
+    cap, lens, cu = max(1, MERGE_CHUNK_BYTES // (8 * d)), cols.ragged.lengths, cols.ragged.host
+    bounds, start = [], 0
+    for r in range(1, len(lens) + 1):
+        if r == len(lens) or cu[r + 1] - cu[start] > cap:
+            bounds.append((start, r))
+            start = r
+    if bounds == [(0, len(lens))]:
+        return [(slice(None), cols)]
+    return [(slice(cu[a], cu[b]), _rows_of(cols, a, b)) for a, b in bounds]
+
+
+def _rows_of(cols: Columns, a: int, b: int) -> Columns:
+    """Rows ``[a, b)`` of ``cols``, their tokens renumbered from 0."""
+    cu = cols.ragged.host
+    ragged = Ragged.of(cols.ragged.lengths[a:b], cols.L.device)
+    row = cols.row[cu[a] : cu[b]] - a
+    return Columns(row, cols.L[a:b], cols.m[a:b], cols.G, ragged, cols.lens[a:b], cols.keep[a:b])
 
 
 def _row_ranks(score: torch.Tensor, tie: torch.Tensor, cols: Columns) -> torch.Tensor:
