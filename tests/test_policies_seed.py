@@ -320,10 +320,11 @@ def test_kvmerger_observe_accumulates_and_pivots(G):
 @pytest.mark.parametrize("threshold", [0.75, 0.0])
 def test_kvmerger_rows_merged_together_equal_each_alone(monkeypatch, threshold, chunk_bytes):
     """``merge_columns`` over the packed tokens of several rows (ragged, compacted positions that
-    differ by head, each its own length and keep, one that keeps nothing of what it may merge)
+    differ by head, each its own length and keep, one that keeps nothing of what it may merge, one
+    that does not compact)
     equals each row's ``merge`` alone: the same kept slots and the same merged K/V, bit for bit (each
     set's sum its own). No recent tokens: a row's last may link to nothing. ``chunk_bytes``: the
-    rows merged at most 70 tokens at a time (rows 0-1, 2, 3-4), one head at a time."""
+    rows merged at most 70 tokens at a time (rows 0-1, 2, 4-5), one head at a time."""
     from vllm_kvevict.kernels.torch_ops import Ragged, on_device
     from vllm_kvevict.policies import kvmerger
     from vllm_kvevict.policies.base import Columns, Packed
@@ -335,7 +336,8 @@ def test_kvmerger_rows_merged_together_equal_each_alone(monkeypatch, threshold, 
 
     pol = make_policy("kvmerger", threshold=threshold, sigma=2.0, recent_ratio=0.17 if threshold else 0.0)
     g = torch.Generator().manual_seed(5)
-    H, d, shape = 3, 16, [(40, 55, 17), (1, 1, 1), (64, 64, 20), (25, 90, 24), (33, 40, 32)]  # (n, L, keep)
+    shape = [(40, 55, 17), (1, 1, 1), (64, 64, 20), (30, 30, 0), (25, 90, 24), (33, 40, 32)]  # (n, L, keep)
+    H, d = 3, 16
     views = []
     for r, (n, L, keep) in enumerate(shape):
         pos = torch.stack([torch.sort(torch.randperm(L - 1, generator=g)[: n - 1]).values for _ in range(H)])
@@ -363,10 +365,13 @@ def test_kvmerger_rows_merged_together_equal_each_alone(monkeypatch, threshold, 
         K=cat(lambda v: v.K.transpose(0, 1)),
     )
     score, Km, Vm = pol.merge_columns(x, cols)
-    want = [(41, 1)] * 3 + [(64, 1)] * 3 + [(58, 1)] * 3 if chunk_bytes else [(sum(lens), 3)]
+    want = [(41, 1)] * 3 + [(64, 1)] * 3 + [(58, 1)] * 3 if chunk_bytes else [(105, 3), (58, 3)]
     assert [tuple(c) for c in calls] == want
     for r, (view, keep) in enumerate(views):
         sl = slice(cu.host[r], cu.host[r + 1])
+        if keep == 0:  # a row that does not compact: not merged, nothing of it kept
+            assert (score[sl] == float("-inf")).all() and torch.equal(Km[sl], view.K.transpose(0, 1)), r
+            continue
         kept, merged = pol.merge(view, keep)
         assert torch.equal(topk_newer(score[sl].T, keep, view.pos), kept), r
         if merged is None:

@@ -65,14 +65,20 @@ class KVMerger(Policy[KVMergerParams]):
         h2o_observe_columns(x.A, x.state[H2O_STATE], cols.G)
 
     def merge_columns(self, x: Packed, cols: Columns) -> Merge:
-        """Every row's sets, in shapes fixed by the packed tokens: nothing read back. The rows and
-        heads are merged a few at a time, so a merge's float64 sums stay within
+        """Every compacting row's sets, in shapes fixed by the packed tokens: nothing read back. The
+        rows and heads are merged a few at a time, so a merge's float64 sums stay within
         :data:`MERGE_CHUNK_BYTES` however many prompts end in the step; a row's merge does not
-        depend on the rows beside it (its sums are its sets')."""
+        depend on the rows beside it (its sums are its sets'). A row that does not compact in the
+        step (``keep`` 0) is not merged: every token ``-inf``, its K/V as they are."""
         assert x.K is not None, "a merging policy reads the keys"
         K, V = _tokens(x.K, x.tok), _tokens(x.V, x.tok)
         a, pos = x.state[H2O_STATE].float(), dense_positions(x.pos)
-        parts = [self._merge_rows(K[sl], V[sl], a[sl], pos[sl], sub) for sl, sub in _row_batches(cols, K.shape[-1])]
+        parts = []
+        for sl, sub in _row_batches(cols, K.shape[-1]):
+            if sub is None:  # rows that do not compact in this step: nothing merged, never kept
+                parts.append(Merge(torch.full_like(a[sl], float("-inf")), K[sl].float(), V[sl].float()))
+            else:
+                parts.append(self._merge_rows(K[sl], V[sl], a[sl], pos[sl], sub))
         score, Km, Vm = _joined(parts, 0)
         return Merge(score, Km.to(K.dtype), Vm.to(V.dtype))
 
@@ -149,18 +155,19 @@ def _joined(parts: list[Merge], dim: int) -> Merge:
     return parts[0] if len(parts) == 1 else Merge(*(torch.cat(p, dim=dim) for p in zip(*parts)))
 
 
-def _row_batches(cols: Columns, d: int) -> list[tuple[slice, Columns]]:
+def _row_batches(cols: Columns, d: int) -> list[tuple[slice, Columns | None]]:
     """Consecutive rows of ``cols`` in batches of at most ``MERGE_CHUNK_BYTES / 8 d`` tokens (a
-    longer row alone): each batch's packed tokens and its rows (made on the host)."""
-    cap, lens, cu = max(1, MERGE_CHUNK_BYTES // (8 * d)), cols.ragged.lengths, cols.ragged.host
+    longer row alone), each batch's packed tokens and its rows (made on the host); the rows that
+    do not compact (``keep`` 0) in batches of their own, with no rows (None): nothing to merge."""
+    cap, keep, cu = max(1, MERGE_CHUNK_BYTES // (8 * d)), cols.keep, cols.ragged.host
     bounds, start = [], 0
-    for r in range(1, len(lens) + 1):
-        if r == len(lens) or cu[r + 1] - cu[start] > cap:
+    for r in range(1, len(keep) + 1):
+        if r == len(keep) or (keep[r] > 0) != (keep[start] > 0) or (keep[r] and cu[r + 1] - cu[start] > cap):
             bounds.append((start, r))
             start = r
-    if bounds == [(0, len(lens))]:
+    if bounds == [(0, len(keep))] and keep[0]:
         return [(slice(None), cols)]
-    return [(slice(cu[a], cu[b]), _rows_of(cols, a, b)) for a, b in bounds]
+    return [(slice(cu[a], cu[b]), _rows_of(cols, a, b) if keep[a] else None) for a, b in bounds]
 
 
 def _rows_of(cols: Columns, a: int, b: int) -> Columns:
