@@ -140,6 +140,29 @@ def test_injection_is_off_by_default(monkeypatch):
         POLICIES.update(before)
 
 
+def test_injection_reaches_a_merging_policy(monkeypatch):
+    """A merging policy fails where it merges: one request alone (``merge``) and the step's
+    requests together (``merge_columns``)."""
+    from tests.policy_reference import build
+    from vllm_kvevict.policies import POLICIES
+    from vllm_kvevict.policies.base import Columns, Packed
+
+    before = dict(POLICIES)
+    monkeypatch.setenv(hooks.TEST_FAULT_ENV, "kvmerger")
+    try:
+        hooks.install()
+        pol = POLICIES["kvmerger"]()
+        view, _ = build(pol, H=2, G=1, n=20, d=8)
+        view.state["h2o"] = torch.rand(2, 20)
+        with pytest.raises(hooks.InjectedFault):
+            pol.evict(view, 10)
+        x = Packed(None, view.pos.T, {"h2o": view.state["h2o"].T}, view.V.transpose(0, 1), K=view.K.transpose(0, 1))
+        with pytest.raises(hooks.InjectedFault):
+            pol.merge_columns(x, Columns.of_view(view, 0))
+    finally:
+        POLICIES.update(before)
+
+
 def test_hold_waits_on_a_moved_window_until_the_file_goes(monkeypatch, tmp_path):
     """KVEVICT_TEST_HOLD (what tests/engine use to disconnect a client mid-prefill): a step whose
     window has moved waits while ``hold`` exists, after creating ``held``; other steps never wait."""

@@ -145,10 +145,9 @@ def faulty_class(cls: type[Policy], names: frozenset[str]) -> type[Policy]:
         methods = {
             "score": failing("score"),
             "observe": failing("observe"),
-            **({"merge": failing("merge")} if cls.merge is not Policy.merge else {}),
             **{
                 m: failing(m)
-                for m in ("score_ragged", "score_paged", "score_columns", "observe_columns")
+                for m in ("score_ragged", "score_paged", "score_columns", "observe_columns", "merge", "merge_columns")
                 if getattr(cls, m) is not getattr(Policy, m)
             },
         }
