@@ -76,15 +76,18 @@ class KVMerger(Policy[KVMergerParams]):
         parts = []
         for sl, sub in _row_batches(cols, K.shape[-1]):
             if sub is None:  # rows that do not compact in this step: nothing merged, never kept
-                parts.append(Merge(torch.full_like(a[sl], float("-inf")), K[sl].float(), V[sl].float()))
+                parts.append(Merge(torch.full_like(a[sl], float("-inf")), K[sl], V[sl]))
             else:
-                parts.append(self._merge_rows(K[sl], V[sl], a[sl], pos[sl], sub))
-        score, Km, Vm = _joined(parts, 0)
-        return Merge(score, Km.to(K.dtype), Vm.to(V.dtype))
+                score, Km, Vm = self._merge_rows(K[sl], V[sl], a[sl], pos[sl], sub)
+                parts.append(Merge(score, Km.to(K.dtype), Vm.to(V.dtype)))
+        return _joined(parts, 0)
 
     def _merge_rows(self, K, V, a, pos, cols: Columns) -> Merge:
-        """Some consecutive rows' sets (``cols``: those rows), their heads a few at a time."""
-        prot, links = self.protected(pos, a, cols), self._links(cols)
+        """Some consecutive rows' sets (``cols``: those rows), their heads a few at a time; the
+        recent tokens and the heavy hitters (ties to the newer) protected."""
+        n_recent, n_heavy, links = self._row_counts(cols)
+        recent = pos >= cols.L[cols.row, None] - n_recent
+        prot = recent | (_row_ranks(a.masked_fill(recent, float("-inf")), pos, cols) < n_heavy)
         N, H, d = K.shape
         step = max(1, MERGE_CHUNK_BYTES // max(1, 8 * N * d))
         parts = []
@@ -95,15 +98,13 @@ class KVMerger(Policy[KVMergerParams]):
             )
         return _joined(parts, 1)
 
-    def protected(self, pos: torch.Tensor, a: torch.Tensor, cols: Columns) -> torch.Tensor:
-        """``[N, H]`` mask: each row's recent tokens and heavy hitters (ties to the newer), their
-        counts made on the host from the row's length and keep."""
-        counts = [self._protected_counts(n, k) for n, k in zip(cols.ragged.lengths, cols.keep)]
-        per_row = on_device([c[0] for c in counts] + [c[1] for c in counts], pos.device).view(2, -1)
-        n_recent, n_heavy = per_row[:, cols.row, None]
-        recent = pos >= cols.L[cols.row, None] - n_recent
-        heavy = _row_ranks(a.masked_fill(recent, float("-inf")), pos, cols) < n_heavy
-        return recent | heavy
+    def _row_counts(self, cols: Columns) -> torch.Tensor:
+        """``[3, N, 1]``: each token's row's counts of protected recent tokens and heavy hitters and
+        of links that may merge (``n - keep``), made on the host from the rows' lengths and kept
+        counts and copied in one."""
+        counts = [(*self._protected_counts(n, k), n - k) for n, k in zip(cols.ragged.lengths, cols.keep)]
+        per_row = on_device([c[i] for i in range(3) for c in counts], cols.L.device).view(3, -1)
+        return per_row[:, cols.row, None]
 
     def _protected_counts(self, n: int, keep: int) -> tuple[int, int]:
         """``(recent, heavy)`` of a row of ``n`` tokens that keeps ``keep``: both shrink in
@@ -114,10 +115,6 @@ class KVMerger(Policy[KVMergerParams]):
             shrink = keep / (n_recent + n_heavy)
             n_recent, n_heavy = int(n_recent * shrink), int(n_heavy * shrink)
         return n_recent, n_heavy
-
-    def _links(self, cols: Columns) -> torch.Tensor:
-        """``[N, 1]``: how many links may merge in each token's row (``n - keep``)."""
-        return on_device([n - k for n, k in zip(cols.ragged.lengths, cols.keep)], cols.L.device)[cols.row, None]
 
 
 def _merge_heads(K, V, a, prot, cols: Columns, n_links: torch.Tensor, p: KVMergerParams) -> Merge:
