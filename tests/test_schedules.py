@@ -12,7 +12,10 @@ its attempt had evicted nothing, a label of its own otherwise. Then, at every st
 * every slot a request reads (its window ``[E_prev, L_prev)``, a prefix-cache hit included) holds
   exactly what that request wrote there, or, for a hit, the pure KV of its own tokens;
 * every block in vLLM's prefix cache holds the pure KV of the tokens its hash names, once the step
-  that computes it has run, and no step after the one it was hashed in writes it.
+  that computes it has run, and no step after the one it was hashed in writes it;
+* once a step is scheduled, every block in use is held by the requests whose block lists name it
+  (a copy made aside is already back in the pool's LRU, cached) but, under asynchronous
+  scheduling, the copies whose content the core has yet to see computed.
 
 Random mixes (hypothesis): prompts that share documents or continue earlier conversations
 (prompt and generated tokens), one-token requests, EOS, aborts at any point, a pool small enough
@@ -504,6 +507,27 @@ class StandInWorker:
         the core would have had to learn from the workers' aftermath it has not seen."""
         return bool(self.compacted_in.get(rid)) and rid not in self.seen_by_core
 
+    def check_holds(self, kv_cache_manager, async_scheduling: bool) -> None:
+        """Every block's references are its holders': the requests whose block lists name it and
+        the plugin's managers for the copies they hold aside, which only asynchronous scheduling
+        leaves held past the step's scheduling (the core has not seen their content computed)."""
+        held: dict[int, int] = {}
+        for m in kv_cache_manager.coordinator.single_type_managers:
+            aside = [
+                blk
+                for att in getattr(m, "_attempts", {}).values()
+                for blk in [*(s[-1] for s in att.saves), *(b for c in att.window_copies.values() for b in c)]
+            ]
+            if aside and not async_scheduling:
+                self._fail(f"{len(aside)} copies held aside once the next step is scheduled")
+            for blk in [*aside, *(b for blocks in m.req_to_blocks.values() for b in blocks)]:
+                held[blk.block_id] = held.get(blk.block_id, 0) + (not blk.is_null)
+        for blk in kv_cache_manager.block_pool.blocks:
+            if not blk.is_null and blk.ref_cnt != held.get(blk.block_id, 0):
+                n = held.get(blk.block_id, 0)
+                self._fail(f"the next step scheduled, block {blk.block_id} has {blk.ref_cnt} references, {n} holders")
+                return
+
     def check_cache(self, pool, digests_of_hash: dict, stamp_step: int) -> None:
         """Every hashed block holds the pure KV its hash names, once its step has run. A hash seen
         for the first time is stamped with ``stamp_step``, the step it was hashed for (vLLM hashes
@@ -786,6 +810,7 @@ def run_mix(make_config, mix: Mix) -> StandInWorker:
                 if worker.compacted_unseen(rid):
                     worker.paths.add("preempted before the core saw it compact")
             worker.allocated(out)
+            worker.check_holds(sched.kv_cache_manager, mix.async_scheduling)
             worker.check_cache(sched.kv_cache_manager.block_pool, digests, worker.step_seq + 1)
             result = worker.execute(out, set())
             worker.check_cache(sched.kv_cache_manager.block_pool, digests, worker.step_seq)

@@ -74,15 +74,17 @@ class _Attempt:
     windows: list[int] = field(default_factory=list)
     #: tokens up to which the blocks computed after compaction points (tails) have been cached
     tails_done: int = 0
-    #: copies of blocks a compaction (or recall) in a scheduled step rewrites, waiting for that
-    #: step to run: ``(tokens after it, the point they follow, first token of the block, the
-    #: copy)`` (the manager holds one reference to each copy)
+    #: copies of blocks a compaction (or recall) in a scheduled step rewrites, waiting for the
+    #: core to see their blocks processed (at once when it has): ``(tokens processed by then, the
+    #: point they follow, first token of the block, the copy)`` (the manager holds one reference
+    #: to each copy)
     saves: list[tuple[int, int, int, KVCacheBlock]] = field(default_factory=list)
     #: a waiting request has waited for this one's windows (:meth:`KVEvictManager.waits_for_window`):
     #: its compactions copy aside the blocks they rewrite (nobody else is known to want them)
     awaited: bool = False
     #: recall: the copies of the window at each compaction point, made before the next step (the
-    #: step completing the prompt rewrites the window in place), cached once its step has run
+    #: step completing the prompt rewrites the window in place), cached once the core has seen
+    #: the point's step run (at once when it has)
     window_copies: dict[int, list[KVCacheBlock]] = field(default_factory=dict)
 
 
@@ -107,6 +109,8 @@ class KVEvictManager(FullAttentionManager):
         #: ids of the blocks hashed as pure in the step being scheduled (perhaps computed in it: no
         #: copy, which runs before the step, may read them)
         self._fresh: set[int] = set()
+        #: requests that made copies aside in the step being scheduled: the tokens they had processed
+        self._settle: dict[str, int] = {}
         #: requests that evict: request id -> (blocks held, window bound), for the gauges
         self._windows: dict[str, tuple[int, int]] = {}
         self.window_cache = WindowCache(
@@ -156,7 +160,10 @@ class KVEvictManager(FullAttentionManager):
         """With recall, the step completing the prompt re-selects the window before it in place, so
         that window is cached as a copy, never as the request's own blocks: copied aside before
         the step after its point (``start`` tokens), before that step's forward (no copy when the
-        pool has no room to spare: that window is not cached)."""
+        pool has no room to spare: that window is not cached). Cached, and so back in the pool's
+        LRU, as that step's scheduling ends when the core has seen the point's step run
+        (:meth:`take_pending_cow_copies`): a copy is not held beside the window it copies while
+        the step runs."""
         bs, window = self.block_size, st.settings.window
         blocks = self.req_to_blocks.get(request.request_id, [])
         for b in att.windows:
@@ -291,6 +298,13 @@ class KVEvictManager(FullAttentionManager):
         if self._caches_windows(st):
             self._copy_windows(request, st, att, start)
             self._save_prompt_tail(request, st.settings, att, start, num_tokens)
+        self._compacts(request, st, att, start, num_tokens)
+        if att.window_copies or att.saves:  # cached as the scheduling of this step ends
+            self._settle[rid] = vllm_kv_cache.processed_tokens(request)
+
+    def _compacts(self, request, st: RequestState, att: _Attempt, start: int, num_tokens: int) -> None:
+        """The step just scheduled (``[start, num_tokens)``) compacts when its ``E`` exceeds the last
+        scheduled step's: the fence, the window it caches and the copies at its point."""
         e = evicted_tokens(num_tokens, request.num_prompt_tokens, st.settings.window)
         if e <= att.scheduled_e:
             return
@@ -362,13 +376,14 @@ class KVEvictManager(FullAttentionManager):
         rewrites: ``[E(p), min(start, hit_end(p)))`` (the scheduler ends the step before at
         ``hit_end`` when it expects the copies: ``window.step_limit``, :meth:`step_tokens`),
         computed in earlier steps, the workers copying them before this step's forward. Each copy
-        is cached once the step has run (:meth:`_cache_windows`) as a tail of the window before
+        is cached once the core has seen the step that computed its block (:meth:`_cache_saves`:
+        at once when that step has run) as a tail of the window before
         ``p`` (a pure block before the first compaction), so a later request with this prefix
         starts past them. Only when :meth:`_copies_at` says so."""
         if not self._copies_at(request, settings, att, p):
             return
         e = evicted_tokens(p, request.num_prompt_tokens, settings.window)
-        self._copy_aside(request, settings, att, p - settings.window.step, e, min(start, settings.hit_end(p)), p)
+        self._copy_aside(request, settings, att, p - settings.window.step, e, min(start, settings.hit_end(p)))
 
     def _copies_at(self, request, settings: RequestSettings, att: _Attempt | None, p: int) -> bool:
         """Whether the request copies aside what its compaction at ``p`` rewrites. Not unless the
@@ -406,19 +421,19 @@ class KVEvictManager(FullAttentionManager):
         """With recall, when the step just scheduled (``[start, end)``) completes the prompt, which
         re-selects the window and its tail in place: copy aside the blocks computed after the last
         point ``b`` in earlier steps (``window.prompt_tail``: ``step_limit`` ends the step before
-        there), cached once this step has run as the tail of the window at ``b``. The next turn of
+        there), cached as the tail of the window at ``b`` (:meth:`_cache_saves`). The next turn of
         a chat, whose prompt repeats this one's, starts on them."""
         prompt = request.num_prompt_tokens
         if not (self.copies and settings.shares_tails and settings.recall.enabled and start < prompt <= end):
             return
         tail = prompt_tail(prompt, settings.window, settings.recall.window)
         if tail is not None:
-            self._copy_aside(request, settings, att, tail[0], tail[0], start, end)
+            self._copy_aside(request, settings, att, tail[0], tail[0], start)
 
-    def _copy_aside(self, request, settings: RequestSettings, att: _Attempt, b: int, lo: int, hi: int, ready: int):
+    def _copy_aside(self, request, settings: RequestSettings, att: _Attempt, b: int, lo: int, hi: int):
         """Copy aside the request's whole blocks in ``[lo, hi)``, computed after point ``b`` in
-        steps before the one just scheduled, which rewrites them; cached once the step reaching
-        ``ready`` tokens has run (:meth:`_cache_saves`). Blocks whose key is cached already (what
+        steps before the one just scheduled, which rewrites them; each cached once the core has
+        seen the step that computed its block (:meth:`_cache_saves`). Blocks whose key is cached already (what
         the request itself started on) are not copied; nothing is when the pool has no room to
         spare."""
         bs, pool = self.block_size, self.block_pool
@@ -435,11 +450,14 @@ class KVEvictManager(FullAttentionManager):
         if not todo or not self._room_to_copy(len(todo)):
             return
         for i, blk in todo:
-            att.saves.append((ready, b, i, vllm_kv_cache.copy_aside(self, blk)))
+            att.saves.append((i + bs, b, i, vllm_kv_cache.copy_aside(self, blk)))
 
     def _cache_saves(self, request, settings: RequestSettings, att: _Attempt, processed: int) -> None:
-        """Cache the copies whose step has run (``processed`` tokens) and let go of them: the pool's
-        LRU evicts them as any cached block. (The attempt's end lets go of the others uncached.)"""
+        """Cache the copies whose blocks' tokens the core has seen processed (``processed``) and
+        let go of them: the pool's LRU evicts them as any cached block. Their content is final: the
+        workers copy before the forward of the step that rewrites the originals, and a request
+        that hits one reads it in a later step (:meth:`take_pending_cow_copies`). (The attempt's
+        end lets go of the others uncached.)"""
         ready = [s for s in att.saves if s[0] <= processed]
         if not ready:
             return
@@ -451,8 +469,16 @@ class KVEvictManager(FullAttentionManager):
         self.block_pool.free_blocks([blk for *_, blk in ready])
 
     def take_pending_cow_copies(self):
-        """vLLM drains the step's copies once it has scheduled everything: a new step begins."""
+        """vLLM drains the step's copies once it has scheduled everything: a new step begins. The
+        copies made aside in it whose content the core has seen computed are cached now (in the
+        pool's LRU once the scheduler lets go of them), not when the step has run: no request
+        scheduled in this step hit them (nothing copies a block being copied), and any later one
+        reads them after the workers have copied them."""
         self._fresh.clear()
+        for rid, processed in self._settle.items():
+            if (att := self._attempts.get(rid)) is not None:
+                self._cache_windows(rid, att, processed)
+        self._settle.clear()
         return super().take_pending_cow_copies()
 
     def pop_blocks_for_free(self, request_id: str):
