@@ -27,7 +27,7 @@ from tests.step_driver import Driver, Request
 
 #: allocations: no kernel runs
 FREE = {"aten.empty.memory_format", "aten.empty_like.default", "aten.empty_strided.default"}
-#: launches per layer as measured for 4 requests (docs/kernels.md says where they go): the bound a
+#: launches per layer as measured for 4 requests (Triton: 3, flat) (docs/kernels.md says where they go): the bound a
 #: change must not raise. KeyDiff's 6 with Triton: the step's positions recorded, its two scoring passes, the
 #: selection, the kept tokens copied out and written back; K-norm scores (protection included) in one.
 BOUND = {
@@ -148,12 +148,15 @@ def _per_layer(kernels: str, policy: str, n: int, active: list) -> collections.C
     "policy", ["keydiff", "knorm", "tova", "snapkv", "h2o", "caote", "criticalkv", "lshe", "kvmerger", "keydiff+recall"]
 )
 def test_launches_per_layer_do_not_grow_with_requests(monkeypatch, triton_launches, kernels, policy):
-    """Flat in the requests (as measured where not: :data:`PER_REQUEST`), and bounded for 4."""
+    """Flat in the requests (as measured where not: :data:`PER_REQUEST`), and bounded for 4 (for
+    3 with Triton: the interpreter's time grows with every program a launch runs; one request
+    alone is no measure, a single row skips a concatenation)."""
     if kernels == "triton" and not torch.cuda.is_available() and os.environ.get("TRITON_INTERPRET") != "1":
         pytest.skip("no GPU and TRITON_INTERPRET unset when Triton was imported")
     monkeypatch.setenv("KVEVICT_KERNELS", kernels)
-    few, many = (_per_layer(kernels, policy, n, triton_launches) for n in (2, 4))
+    a, b = (2, 3) if kernels == "triton" else (2, 4)
+    few, many = (_per_layer(kernels, policy, n, triton_launches) for n in (a, b))
     grown = sum(many.values()) - sum(few.values())
-    assert grown <= 2 * PER_REQUEST.get((kernels, policy), 0), f"launches grow: {sorted((many - few).items())}"
+    assert grown <= (b - a) * PER_REQUEST.get((kernels, policy), 0), f"launches grow: {sorted((many - few).items())}"
     total = sum(many.values())
     assert total <= BOUND[kernels, policy], f"{total} launches per layer: {sorted(many.items())}"
