@@ -216,7 +216,8 @@ class _Base(BaseModel):
         description="when a compaction copies aside the cached blocks it rewrites (so a later request whose "
         "prefix ends between two compaction points starts past the window): shared: only while a request "
         "waits for this one's windows (a document arriving together); always: at every compaction point "
-        "(a document sent again later), the copies held beside the window at its fullest",
+        "(a document sent again later), each copy a block taken beside the window at its fullest while its step "
+        "is scheduled, then a cached block",
     )
 
     @field_validator("recall", mode="before")

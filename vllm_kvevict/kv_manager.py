@@ -388,7 +388,9 @@ class KVEvictManager(FullAttentionManager):
     def _copies_at(self, request, settings: RequestSettings, att: _Attempt | None, p: int) -> bool:
         """Whether the request copies aside what its compaction at ``p`` rewrites. Not unless the
         configuration says ``copy_rewritten: always`` or a request has waited for this one's
-        windows (``awaited``): a copy is held beside the window at its fullest, and a
+        windows (``awaited``): a copy takes a block beside the window at its fullest while the
+        step is scheduled (under asynchronous scheduling until the core has seen what it copies
+        computed) and costs the workers a copy, and a
         conversation's next turn never reads one (it starts on the last window and tail), so by
         default only a prefix others are known to share pays for it (and the step cut before the
         copies with it). With recall, also at the last point before the prompt's end when no tail
