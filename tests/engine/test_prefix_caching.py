@@ -130,7 +130,8 @@ def test_request_finishing_in_its_compacting_step_caches_only_pure_blocks(server
 def test_request_aborted_in_its_compacting_step_caches_only_pure_blocks(server, hf_model, vocab):
     """A client that disconnects while its request's one prefill step compacts: the engine core
     takes the abort right after that step, before it schedules the request again (so it never hears
-    of the compaction from the request's processed tokens), and still caches only ``[0, E1)``."""
+    of the compaction from the request's processed tokens), and still caches only ``[0, E1)`` of
+    the request's own blocks and the copies of ``[E1, 480)``, made of blocks computed before it."""
     prompt = make_prompt(ONE_CHUNK, 34, vocab)
     reset_prefix_cache(server)
     rid = server.abort_mid_prefill(
@@ -139,9 +140,9 @@ def test_request_aborted_in_its_compacting_step_caches_only_pure_blocks(server, 
     )
     released_line(server, rid)
     b = complete(server, prompt + make_prompt(60, 35, vocab), 24, OFF)
-    # the copies of [E1, 480) are dropped: the core frees the request before it knows that the
-    # step which made them has run
-    assert b["cached_tokens"] == E_ONE_CHUNK
+    # the copies of [E1, 480) were cached as the compacting step was scheduled (the core had seen
+    # their blocks computed in the step before), whatever became of the request after
+    assert b["cached_tokens"] == PURE
     check_against_reference(hf_model, b, load_attempts(server.dump_dir), expect_compaction=False)
     ((_, freed, *_),) = release_lines(server, rid)
     assert int(freed) == E_ONE_CHUNK // BS  # it compacted once, in the step it was aborted after
