@@ -75,10 +75,9 @@ class _Attempt:
     #: tokens up to which the blocks computed after compaction points (tails) have been cached
     tails_done: int = 0
     #: copies of blocks a compaction (or recall) in a scheduled step rewrites, waiting for the
-    #: core to see their blocks processed (at once when it has): ``(tokens processed by then, the
-    #: point they follow, first token of the block, the copy)`` (the manager holds one reference
-    #: to each copy)
-    saves: list[tuple[int, int, int, KVCacheBlock]] = field(default_factory=list)
+    #: core to see their blocks processed (at once when it has): ``(the point they follow, first
+    #: token of the block, the copy)`` (the manager holds one reference to each copy)
+    saves: list[tuple[int, int, KVCacheBlock]] = field(default_factory=list)
     #: a waiting request has waited for this one's windows (:meth:`KVEvictManager.waits_for_window`):
     #: its compactions copy aside the blocks they rewrite (nobody else is known to want them)
     awaited: bool = False
@@ -452,7 +451,7 @@ class KVEvictManager(FullAttentionManager):
         if not todo or not self._room_to_copy(len(todo)):
             return
         for i, blk in todo:
-            att.saves.append((i + bs, b, i, vllm_kv_cache.copy_aside(self, blk)))
+            att.saves.append((b, i, vllm_kv_cache.copy_aside(self, blk)))
 
     def _cache_saves(self, request, settings: RequestSettings, att: _Attempt, processed: int) -> None:
         """Cache the copies whose blocks' tokens the core has seen processed (``processed``) and
@@ -460,11 +459,12 @@ class KVEvictManager(FullAttentionManager):
         workers copy before the forward of the step that rewrites the originals, and a request
         that hits one reads it in a later step (:meth:`take_pending_cow_copies`). (The attempt's
         end lets go of the others uncached.)"""
-        ready = [s for s in att.saves if s[0] <= processed]
+        bs = self.block_size
+        ready = [s for s in att.saves if s[1] + bs <= processed]
         if not ready:
             return
-        att.saves = [s for s in att.saves if s[0] > processed]
-        for _, b, i, blk in ready:
+        att.saves = [s for s in att.saves if s[1] + bs > processed]
+        for b, i, blk in ready:
             key = self.window_cache.save_key(request, settings, b, i)
             if key is not None:
                 vllm_kv_cache.cache_block(self.block_pool, key, blk)
