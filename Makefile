@@ -22,11 +22,10 @@ model: setup
 serve: setup
 	@bash scripts/serve.sh --host $(HOST) --port $(PORT) --additional-config '$(KVEVICT)'
 
-# Lint, format and types first (ruff and mypy, pinned in scripts/setup.sh, configured in pyproject.toml), then the tests;
-# pytest's exit code 5 (no tests collected) counts as a failure.
+# Lint, format and types first (ruff and mypy, pinned in scripts/setup.sh, configured in pyproject.toml), then the tests
+# (scripts/test.sh: those without an engine on two processes, then the engine tests); no test collected is a failure.
 test: setup lint
-	@$(PY) -m pytest $(PYTEST_ARGS); rc=$$?; \
-	if [ $$rc -eq 5 ]; then echo "make test: pytest collected no tests" >&2; exit 1; fi; exit $$rc
+	@KVEVICT_VENV=$(VENV) bash scripts/test.sh $(PYTEST_ARGS)
 
 # The slow opt-in suite (tests marked slow: the quality run, the benchmarks' smoke runs), not in
 # make test: run it before resolving an issue that touches what they measure.

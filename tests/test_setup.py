@@ -36,3 +36,22 @@ def test_compose_mounts_a_directory_a_fresh_clone_has():
     ).stdout.split()
     assert tracked == ["docker/models/README.md"]
     assert "vllm_kvevict.testing.models smollm2" in (models / "README.md").read_text()
+
+
+def test_make_tests_runs_fail_on_a_failure_and_on_nothing_collected(tmp_path):
+    """scripts/test.sh (make test's pytest runs): a failing test fails it, a passing one does not,
+    and no test collected by either run fails it (pytest's exit code 5 twice)."""
+    (tmp_path / "test_one.py").write_text("def test_passes():\n    pass\n\ndef test_fails():\n    assert False\n")
+    script = str(ROOT / "scripts" / "test.sh")
+
+    def run(*args: str) -> subprocess.CompletedProcess:
+        cmd = ["bash", script, "-p", "no:cacheprovider", "--rootdir", str(tmp_path), "-c", "/dev/null", *args]
+        return subprocess.run(cmd, capture_output=True, text=True, timeout=300)
+
+    one = str(tmp_path / "test_one.py")
+    assert run(one, "-k", "passes").returncode == 0
+    failed = run(one)
+    assert failed.returncode == 1, failed.stdout[-2000:]
+    assert "tests without an engine exit 1, engine tests exit 5" in failed.stderr
+    none = run(one, "-k", "no_such_test")
+    assert none.returncode == 1 and "collected no tests" in none.stderr, none.stderr
