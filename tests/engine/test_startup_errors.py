@@ -4,6 +4,7 @@
 from __future__ import annotations
 
 import json
+from concurrent.futures import ThreadPoolExecutor
 
 import pytest
 
@@ -133,9 +134,9 @@ CASES = {  # name: (--additional-config, KVEVICT_CONFIG, extra vllm args, the on
 }
 
 
-@pytest.mark.parametrize("case", list(CASES))
-def test_bad_config_fails_fast_with_one_line(case, tiny_model, server_log):
-    additional, env_cfg, extra, expected = CASES[case]
+def _start(case: str, tiny_model, base) -> tuple[int, str]:
+    """``vllm serve`` with the case's configuration, run until it exits: its exit code and log."""
+    additional, env_cfg, extra, _ = CASES[case]
     extra_env = dict(a.removeprefix("ENV:").split("=", 1) for a in extra if a.startswith("ENV:"))
     extra = [a.replace('"{model}"', json.dumps(str(tiny_model))) for a in extra]
     models = [a.removeprefix("MODEL:") for a in extra if a.startswith("MODEL:")]
@@ -149,9 +150,23 @@ def test_bad_config_fails_fast_with_one_line(case, tiny_model, server_log):
         args += ["--additional-config", json.dumps(additional)]
     env = {"KVEVICT_CONFIG": json.dumps(env_cfg)} if env_cfg is not None else {"KVEVICT_CONFIG": ""}
     env.update(extra_env)
-    srv = VLLMServer(tiny_model, args, log_path=server_log(case), env=env)
-    rc = srv.wait_exit(timeout=240)
-    log = srv.log()
+    srv = VLLMServer(tiny_model, args, log_path=base / f"{case}.log", env=env)
+    return srv.wait_exit(timeout=240), srv.log()
+
+
+@pytest.fixture(scope="module")
+def exits(tiny_model, tmp_path_factory) -> dict[str, tuple[int, str]]:
+    """Every case's exit code and log. Two servers start at a time: each stops in its API server
+    process, one core's work (importing vLLM), and the cases are independent of each other."""
+    base = tmp_path_factory.mktemp("startup-errors")
+    with ThreadPoolExecutor(max_workers=2) as pool:
+        return dict(zip(CASES, pool.map(lambda case: _start(case, tiny_model, base), CASES)))
+
+
+@pytest.mark.parametrize("case", list(CASES))
+def test_bad_config_fails_fast_with_one_line(case, exits):
+    rc, log = exits[case]
+    expected = CASES[case][3]
     assert rc != 0
     lines = [ln for ln in log.splitlines() if "invalid kvevict configuration" in ln]
     assert lines == [f"ERROR: {expected}"], log[-3000:]
