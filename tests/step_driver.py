@@ -50,7 +50,15 @@ class Driver:
     """``layers`` attention layers over one paged cache each (vLLM's FlashAttention layout,
     ``[blocks, H, block_size, 2 D]``), serving ``requests`` with a server configuration."""
 
-    def __init__(self, requests: list[Request], server: dict, layers: int = 2, budget: int = 64, seed: int = 0):
+    def __init__(
+        self,
+        requests: list[Request],
+        server: dict,
+        layers: int = 2,
+        budget: int = 64,
+        seed: int = 0,
+        heads: Heads | None = None,
+    ):
         self.requests, self.budget = requests, budget
         self.server = parse_config(server)
         self.g = torch.Generator().manual_seed(seed)
@@ -61,9 +69,10 @@ class Driver:
         for i, r in enumerate(requests):
             r.blocks = list(range(1 + i * per_req, 1 + (i + 1) * per_req))
         self.width = per_req
-        self.layers = [
-            LayerEviction(FLASH_LAYOUT, Heads(H * G, H, D**-0.5), f"model.layers.{i}.attn", i) for i in range(layers)
-        ]
+        heads = heads or Heads(H * G, H, D**-0.5)
+        self.layers = [LayerEviction(FLASH_LAYOUT, heads, f"model.layers.{i}.attn", i) for i in range(layers)]
+        #: per layer, each step's (positions, queries, keys, values, output), as the layer saw them
+        self.seen: list[list[tuple[torch.Tensor, ...]]] = [[] for _ in range(layers)]
         for layer in self.layers:  # W_O, as the model would give it (CriticalKV, CAOTE read it)
             layer._w_o = torch.randn(H * G, D, 64, generator=self.g)
         self._started: set[str] = set()
@@ -128,8 +137,10 @@ class Driver:
             kv[blk, :, off, :D], kv[blk, :, off, D:] = k, v  # vLLM writes the step's KV before attention
             out = torch.randn(T, H * G * D, generator=self.g)
             with watch(i) if watch is not None else contextlib.nullcontext():
-                layer.before(query, cache, plan)
-                layer.after(query, cache, plan, out)
+                layer.before(query, cache, plan)  # then vLLM's attention, unless recall's replaces it
+                attended = layer.attend_instead(query, cache, plan, out)
+                layer.after(query, cache, plan, out, attended)
+            self.seen[i].append((pos, query, k, v, out))
         for r, L in zip(rows, seq):
             r.done = L
         return plan

@@ -325,3 +325,39 @@ def test_attend_is_the_attention_of_each_query_head(softcap, sinks):
             p = torch.softmax(logits, 0)[: len(s)] if len(logits) else s
             want = p @ V[h // G, seen] if len(s) else torch.zeros(d)
             assert torch.allclose(got[h, i], want, atol=1e-5), (h, i)
+
+
+@pytest.mark.parametrize("softcap, sinks", [(None, False), (30.0, False), (None, True)])
+def test_recalled_chunks_are_computed_over_every_token_before_them(softcap, sinks):
+    """``recall.prefill: all``, through a layer's steps (the step driver): once a compaction has
+    dropped tokens into the tier, each prompt chunk's output is the attention over every token of
+    the prompt up to it (the window and the tier), soft-capped, with sinks, as without eviction;
+    the layer computes it in place of vLLM's attention (``attend_instead``: the driver's output
+    holds noise where vLLM's would be)."""
+    from tests.step_driver import BS, D, Driver, G, H, Request
+    from vllm_kvevict.backends.layout import Heads
+    from vllm_kvevict.kernels.torch_ops import attend
+    from vllm_kvevict.window import WindowConfig, first_boundary
+
+    sink = torch.randn(H * G, generator=torch.Generator().manual_seed(5)) if sinks else None
+    heads = Heads(H * G, H, D**-0.5, softcap, sink)
+    req = Request("all-0", 330, "keydiff", True)
+    server = {"policy": "keydiff", "budget": 64, "recall": {"enabled": True, "prefill": "all", "cap": 4096}}
+    driver = Driver([req], server, layers=1, heads=heads)
+    replaced = 0
+    try:
+        for tokens in driver.schedule(chunk=96, decodes=0):
+            plan = driver.step(tokens)
+            assert not driver.fell_back()
+            pos, q, k, v, out = driver.seen[0][-1]
+            allpos = torch.cat([s[0] for s in driver.seen[0]])
+            K, V = (torch.cat([s[i] for s in driver.seen[0]]).transpose(0, 1) for i in (2, 3))
+            want = attend(q.transpose(0, 1), K, V, pos, allpos.expand(H, -1), G, D**-0.5, softcap, sink)
+            got = out.view(len(pos), H * G, D).transpose(0, 1)
+            if plan.e_prev[0] > 0:  # the tier holds what the window lost
+                replaced += 1
+                torch.testing.assert_close(got, want, atol=1e-5, rtol=1e-5)
+    finally:
+        driver.close()
+    # the chunks after the first compaction (at 128, in the chunk [96, 192)): [192, 288) and [288, 330)
+    assert replaced == 2 and first_boundary(WindowConfig(64, BS)) == 128

@@ -158,7 +158,7 @@ class RecallConfig(BaseModel):
         "window",
         description="what a prefill chunk attends to: the window (as without recall), or the window and the "
         "whole tier, so the prompt is computed as without eviction (KV in vLLM's pool still bounded by the "
-        "window; the attention over the tier computed beside vLLM's kernel)",
+        "window; the attention over window and tier computed in torch, in place of vLLM's kernel in a step of such chunks alone)",
     )
     max_bytes: int | None = Field(
         None,

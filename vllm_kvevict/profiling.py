@@ -6,8 +6,9 @@ With ``KVEVICT_PROFILE_DIR`` set, every worker process appends one JSON line per
 :func:`vllm_kvevict.vllm_compat.runner.add_step_listener`), the time spent inside the attention
 kernels, the time spent in eviction (observe, score, select, compact: everything the plugin adds
 after attention, and recall's re-selection before it; recall's part of it also as ``recall_s``), the number of tokens and rows, how many
-rows compacted, and the bytes the recall tiers hold at their fullest in the step, before recall
-takes them (``tier_bytes``, all layers). On CUDA the device is synchronised around each timed region
+rows compacted, the bytes the recall tiers hold at their fullest in the step, before recall
+takes them (``tier_bytes``, all layers), and the layers whose vLLM attention recall's replaced
+(``attention_replaced``: ``recall.prefill: all`` computed every row). On CUDA the device is synchronised around each timed region
 (profiling changes the timing it measures only by those synchronisations).
 """
 

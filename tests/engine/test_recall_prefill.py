@@ -11,6 +11,7 @@ compaction, so the comparison can fail. The request's peak stays within its wind
 
 from __future__ import annotations
 
+import json
 from concurrent.futures import ThreadPoolExecutor
 
 import pytest
@@ -31,8 +32,19 @@ PROMPT_LOGPROBS = {"prompt_logprobs": 0}
 def server(gqa_model, tmp_path_factory):
     base = tmp_path_factory.mktemp("recall-prefill")
     extra = ["--enable-log-requests", "--no-enable-prefix-caching"]
-    with pool_server(gqa_model, base, SERVER, pool=POOL, chunk=CHUNK, max_len=4096, extra=extra, dump=False) as srv:
+    env = {"KVEVICT_PROFILE_DIR": str(base / "profile")}
+    with pool_server(
+        gqa_model, base, SERVER, pool=POOL, chunk=CHUNK, max_len=4096, extra=extra, env=env, dump=False
+    ) as srv:
+        srv.profile_dir = base / "profile"  # type: ignore[attr-defined]
         yield srv
+
+
+def _steps(server) -> list[dict]:
+    """The worker's step records so far (``KVEVICT_PROFILE_DIR``: one line per model step)."""
+    return [
+        json.loads(ln) for f in sorted(server.profile_dir.glob("steps-*.jsonl")) for ln in f.read_text().splitlines()
+    ]
 
 
 def _diffs(a: dict, b: dict) -> list[float]:
@@ -56,3 +68,22 @@ def test_the_prompt_is_computed_as_without_eviction(server, vocab, length):
     d = _diffs(plain, stock)
     assert max(d[:FIRST]) < TOL  # tokens computed before the first compaction: the same
     assert max(d) > 100 * TOL  # after it, chunks that attend to the window alone do
+
+
+def test_a_step_of_recalled_chunks_alone_runs_no_vllm_attention(server, gqa_model, vocab):
+    """A step whose every row is a prompt chunk that recall computes over its window and tier does
+    not run vLLM's attention over the window as well (vLLM wrote its K/V before the attention):
+    alone, a 700-token prompt's chunks after its first compaction, in every layer, and its prompt
+    logprobs are still those without eviction."""
+    layers = json.loads((gqa_model / "config.json").read_text())["num_hidden_layers"]
+    prompt = make_prompt(700, 70, vocab)
+    stock = complete(server, prompt, 1, {"kvevict_enabled": False}, PROMPT_LOGPROBS)
+    seen = len(_steps(server))
+    out = complete(server, prompt, 1, None, PROMPT_LOGPROBS)
+    steps = _steps(server)[seen:]
+    replaced = [st for st in steps if st.get("attention_replaced")]
+    # the steps computing [192, 700): the tier holds what the compaction at 192 dropped
+    assert sum(st["tokens"] for st in replaced) == 700 - FIRST, steps
+    assert all(st["attention_replaced"] == layers and not st.get("attn_s") for st in replaced), replaced
+    assert all(st.get("attn_s") for st in steps if st not in replaced)  # the others ran vLLM's
+    assert max(_diffs(out, stock)) < TOL

@@ -154,6 +154,7 @@ class KVEvictImplMixin:
         vllm_config = vllm_attention.current_vllm_config()  # vLLM builds the model inside its context
         self._kvevict_total_kv_heads = vllm_config.model_config.get_total_num_kv_heads()
         self._kvevict: LayerEviction | None = None
+        self._kvevict_kv_first = vllm_attention.kv_written_before_forward(self)
         info_once(
             f"kvevict: attention backend {type(self).__name__} (base {self.kvevict_base}) in pid {os.getpid()}; "
             f"{config_from_vllm(vllm_config).summary()}"
@@ -164,14 +165,21 @@ class KVEvictImplMixin:
 
     def forward(self, layer, query, key, value, kv_cache, attn_metadata, *args, **kwargs):
         plan = attn_metadata.kvevict_plan if isinstance(attn_metadata, KVEvictMetadata) else None
-        if plan is not None:
-            self._kvevict_layer(layer).before(query, kv_cache, plan)
+        if plan is None:
+            with profiling.timed("attn_s", query.device):
+                return super().forward(layer, query, key, value, kv_cache, attn_metadata, *args, **kwargs)  # type: ignore[misc]
+        ev = self._kvevict_layer(layer)
+        ev.before(query, kv_cache, plan)
+        output = kwargs.get("output", args[0] if args else None)
+        # vLLM wrote the step's K/V already: recall may compute every row's attention instead
+        if output is not None and self._kvevict_kv_first and ev.attend_instead(query, kv_cache, plan, output):
+            ev.after(query, kv_cache, plan, output, attended=True)
+            return output
         with profiling.timed("attn_s", query.device):
             out = super().forward(  # type: ignore[misc]  # vLLM's impl, mixed in after this class
                 layer, query, key, value, kv_cache, attn_metadata, *args, **kwargs
             )
-        if plan is not None:
-            self._kvevict_layer(layer).after(query, kv_cache, plan, out)
+        ev.after(query, kv_cache, plan, out)
         return out
 
     def _kvevict_layer(self, layer) -> LayerEviction:

@@ -92,9 +92,26 @@ class LayerEviction:
             with _eviction_time(query.device), profiling.timed("recall_s", query.device), _guarded(plan):
                 self.recall.before_attention(query, kv_cache, plan)
 
-    def after(self, query: torch.Tensor, kv_cache: torch.Tensor, plan: StepPlan, out: torch.Tensor) -> None:
-        """After the layer's attention (``out``: its output, ``[tokens, H_q * d]``): the pipeline of
-        the module's doc."""
+    def attend_instead(self, query: torch.Tensor, kv_cache: torch.Tensor, plan: StepPlan, out: torch.Tensor) -> bool:
+        """In place of vLLM's attention, when the step's K/V is already in the cache and recall's
+        (``recall.prefill: all``) computes every row of the step over its window and tier: vLLM's
+        would be replaced row by row. True when ``out`` holds every row; False when nothing was
+        skipped or a row's recall failed (vLLM's attention then runs, and :meth:`after` replaces
+        what it can)."""
+        if not plan.states or not self.recall.attends_every_row(plan):
+            return False
+        done = False
+        with _eviction_time(query.device), _guarded(plan):
+            done = self.recall.attend_all(query, out, kv_cache, plan)
+        if done and profiling.enabled():
+            profiling.add(attention_replaced=1)  # layers whose vLLM attention did not run
+        return done
+
+    def after(
+        self, query: torch.Tensor, kv_cache: torch.Tensor, plan: StepPlan, out: torch.Tensor, attended: bool = False
+    ) -> None:
+        """After the layer's attention (``out``: its output, ``[tokens, H_q * d]``; ``attended``:
+        computed by :meth:`attend_instead`): the pipeline of the module's doc."""
         if not plan.states:  # a dummy batch: no request behind its rows
             return
         with _eviction_time(query.device), _guarded(plan):
@@ -102,7 +119,8 @@ class LayerEviction:
             slot_pos = self._record(kv_cache, plan, policies)
             if slot_pos is None:
                 return
-            self.recall.attend_all(query, out, kv_cache, plan)
+            if not attended:
+                self.recall.attend_all(query, out, kv_cache, plan)
             recall_rows = self.recall.rows(plan, policies, query)
             work = self._work(plan, policies, query, recall_rows)
             if not work and not recall_rows:

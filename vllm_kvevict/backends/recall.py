@@ -264,56 +264,67 @@ class Recall:
             str(err)[:200],
         )
 
-    def attend_all(self, query, out, kv_cache, plan) -> None:
+    def attends(self, plan, r: int) -> bool:
+        """Whether :meth:`attend_all` computes row ``r`` in this step: a prompt chunk of a request
+        with ``recall.prefill: all`` whose tier in this layer holds tokens."""
+        st = plan.states[r]
+        recall = st.settings.recall
+        if plan.prompt_lens is None or not (st.settings.evicts and recall.enabled and recall.prefill == "all"):
+            return False
+        ls = st.layers.get(self.key)
+        return plan.L_prev[r] < plan.prompt_lens[r] and ls is not None and ls.tier is not None and ls.tier.tokens > 0
+
+    def attends_every_row(self, plan) -> bool:
+        """Whether :meth:`attend_all` computes every row of this step (vLLM's attention over the
+        windows would be replaced row by row)."""
+        rows = len(plan.query_start_loc) - 1
+        return bool(plan.states) and len(plan.states) == rows and all(self.attends(plan, r) for r in range(rows))
+
+    def attend_all(self, query, out, kv_cache, plan) -> bool:
         """``recall.prefill: all``: a prefill chunk of a row whose tier holds tokens attends to them
         too. Its rows of ``out`` (vLLM's attention over the window ``[E_prev, L)``) are replaced by
         the attention over the window and the tier: with every token a compaction dropped in the
         tier, each chunk is computed as without eviction. A failure leaves vLLM's output (logged
-        once, like recall's)."""
-        if plan.prompt_lens is None:
-            return
-        for r, st in enumerate(plan.states):
-            recall = st.settings.recall
-            if not (st.settings.evicts and recall.enabled and recall.prefill == "all"):
-                continue
-            ls = st.layers.get(self.key)
-            if plan.L_prev[r] >= plan.prompt_lens[r] or ls is None or ls.tier is None or not ls.tier.tokens:
+        once, like recall's). True when every such row was computed."""
+        done = True
+        for r in range(len(plan.states)):
+            if not self.attends(plan, r):
                 continue
             try:
                 with profiling.timed("recall_s", kv_cache.device):
-                    self._attend_all(query, out, kv_cache, plan, r, ls.tier)
+                    done = (
+                        self._attend_all(query, out, kv_cache, plan, r, plan.states[r].layers[self.key].tier) and done
+                    )
             except Exception as err:  # noqa: BLE001 - the chunk keeps vLLM's attention over its window
                 self.failed(plan, r, err)
+                done = False
+        return done
 
-    def _attend_all(self, query, out, kv_cache, plan, r: int, tier_of: Tier) -> None:
+    def _attend_all(self, query, out, kv_cache, plan, r: int, tier_of: Tier) -> bool:
         tier = tier_of.peek()
         if tier is None:
-            return
+            return False
         tier = tier_on_device(tier, kv_cache.device)
         a, b = plan.query_start_loc[r], plan.query_start_loc[r + 1]
-        hd = self.heads
+        bs, m, hd = kv_cache.shape[2], b - a, self.heads
         Q = query[a:b].transpose(0, 1)  # [H_q, m, d]
-        if hd.softcap or hd.sinks is not None:  # per-score terms: the general statement
-            _, K, V, pos = self._with_tier(kv_cache, plan, r, plan.e_prev[r], plan.seq_lens[r], tier)
-            o = torch_ops.attend(
-                Q,
-                K.transpose(0, 1),
-                V.transpose(0, 1),
-                plan.positions[a:b].long(),
-                pos.T,
-                hd.G,
-                hd.scale,
-                hd.softcap,
-                hd.sinks,
+        slots = plan.slots(((r, plan.e_prev[r], plan.seq_lens[r]),), bs)  # the chunk's own tokens last, in order
+        K_w, V_w = self.layout.gather(kv_cache, slots // bs, slots % bs)  # [n, H, d]
+        K_t, V_t = tier.K.to(K_w.device, K_w.dtype), tier.V.to(V_w.device, V_w.dtype)
+        if hd.softcap or hd.sinks is not None:  # per-score terms: the general statement, by position
+            own = plan.positions[a:b].long()  # the chunk's (its slots' positions may not be recorded yet)
+            before = self.slots.positions(kv_cache)[slots[:-m]].long()
+            pos = torch.cat(
+                [before, own[:, None].expand(m, before.shape[1]).to(before.device), tier.pos.to(before.device)]
             )
+            K, V = torch.cat([K_w, K_t]).transpose(0, 1), torch.cat([V_w, V_t]).transpose(0, 1)
+            o = torch_ops.attend(Q, K, V, own, pos.T, hd.G, hd.scale, hd.softcap, hd.sinks)
         else:  # the window's kept tokens and the tier precede the chunk, its own tokens the last m slots
-            bs, m = kv_cache.shape[2], b - a
-            slots = plan.slots(((r, plan.e_prev[r], plan.seq_lens[r]),), bs)
-            K_w, V_w = self.layout.gather(kv_cache, slots // bs, slots % bs)  # [n, H, d]
-            K = torch.cat([K_w[:-m], tier.K.to(K_w.device, K_w.dtype), K_w[-m:]]).transpose(0, 1)
-            V = torch.cat([V_w[:-m], tier.V.to(V_w.device, V_w.dtype), V_w[-m:]]).transpose(0, 1)
+            K = torch.cat([K_w[:-m], K_t, K_w[-m:]]).transpose(0, 1)
+            V = torch.cat([V_w[:-m], V_t, V_w[-m:]]).transpose(0, 1)
             o = torch_ops.attend_after(Q, K, V, hd.G, hd.scale)
         out.view(out.shape[0], hd.num_heads, -1)[a:b] = o.transpose(0, 1).to(out.dtype)
+        return True
 
     def _with_tier(self, kv_cache, plan, r: int, start: int, end: int, tier: TierEntry):
         """Row ``r``'s window slots ``[start, end)`` and the tier's tokens after them, as candidates:

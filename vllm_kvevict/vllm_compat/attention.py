@@ -90,6 +90,18 @@ def __getattr__(name: str):
     raise AttributeError(f"module {__name__!r} has no attribute {name!r}")
 
 
+def kv_written_before_forward(impl) -> bool:
+    """Whether vLLM writes a step's K/V into the cache before ``impl.forward`` (which then only
+    attends): its backend's ``forward_includes_kv_cache_update`` is False (vLLM 0.32.0 and 0.33.0:
+    CPU_ATTN and FLASH_ATTN; TRITON_ATTN writes in its forward) and the layer does not share
+    another layer's KV (``kv_sharing_target_layer_name``, whose write is that layer's). Read from
+    the impl's base backend class, the one the plugin subclasses."""
+    name = getattr(impl, "kvevict_base", None)
+    if name not in ("CPU_ATTN", "FLASH_ATTN", "TRITON_ATTN") or getattr(impl, "kv_sharing_target_layer_name", None):
+        return False
+    return getattr(__getattr__(name).backend, "forward_includes_kv_cache_update", True) is False
+
+
 def platform_kind() -> str:
     """``cpu``, ``cuda`` or vLLM's name of another platform."""
     from vllm.platforms import current_platform
