@@ -308,20 +308,19 @@ class Recall:
         a, b = plan.query_start_loc[r], plan.query_start_loc[r + 1]
         bs, m, hd = kv_cache.shape[2], b - a, self.heads
         Q = query[a:b].transpose(0, 1)  # [H_q, m, d]
-        slots = plan.slots(((r, plan.e_prev[r], plan.seq_lens[r]),), bs)  # the chunk's own tokens last, in order
-        K_w, V_w = self.layout.gather(kv_cache, slots // bs, slots % bs)  # [n, H, d]
-        K_t, V_t = tier.K.to(K_w.device, K_w.dtype), tier.V.to(V_w.device, V_w.dtype)
         if hd.softcap or hd.sinks is not None:  # per-score terms: the general statement, by position
-            own = plan.positions[a:b].long()  # the chunk's (its slots' positions may not be recorded yet)
-            before = self.slots.positions(kv_cache)[slots[:-m]].long()
-            pos = torch.cat(
-                [before, own[:, None].expand(m, before.shape[1]).to(before.device), tier.pos.to(before.device)]
+            slots, K, V, pos = self._with_tier(kv_cache, plan, r, plan.e_prev[r], plan.seq_lens[r], tier)
+            own = plan.positions[a:b].long()  # the chunk's: its slots' positions may not be recorded yet
+            n = slots.shape[0]  # the window's slots, the chunk's own tokens its last m, in order
+            pos[n - m : n] = own[:, None].to(pos.device)
+            o = torch_ops.attend(
+                Q, K.transpose(0, 1), V.transpose(0, 1), own, pos.T, hd.G, hd.scale, hd.softcap, hd.sinks
             )
-            K, V = torch.cat([K_w, K_t]).transpose(0, 1), torch.cat([V_w, V_t]).transpose(0, 1)
-            o = torch_ops.attend(Q, K, V, own, pos.T, hd.G, hd.scale, hd.softcap, hd.sinks)
         else:  # the window's kept tokens and the tier precede the chunk, its own tokens the last m slots
-            K = torch.cat([K_w[:-m], K_t, K_w[-m:]]).transpose(0, 1)
-            V = torch.cat([V_w[:-m], V_t, V_w[-m:]]).transpose(0, 1)
+            slots = plan.slots(((r, plan.e_prev[r], plan.seq_lens[r]),), bs)
+            K_w, V_w = self.layout.gather(kv_cache, slots // bs, slots % bs)  # [n, H, d]
+            K = torch.cat([K_w[:-m], tier.K.to(K_w.device, K_w.dtype), K_w[-m:]]).transpose(0, 1)
+            V = torch.cat([V_w[:-m], tier.V.to(V_w.device, V_w.dtype), V_w[-m:]]).transpose(0, 1)
             o = torch_ops.attend_after(Q, K, V, hd.G, hd.scale)
         out.view(out.shape[0], hd.num_heads, -1)[a:b] = o.transpose(0, 1).to(out.dtype)
         return True

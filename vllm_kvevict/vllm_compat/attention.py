@@ -92,8 +92,9 @@ def __getattr__(name: str):
 
 def kv_written_before_forward(impl) -> bool:
     """Whether vLLM writes a step's K/V into the cache before ``impl.forward`` (which then only
-    attends): its backend's ``forward_includes_kv_cache_update`` is False (vLLM 0.32.0 and 0.33.0:
-    CPU_ATTN and FLASH_ATTN; TRITON_ATTN writes in its forward) and the layer does not share
+    attends): its backend's ``forward_includes_kv_cache_update`` is False (vLLM 0.32.0: CPU_ATTN
+    and FLASH_ATTN; TRITON_ATTN writes in its forward; read at run time, so another version's
+    classes answer for themselves) and the layer does not share
     another layer's KV (``kv_sharing_target_layer_name``, whose write is that layer's). Read from
     the impl's base backend class, the one the plugin subclasses."""
     name = getattr(impl, "kvevict_base", None)
