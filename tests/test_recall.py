@@ -361,3 +361,42 @@ def test_recalled_chunks_are_computed_over_every_token_before_them(softcap, sink
         driver.close()
     # the chunks after the first compaction (at 128, in the chunk [96, 192)): [192, 288) and [288, 330)
     assert replaced == 2 and first_boundary(WindowConfig(64, BS)) == 128
+
+
+@pytest.mark.parametrize("prompt, compacts", [(300, False), (330, True)])
+def test_a_window_reselected_before_the_last_step_stands_unless_that_step_compacts(prompt, compacts, monkeypatch):
+    """``recall.prefill: window``: in the step that completes the prompt, the window is re-selected
+    before the attention by the prompt's last queries. Where that step compacts nothing, the window
+    it leaves is that choice and the step's own tokens (recall does not choose again by the same
+    queries); where it compacts, recall re-selects what the compaction kept, with the tier."""
+    from tests.step_driver import BS, Driver, Request
+    from vllm_kvevict.backends.recall import Recall
+
+    calls: list[tuple[bool, object]] = []
+    real = Recall._reselect
+
+    def spy(self, *args, **kwargs):
+        got = real(self, *args, **kwargs)
+        calls.append((kwargs.get("losers", False), got))
+        return got
+
+    monkeypatch.setattr(Recall, "_reselect", spy)
+    req = Request(f"window-{prompt}", prompt, "keydiff", True)
+    server = {"policy": "keydiff", "budget": 64, "recall": {"enabled": True, "prefill": "window", "cap": 4096}}
+    driver = Driver([req], server, layers=1)
+    try:
+        for tokens in driver.schedule(chunk=96, decodes=0):
+            plan = driver.step(tokens)
+            assert not driver.fell_back()
+        assert (plan.e_new[0] > plan.e_prev[0]) == compacts and plan.seq_lens[0] == prompt
+        assert [losers for losers, _ in calls] == ([True, False] if compacts else [True])
+        before = calls[0][1][0]  # the positions chosen before the last step's attention [L_prev - E_prev, H]
+        slots = plan.slots(((0, plan.e_new[0], prompt),), BS)
+        window = driver.layers[0].slots.positions(driver.caches[0])[slots].long()
+        if compacts:
+            torch.testing.assert_close(window, calls[1][1][0].long())
+        else:
+            own = torch.arange(prompt - 12, prompt)[:, None].expand(-1, window.shape[1])  # the step [288, 300)
+            torch.testing.assert_close(window, torch.cat([before.long(), own]))
+    finally:
+        driver.close()

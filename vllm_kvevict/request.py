@@ -196,6 +196,9 @@ class LayerState:
     queries_end: int = 0  # the position after the last of them (speculative decoding: drafts rejected since go)
     recall_queries: torch.Tensor | None = None  # recall: the prompt's latest queries [H_q, window, d]
     tier: Any = None  # recall: the tokens its compactions evicted (backends/recall.Tier, made by the backend)
+    #: recall: the end of the step whose attention read a window re-selected before it (``prefill:
+    #: window``), and how many of its tokens came from the tier (a device count)
+    reselected: tuple[int, Any] | None = None
     #: per-slot policy state of the cached window the attempt started on, its own copy, until its
     #: next compaction moves past the window ({name: [window slots, H]}; backends/slots.py)
     window_state: dict[str, torch.Tensor] | None = None

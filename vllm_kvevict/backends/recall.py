@@ -351,7 +351,8 @@ class Recall:
 
     def _recall(self, kv_cache, plan, r: int) -> torch.Tensor | None:
         """At the end of row ``r``'s prompt: re-select its window ``[E, L)`` from what it kept and its
-        tier, by the attention of the prompt's last queries; the tier goes. Returns the kept
+        tier, by the attention of the prompt's last queries (unless :meth:`before_attention` did
+        and the step compacted nothing); the tier goes. Returns the kept
         positions ``[keep, H]`` (None when there is nothing to recall). A failure leaves the window
         as it is (logged once, like a policy's)."""
         ls = plan.layer_state(r, self.key)
@@ -362,24 +363,34 @@ class Recall:
             if ls.queries is None or ls.queries.shape[1] < Qw.shape[1]:
                 ls.queries = Qw  # recall's score compacts from now on: from the prompt's last queries
                 ls.queries_end = plan.seq_lens[r]
+        before, ls.reselected = ls.reselected, None
         if tier_of is None or Qw is None:
+            return None
+        if before is not None and before[0] == plan.seq_lens[r] and plan.e_new[r] == plan.e_prev[r]:
+            # re-selected before this step's attention by these queries, and nothing compacted since: the
+            # window stands (the step's own tokens joined it, as they join any window between points)
+            self._count(plan, r, before[1])
             return None
         got = self._reselect(kv_cache, plan, r, tier_of, Qw, plan.e_new[r], plan.seq_lens[r])
         if got is None:
             return None
         pos_sel, recalled, _ = got
+        self._count(plan, r, recalled)
+        return pos_sel
+
+    @staticmethod
+    def _count(plan, r: int, recalled) -> None:
         rec = metrics.worker_recorder()
         if rec is not None:
             rec.inc_later("recalled_tokens", plan.states[r].settings.config.policy, recalled)
-        return pos_sel
 
     def before_attention(self, query, kv_cache, plan) -> None:
         """In the step that completes a prompt, before this layer's attention: re-select the cached
         window ``[E_prev, L_prev)`` from itself and the tier by the prompt's last queries (this
         step's included), so that the prompt's last tokens (the question) attend to what recall
         chose, in this layer and, through their outputs, in every layer above. What loses goes
-        back to the tier; after attention, :meth:`_recall` re-selects ``[E_new, L)`` from all of it
-        (this step's tokens and its compaction included)."""
+        back to the tier; after attention, where this step compacted the row, :meth:`_recall`
+        re-selects ``[E_new, L)`` from all of it (this step's tokens and its compaction included)."""
         qsl = plan.query_start_loc
         kept = {}
         for r in plan.recall_ends:
@@ -398,7 +409,8 @@ class Recall:
             got = self._reselect(kv_cache, plan, r, tier_of, Qw, start, end, plan.seq_lens[r], losers=True)
             if got is None:
                 continue
-            kept[r], _, lost = got
+            kept[r], recalled, lost = got
+            ls.reselected = (plan.seq_lens[r], recalled)
             if lost is not None:
                 try:
                     ls.tier = Tier()
