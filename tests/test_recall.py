@@ -396,7 +396,7 @@ def test_a_window_reselected_before_the_last_step_stands_unless_that_step_compac
         if compacts:
             torch.testing.assert_close(window, calls[1][1][0].long())
         else:
-            own = torch.arange(prompt - 12, prompt)[:, None].expand(-1, window.shape[1])  # the step [288, 300)
+            own = torch.arange(plan.L_prev[0], prompt)[:, None].expand(-1, window.shape[1])  # the step's tokens
             torch.testing.assert_close(window, torch.cat([before.long(), own]))
     finally:
         driver.close()
