@@ -364,20 +364,23 @@ def test_recalled_chunks_are_computed_over_every_token_before_them(softcap, sink
 
 
 @pytest.mark.parametrize("prompt, compacts", [(300, False), (330, True)])
-def test_a_window_reselected_before_the_last_step_stands_unless_that_step_compacts(prompt, compacts, monkeypatch):
+def test_a_window_reselected_before_the_last_step_is_the_prompts_last_choice(prompt, compacts, monkeypatch):
     """``recall.prefill: window``: in the step that completes the prompt, the window is re-selected
-    before the attention by the prompt's last queries. Where that step compacts nothing, the window
-    it leaves is that choice and the step's own tokens (recall does not choose again by the same
-    queries); where it compacts, recall re-selects what the compaction kept, with the tier."""
-    from tests.step_driver import BS, Driver, Request
-    from vllm_kvevict.backends.recall import Recall
+    once, before the attention, by the prompt's last queries. Where that step compacts nothing, the
+    window it leaves is that choice and the step's own tokens; where it compacts, the compaction
+    chooses among them by recall's score (SnapKV's equation with the recall's parameters, the same
+    queries), and recall does not choose again from the whole tier."""
+    from tests.step_driver import BS, D, Driver, G, Request
+    from vllm_kvevict.backends.recall import Recall, select_recalled
+    from vllm_kvevict.policies.base import KVView
+    from vllm_kvevict.request import WORKER
 
-    calls: list[tuple[bool, object]] = []
+    calls: list[object] = []
     real = Recall._reselect
 
     def spy(self, *args, **kwargs):
         got = real(self, *args, **kwargs)
-        calls.append((kwargs.get("losers", False), got))
+        calls.append(got)
         return got
 
     monkeypatch.setattr(Recall, "_reselect", spy)
@@ -389,14 +392,32 @@ def test_a_window_reselected_before_the_last_step_stands_unless_that_step_compac
             plan = driver.step(tokens)
             assert not driver.fell_back()
         assert (plan.e_new[0] > plan.e_prev[0]) == compacts and plan.seq_lens[0] == prompt
-        assert [losers for losers, _ in calls] == ([True, False] if compacts else [True])
-        before = calls[0][1][0]  # the positions chosen before the last step's attention [L_prev - E_prev, H]
+        assert len(calls) == 1  # before the last step's attention only
+        before = calls[0][0].long()  # the positions chosen then [L_prev - E_prev, H]
         slots = plan.slots(((0, plan.e_new[0], prompt),), BS)
         window = driver.layers[0].slots.positions(driver.caches[0])[slots].long()
-        if compacts:
-            torch.testing.assert_close(window, calls[1][1][0].long())
+        own = torch.arange(plan.L_prev[0], prompt)[:, None].expand(-1, window.shape[1])  # the step's tokens
+        cand = torch.cat([before, own])
+        if compacts:  # recall's score (the request's decode policy) over the re-selected window and the step's tokens
+            seen = driver.seen[0]
+            K_all = torch.cat([k for _, _, k, _, _ in seen])  # [prompt, H, D], by position
+            h = torch.arange(cand.shape[1])[None, :]
+            policy = WORKER.get(req.rid).settings.decode_policy
+            assert policy.name == "snapkv" and policy.params.kernel == 31
+            view = KVView(
+                K=K_all[cand, h].transpose(0, 1),
+                V=K_all[cand, h].transpose(0, 1),
+                pos=cand.T,
+                G=G,
+                L=prompt,
+                Q=seen[-1][1][-32:].transpose(0, 1),  # the prompt's last queries
+                q_pos=torch.arange(prompt - 32, prompt),
+                scale=D**-0.5,
+                budget=64,
+            )
+            keep = select_recalled(policy.score(view).T, cand, prompt - plan.e_new[0], prompt - 32)
+            torch.testing.assert_close(window, torch.gather(cand, 0, keep))
         else:
-            own = torch.arange(plan.L_prev[0], prompt)[:, None].expand(-1, window.shape[1])  # the step's tokens
-            torch.testing.assert_close(window, torch.cat([before.long(), own]))
+            torch.testing.assert_close(window, cand)
     finally:
         driver.close()

@@ -73,6 +73,13 @@ class RequestSettings:
         r = self.config.recall
         if not r.enabled or r.decode != "recall" or self.policy.needs.merges:
             return self.policy
+        return self.recall_policy
+
+    @cached_property
+    def recall_policy(self) -> Policy:
+        """Recall's score as a policy: SnapKV's equation with the recall's parameters (its latest
+        ``window`` queries, max-pooled over ``kernel`` positions)."""
+        r = self.config.recall
         window = max(1, min(r.window, self.budget - 1))
         return SnapKV(SnapKVParams(window=window, kernel=r.kernel, pooling="max"))
 

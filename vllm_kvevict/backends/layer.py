@@ -4,7 +4,8 @@
 :meth:`LayerEviction.after` around the impl's ``forward``).
 
 After attention, a short pipeline over the step's plan: each row's policy (the safe one where its
-state cannot be had) -> the step's slot positions recorded and its policies' per-slot state reset
+state cannot be had; recall's score where a prompt completes with a compaction after recall
+re-selected its window) -> the step's slot positions recorded and its policies' per-slot state reset
 (one write) -> (``recall.prefill: all``) the prefill chunks' attention over the window and the
 tier -> the rows with work, their inputs prepared (a row whose inputs cannot be, falls back) -> the
 eviction step, one request's failure isolated -> what the step dropped to recall -> recall's
@@ -121,8 +122,9 @@ class LayerEviction:
                 return
             if not attended:
                 self.recall.attend_all(query, out, kv_cache, plan)
+            scored = self.recall.score_prompt_ends(plan, policies)
             recall_rows = self.recall.rows(plan, policies, query)
-            work = self._work(plan, policies, query, recall_rows)
+            work = self._work(plan, policies, query, recall_rows - scored)  # what those drop is not recalled
             if not work and not recall_rows:
                 return
             evicted: dict = {}

@@ -351,8 +351,8 @@ class Recall:
 
     def _recall(self, kv_cache, plan, r: int) -> torch.Tensor | None:
         """At the end of row ``r``'s prompt: re-select its window ``[E, L)`` from what it kept and its
-        tier, by the attention of the prompt's last queries (unless :meth:`before_attention` did
-        and the step compacted nothing); the tier goes. Returns the kept
+        tier, by the attention of the prompt's last queries (unless the window stands:
+        :meth:`window_stands`); the tier goes. Returns the kept
         positions ``[keep, H]`` (None when there is nothing to recall). A failure leaves the window
         as it is (logged once, like a policy's)."""
         ls = plan.layer_state(r, self.key)
@@ -363,12 +363,14 @@ class Recall:
             if ls.queries is None or ls.queries.shape[1] < Qw.shape[1]:
                 ls.queries = Qw  # recall's score compacts from now on: from the prompt's last queries
                 ls.queries_end = plan.seq_lens[r]
+        stands = self.window_stands(plan, r)
         before, ls.reselected = ls.reselected, None
         if tier_of is None or Qw is None:
             return None
-        if before is not None and before[0] == plan.seq_lens[r] and plan.e_new[r] == plan.e_prev[r]:
-            # re-selected before this step's attention by these queries, and nothing compacted since: the
-            # window stands (the step's own tokens joined it, as they join any window between points)
+        if stands:
+            # re-selected before this step's attention by these queries, then either nothing compacted
+            # (the step's own tokens joined the window, as they join any window between points) or the
+            # compaction chose by recall's score (:meth:`score_prompt_ends`): the window stands
             self._count(plan, r, before[1])
             return None
         got = self._reselect(kv_cache, plan, r, tier_of, Qw, plan.e_new[r], plan.seq_lens[r])
@@ -377,6 +379,44 @@ class Recall:
         pos_sel, recalled, _ = got
         self._count(plan, r, recalled)
         return pos_sel
+
+    def window_stands(self, plan, r: int) -> bool:
+        """Whether row ``r``'s window after this step is recall's last choice for its prompt: the
+        prompt completes in this step, :meth:`before_attention` re-selected this layer's window by
+        the prompt's last queries, and the step compacted nothing or compacted by recall's score
+        (:meth:`score_prompt_ends`)."""
+        st = plan.states[r]
+        ls = st.layers.get(self.key)
+        before = None if ls is None else ls.reselected
+        if before is None or before[0] != plan.seq_lens[r] or not plan.completes_prompt(r):
+            return False
+        return plan.e_new[r] == plan.e_prev[r] or self._scores_end(st)
+
+    @staticmethod
+    def _scores_end(st) -> bool:
+        """Whether a request's compaction in the step completing its prompt scores by recall's
+        equation: it decodes by it (its policy's view is not read again) and has not fallen back."""
+        return st.fell_back_from is None and st.settings.decode_policy is st.settings.recall_policy
+
+    def score_prompt_ends(self, plan, policies: list) -> set[int]:
+        """The rows whose prompt completes in this step with a compaction after
+        :meth:`before_attention` re-selected their window: the compaction scores by recall's
+        equation (``policies[r]`` set to it), from the re-selected window and the step's own
+        tokens, by the prompt's last queries (the query window seeded with recall's), so that it is
+        the window's last choice; the re-selection from the whole tier is not repeated after it
+        (its candidates beyond the window ranked below every token the window holds)."""
+        out: set[int] = set()
+        for r in plan.recall_ends if plan.states else ():
+            st = plan.states[r]
+            if plan.e_new[r] == plan.e_prev[r] or policies[r] is not st.settings.policy:
+                continue
+            if not self.window_stands(plan, r):
+                continue
+            ls = st.layers[self.key]
+            policies[r] = st.settings.recall_policy
+            ls.queries, ls.queries_end = ls.recall_queries, plan.L_prev[r]  # this step's are added to them
+            out.add(r)
+        return out
 
     @staticmethod
     def _count(plan, r: int, recalled) -> None:
@@ -389,8 +429,9 @@ class Recall:
         window ``[E_prev, L_prev)`` from itself and the tier by the prompt's last queries (this
         step's included), so that the prompt's last tokens (the question) attend to what recall
         chose, in this layer and, through their outputs, in every layer above. What loses goes
-        back to the tier; after attention, where this step compacted the row, :meth:`_recall`
-        re-selects ``[E_new, L)`` from all of it (this step's tokens and its compaction included)."""
+        back to the tier. Where this step compacts the row, the compaction chooses by recall's
+        score (:meth:`score_prompt_ends`); with ``recall.decode: policy`` the policy compacts and
+        :meth:`_recall` re-selects ``[E_new, L)`` from all of it after attention."""
         qsl = plan.query_start_loc
         kept = {}
         for r in plan.recall_ends:
