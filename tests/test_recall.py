@@ -10,6 +10,7 @@ import pytest
 import torch
 
 from vllm_kvevict.backends.recall import (
+    Candidates,
     Tier,
     TierEntry,
     recall_scores,
@@ -44,17 +45,17 @@ def test_tier_keeps_the_best_scored_per_head_within_its_cap():
     assert other.chunks == [] and other.tokens == 0
 
 
-def test_peek_reads_the_whole_tier_and_keeps_it():
+def test_parts_read_the_whole_tier_and_keep_it():
     tier = Tier()
     tier.add(_entry([[1, 2], [3, 4]], [[0.1, 0.2], [0.3, 0.4]]), cap=10)
     new = _entry([[5], [6]], [[0.5], [0.6]])
-    new.copy = copy = _Copy(done=False)  # the newest chunk's copy still in flight: peek waits for it
+    new.copy = copy = _Copy(done=False)  # the newest chunk's copy still in flight: parts waits for it
     tier.chunks.append(new)
-    seen = tier.peek()
-    assert copy.waited
-    assert seen is not None and sorted(seen.pos[:, 0].tolist()) == [1, 2, 5] and tier.tokens == 3
+    seen = tier.parts()
+    assert copy.waited and seen[1] is new  # the entries themselves, nothing copied
+    assert torch.cat([p.pos for p in seen])[:, 0].tolist() == [1, 2, 5] and tier.tokens == 3
     taken = tier.take()
-    assert taken is not None and torch.equal(taken.pos, seen.pos) and tier.tokens == 0
+    assert taken is not None and torch.equal(taken.pos, torch.cat([p.pos for p in seen])) and tier.tokens == 0
 
 
 class _Copy:
@@ -68,6 +69,32 @@ class _Copy:
 
     def synchronize(self) -> None:
         self.waited = self.done = True
+
+
+def test_candidates_pick_what_the_concatenated_entries_hold():
+    """Recall scores a window and a tier's chunks as one set: what it picks (each KV head its own
+    indices, any part, a chunk without a state key giving zeros) is what indexing the entries
+    concatenated gives; the tier's chunks are taken as they are (a copy in flight waited for)."""
+    g = torch.Generator().manual_seed(0)
+    parts = []
+    for n in (5, 3, 1, 4):
+        p = torch.randint(0, 100, (n, 2), generator=g)
+        state = {"acc": torch.rand(n, 2, generator=g)} if n != 3 else {}
+        parts.append(TierEntry(torch.rand(n, 2, 4, generator=g), torch.rand(n, 2, 4, generator=g), p, p.float(), state))
+    tier = Tier.of(tuple(parts[1:]), cap=100)
+    parts[-1].copy = copy = _Copy(done=False)
+    taken = tier.take_parts()
+    assert copy.waited and tier.tokens == 0 and [t.pos.shape for t in taken] == [t.pos.shape for t in parts[1:]]
+    cand = Candidates([parts[0], *taken])
+    score = torch.rand(cand.tokens, 2, generator=g)
+    idx = torch.stack([torch.randperm(cand.tokens, generator=g)[:7] for _ in range(2)], dim=1)
+    got = cand.pick(idx, score)
+    h = torch.arange(2)[None, :]
+    acc = torch.cat([t.state.get("acc", torch.zeros(t.tokens, 2)) for t in parts])
+    for name, whole in (("K", "K"), ("V", "V"), ("pos", "pos")):
+        assert torch.equal(getattr(got, name), torch.cat([getattr(t, whole) for t in parts])[idx, h])
+    assert torch.equal(got.score, score[idx, h]) and torch.equal(got.state["acc"], acc[idx, h])
+    assert Tier.of(tuple(parts[1:]), cap=4).take_parts()[0].tokens == 4  # over its cap: its best, merged
 
 
 def test_tier_merges_a_chunk_only_once_its_copy_has_landed():

@@ -36,8 +36,7 @@ from vllm_kvevict.backends.dump import dump_kept
 from vllm_kvevict.backends.layout import CacheLayout, Heads
 from vllm_kvevict.backends.queries import QueryWindows, Renewal
 from vllm_kvevict.backends.slots import SlotStore
-from vllm_kvevict.backends.tier_store import TIERS, Tier, TierEntry, best_entries, merge_entries
-from vllm_kvevict.backends.tier_store import on_device as tier_on_device
+from vllm_kvevict.backends.tier_store import TIERS, Candidates, Tier, TierEntry, best_entries, merge_entries
 from vllm_kvevict.kernels import ops, torch_ops
 from vllm_kvevict.kernels.torch_ops import Ragged
 from vllm_kvevict.policies.attention import pool1d
@@ -301,15 +300,14 @@ class Recall:
         return done
 
     def _attend_all(self, query, out, kv_cache, plan, r: int, tier_of: Tier) -> bool:
-        tier = tier_of.peek()
-        if tier is None:
+        parts = tier_of.parts(kv_cache.device)
+        if not parts:
             return False
-        tier = tier_on_device(tier, kv_cache.device)
         a, b = plan.query_start_loc[r], plan.query_start_loc[r + 1]
         bs, m, hd = kv_cache.shape[2], b - a, self.heads
         Q = query[a:b].transpose(0, 1)  # [H_q, m, d]
         if hd.softcap or hd.sinks is not None:  # per-score terms: the general statement, by position
-            slots, K, V, pos = self._with_tier(kv_cache, plan, r, plan.e_prev[r], plan.seq_lens[r], tier)
+            slots, K, V, pos = self._with_tier(kv_cache, plan, r, plan.e_prev[r], plan.seq_lens[r], parts)
             own = plan.positions[a:b].long()  # the chunk's: its slots' positions may not be recorded yet
             n = slots.shape[0]  # the window's slots, the chunk's own tokens its last m, in order
             pos[n - m : n] = own[:, None].to(pos.device)
@@ -319,22 +317,21 @@ class Recall:
         else:  # the window's kept tokens and the tier precede the chunk, its own tokens the last m slots
             slots = plan.slots(((r, plan.e_prev[r], plan.seq_lens[r]),), bs)
             K_w, V_w = self.layout.gather(kv_cache, slots // bs, slots % bs)  # [n, H, d]
-            K = torch.cat([K_w[:-m], tier.K.to(K_w.device, K_w.dtype), K_w[-m:]]).transpose(0, 1)
-            V = torch.cat([V_w[:-m], tier.V.to(V_w.device, V_w.dtype), V_w[-m:]]).transpose(0, 1)
+            K = torch.cat([K_w[:-m], *(p.K.to(K_w.dtype) for p in parts), K_w[-m:]]).transpose(0, 1)
+            V = torch.cat([V_w[:-m], *(p.V.to(V_w.dtype) for p in parts), V_w[-m:]]).transpose(0, 1)
             o = torch_ops.attend_after(Q, K, V, hd.G, hd.scale)
         out.view(out.shape[0], hd.num_heads, -1)[a:b] = o.transpose(0, 1).to(out.dtype)
         return True
 
-    def _with_tier(self, kv_cache, plan, r: int, start: int, end: int, tier: TierEntry):
-        """Row ``r``'s window slots ``[start, end)`` and the tier's tokens after them, as candidates:
-        ``(slots, K, V, positions)`` (``[n, H, ...]``, the window's first)."""
+    def _with_tier(self, kv_cache, plan, r: int, start: int, end: int, parts: list[TierEntry]):
+        """Row ``r``'s window slots ``[start, end)`` and the tier's tokens (``parts``, on the cache's
+        device) after them: ``(slots, K, V, positions)`` (``[n, H, ...]``, the window's first)."""
         bs = kv_cache.shape[2]
         slots = plan.slots(((r, start, end),), bs)
         K_w, V_w = self.layout.gather(kv_cache, slots // bs, slots % bs)  # [n, H, d]
-        dev = K_w.device
-        K = torch.cat([K_w, tier.K.to(dev, K_w.dtype)])
-        V = torch.cat([V_w, tier.V.to(dev, V_w.dtype)])
-        pos = torch.cat([self.slots.positions(kv_cache)[slots].long(), tier.pos.to(dev)])
+        K = torch.cat([K_w, *(p.K.to(K_w.dtype) for p in parts)])
+        V = torch.cat([V_w, *(p.V.to(V_w.dtype) for p in parts)])
+        pos = torch.cat([self.slots.positions(kv_cache)[slots].long(), *(p.pos for p in parts)])
         return slots, K, V, pos
 
     def at_prompt_end(self, kv_cache, plan, rows: set[int]) -> dict[int, torch.Tensor]:
@@ -365,13 +362,13 @@ class Recall:
                 ls.queries_end = plan.seq_lens[r]
         stands = self.window_stands(plan, r)
         before, ls.reselected = ls.reselected, None
-        if tier_of is None or Qw is None:
-            return None
         if stands:
             # re-selected before this step's attention by these queries, then either nothing compacted
             # (the step's own tokens joined the window, as they join any window between points) or the
             # compaction chose by recall's score (:meth:`score_prompt_ends`): the window stands
             self._count(plan, r, before[1])
+            return None
+        if tier_of is None or Qw is None:
             return None
         got = self._reselect(kv_cache, plan, r, tier_of, Qw, plan.e_new[r], plan.seq_lens[r])
         if got is None:
@@ -390,7 +387,12 @@ class Recall:
         before = None if ls is None else ls.reselected
         if before is None or before[0] != plan.seq_lens[r] or not plan.completes_prompt(r):
             return False
-        return plan.e_new[r] == plan.e_prev[r] or self._scores_end(st)
+        return self._leaves_choice(plan, r)
+
+    def _leaves_choice(self, plan, r: int) -> bool:
+        """Whether row ``r``'s step leaves what recall chose before its attention as it is: it
+        compacts nothing, or compacts by recall's score."""
+        return plan.e_new[r] == plan.e_prev[r] or self._scores_end(plan.states[r])
 
     @staticmethod
     def _scores_end(st) -> bool:
@@ -447,7 +449,9 @@ class Recall:
                 Q = torch.cat([ls.recall_queries, Q], dim=1)
             Qw = Q[:, -st.settings.recall.window :]
             tier_of, ls.tier = ls.tier, None
-            got = self._reselect(kv_cache, plan, r, tier_of, Qw, start, end, plan.seq_lens[r], losers=True)
+            # the losers go back to the tier only where :meth:`_recall` re-selects again after attention
+            losers = not self._leaves_choice(plan, r)
+            got = self._reselect(kv_cache, plan, r, tier_of, Qw, start, end, plan.seq_lens[r], losers)
             if got is None:
                 continue
             kept[r], recalled, lost = got
@@ -497,40 +501,39 @@ class Recall:
             return None
         if chosen is None:
             return None
-        slots, K_sel, V_sel, pos_sel, state, recalled, lost = chosen
-        self.layout.write(kv_cache, slots, K_sel, V_sel)
-        self.slots.positions(kv_cache)[slots] = pos_sel.to(torch.int32)
-        for k, v in state.items():
+        slots, won, recalled, lost = chosen
+        self.layout.write(kv_cache, slots, won.K, won.V)
+        self.slots.positions(kv_cache)[slots] = won.pos.to(torch.int32)
+        for k, v in won.state.items():
             self.slots.state[k][slots] = v
-        return pos_sel, recalled, lost
+        return won.pos, recalled, lost
 
     def _choice(self, kv_cache, plan, r, tier_of: Tier, Qw, start: int, end: int, q_end: int, losers):
         """What :meth:`_reselect` writes, chosen among the window's slots ``[start, end)`` and the
-        tier by recall's score, nothing written yet: ``(slots, K, V, positions, per-slot state,
-        how many from the tier, the losers' entry)``; None when the tier is empty."""
+        tier by recall's score, nothing written yet: ``(slots, the winners' entry, how many from the
+        tier, the losers' entry)``; None when the tier is empty."""
         cfg = plan.states[r].settings.config
-        tier = tier_of.take(kv_cache.device)
-        if tier is None:
+        parts = tier_of.take_parts(kv_cache.device)
+        if not parts:
             return None
-        slots, K, V, pos = self._with_tier(kv_cache, plan, r, start, end, tier)
-        h = torch.arange(K.shape[1], device=K.device)[None, :]
-        q_pos = torch.arange(q_end - Qw.shape[1], q_end, device=K.device)
+        bs = kv_cache.shape[2]
+        slots = plan.slots(((r, start, end),), bs)
+        K_w, V_w = self.layout.gather(kv_cache, slots // bs, slots % bs)  # [n, H, d]
+        pos_w = self.slots.positions(kv_cache)[slots].long()
+        state_w = {k: t[slots] for k, t in self.slots.state.items()}
+        none = torch.full_like(pos_w, float("-inf"), dtype=torch.float32)  # the window's scores are recall's
+        cand = Candidates([TierEntry(K_w, V_w, pos_w, none, state_w), *parts])
+        q_pos = torch.arange(q_end - Qw.shape[1], q_end, device=K_w.device)
         hd = self.heads
         scores = recall_scores(
-            Qw.float(), q_pos, K.float(), pos, hd.G, hd.scale, hd.softcap, cfg.recall.kernel, hd.sinks
+            Qw.float(), q_pos, cand.K.float(), cand.pos, hd.G, hd.scale, hd.softcap, cfg.recall.kernel, hd.sinks
         )
         # the recall's own queries and the policy's observation window (SnapKV's may be longer,
         # and its next compaction reads every position of it) are kept whatever their scores
         protect = max(Qw.shape[1], plan.states[r].settings.policy.needs.window)
-        idx = select_recalled(scores, pos, end - start, q_end - protect)  # [keep, H]
-        state_all = {}
-        for k, t in self.slots.state.items():
-            old = tier.state.get(k, torch.zeros(tier.tokens, t.shape[1], dtype=t.dtype, device=t.device))
-            state_all[k] = torch.cat([t[slots], old.to(t.dtype)])
+        idx = select_recalled(scores, cand.pos, end - start, q_end - protect)  # [keep, H]
         lost = None
-        if losers and K.shape[0] > idx.shape[0]:
-            lo = torch_ops.complement(K.shape[0], idx)
-            lost = TierEntry(K[lo, h], V[lo, h], pos[lo, h], scores[lo, h], {k: v[lo, h] for k, v in state_all.items()})
-        state = {k: v[idx, h] for k, v in state_all.items()}
+        if losers and cand.tokens > idx.shape[0]:
+            lost = cand.pick(torch_ops.complement(cand.tokens, idx), scores)
         recalled = (idx >= slots.shape[0]).sum()  # on the device: read when the step ends (metrics)
-        return slots, K[idx, h], V[idx, h], pos[idx, h], state, recalled, lost
+        return slots, cand.pick(idx, scores), recalled, lost

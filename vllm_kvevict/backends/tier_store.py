@@ -53,7 +53,7 @@ class TierEntry:
 class Tier:
     """One request's tier in one layer (kept in its :class:`~vllm_kvevict.request.LayerState`): the
     entries its compactions dropped, in order, each never written once added (on a GPU the newest
-    may still be in flight to host memory). They are merged when read (:meth:`take`, :meth:`peek`)
+    may still be in flight to host memory). They are merged when taken whole (:meth:`take`)
     and when the tier exceeds its ``cap`` (its best kept); until then a :meth:`snapshot` shares
     them with the tier it was taken of, and a tier started on a snapshot (:meth:`of`) extends it
     without copying it (copy-on-extend)."""
@@ -97,9 +97,25 @@ class Tier:
         e = merge_entries(chunks, self.cap)
         return e if e is None or device is None else on_device(e, device)
 
-    def peek(self) -> TierEntry | None:
-        """The whole tier as one entry (a copy in flight waited for), the tier unchanged."""
-        return merge_entries(self.chunks, self.cap)
+    def parts(self, device: torch.device | str | None = None) -> list[TierEntry]:
+        """The whole tier as its entries (copies in flight waited for; merged only over ``cap``,
+        which :meth:`add` allows no longer than a copy is in flight), on ``device``; the tier
+        keeps them. What reads every token (recall's scoring and attention) concatenates them with
+        the window itself, once, rather than merging a cached window's snapshot first."""
+        if self.tokens > self.cap:
+            merged = merge_entries(self.chunks, self.cap)
+            self.chunks = [] if merged is None else [merged]
+        for c in self.chunks:
+            if c.copy is not None:
+                c.copy.synchronize()
+                c.copy = None
+        return [c if device is None else on_device(c, device) for c in self.chunks if c.tokens]
+
+    def take_parts(self, device: torch.device | str | None = None) -> list[TierEntry]:
+        """:meth:`parts`, the tier empty afterwards."""
+        out = self.parts(device)
+        self.chunks = []
+        return out
 
     @property
     def tokens(self) -> int:
@@ -152,6 +168,45 @@ def best_entries(e: TierEntry, cap: int) -> TierEntry:
     idx, _ = ops.select_topk(e.score, e.pos, Ragged.of([e.tokens], e.pos.device), [cap])
     h = torch.arange(e.pos.shape[1], device=e.pos.device)[None, :]
     return e.map(lambda t: t[idx, h])
+
+
+class Candidates:
+    """Entries (a window's tokens, then a tier's) as one set of candidates ``[n, H]``, indexed in
+    that order: their keys and positions concatenated once, for scoring; values, scores and state
+    read only for the candidates picked (:meth:`pick`)."""
+
+    def __init__(self, parts: list[TierEntry]) -> None:
+        self.parts = [p for p in parts if p.tokens]
+        self.K = torch.cat([p.K for p in self.parts])
+        self.pos = torch.cat([p.pos for p in self.parts])
+
+    @property
+    def tokens(self) -> int:
+        return int(self.pos.shape[0])
+
+    def pick(self, idx: torch.Tensor, score: torch.Tensor) -> TierEntry:
+        """The candidates at ``idx [k, H]`` (each KV head its own) as an entry, scored by
+        ``score [n, H]``; the state keys of the first part (a part without one gives zeros)."""
+        h = torch.arange(idx.shape[1], device=idx.device)[None, :]
+        first = self.parts[0]
+        state = {k: self._rows([p.state.get(k) for p in self.parts], idx, h) for k in first.state}
+        return TierEntry(
+            self.K[idx, h], self._rows([p.V for p in self.parts], idx, h), self.pos[idx, h], score[idx, h], state
+        )
+
+    def _rows(self, tensors: list[torch.Tensor | None], idx: torch.Tensor, h: torch.Tensor) -> torch.Tensor:
+        """``tensors`` (one per part, ``[n_part, H, ...]``; None: zeros) at the candidates ``idx``."""
+        like = tensors[0]
+        assert like is not None
+        out = like.new_zeros((*idx.shape, *like.shape[2:]))
+        start = 0
+        for t, p in zip(tensors, self.parts):
+            n = p.tokens
+            if t is not None:
+                inside = ((idx >= start) & (idx < start + n)).view(*idx.shape, *[1] * (out.dim() - 2))
+                out = torch.where(inside, t[(idx - start).clamp(0, n - 1), h].to(out.dtype), out)
+            start += n
+        return out
 
 
 class LayerSnapshot(NamedTuple):
