@@ -111,6 +111,10 @@ def test_names_shared_with_vllm_bench_serve():
             "--servers",
         ),
         (["quality", "--base-url", "http://a", "--server-args", "--max-num-seqs 2"], "--server-args"),
+        (
+            ["prefix", "--base-url", "http://a", "--stock-base-url", "http://b", "--recall-window", "16"],
+            "--recall-window",
+        ),
     ],
 )
 def test_base_url_misuse_is_an_error(argv, message, capsys):
@@ -169,6 +173,19 @@ def test_remote_and_started_runs_get_what_they_need(monkeypatch, command, module
     assert seen["kwargs"]["remote"] is None and seen["args"][0] == "/m"
     assert seen["kwargs"]["platform"] == ["--dtype", "bfloat16"]
     assert seen["kwargs"]["server_args"] == ["--max-num-seqs", "3"]
+
+
+def test_recall_window_reaches_the_recall_server_alone(monkeypatch):
+    from vllm_kvevict.bench import prefix
+
+    seen = _captured(monkeypatch, prefix, "run_prefix")
+    assert cli.main(["prefix", "--recall-prefill", "window", "--recall-window", "16"]) == 0
+    assert seen["kwargs"]["recall_window"] == 16 and seen["kwargs"]["recall_prefill"] == "window"
+    configs = {s.name: dict(s.config) for s in prefix._specs("keydiff", 64, None, "window", 16)}
+    assert configs["kvevict-recall"]["recall"] == {"enabled": True, "prefill": "window", "window": 16}
+    assert all("recall" not in c for name, c in configs.items() if name != "kvevict-recall")
+    default = {s.name: dict(s.config) for s in prefix._specs("keydiff", 64)}["kvevict-recall"]
+    assert "window" not in default["recall"]  # the configuration's default
 
 
 def test_default_server_arguments_are_unchanged():

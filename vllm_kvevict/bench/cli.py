@@ -443,6 +443,7 @@ def cmd_prefix(args) -> int:
         args.out,
         progress=True,
         recall_prefill=args.recall_prefill or "all",
+        recall_window=args.recall_window,
         **_started(args, tokenizer=args.tokenizer),
     )
     return _finish(args, "prefix", prefix, report)
@@ -466,6 +467,7 @@ STARTED_ONLY = {
     "max_model_len": "--max-model-len",
     "stride": "--stride",
     "recall_prefill": "--recall-prefill",
+    "recall_window": "--recall-window",
 }
 
 
@@ -722,6 +724,12 @@ def build_parser() -> argparse.ArgumentParser:
         choices=("all", "window"),
         default=None,
         help="the recall server's recall.prefill (default: all, every chunk over the window and the tier)",
+    )
+    g.add_argument(
+        "--recall-window",
+        type=int,
+        default=None,
+        help="the recall server's recall.window, the prompt's last queries that score the recall (default: the configuration's)",
     )
     x.set_defaults(func=cmd_prefix)
 

