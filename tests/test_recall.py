@@ -39,7 +39,7 @@ def test_tier_keeps_the_best_scored_per_head_within_its_cap():
         for j in range(4):
             assert e.state["acc"][j, h] == e.pos[j, h] * 10
             assert torch.equal(e.V[j, h], -e.K[j, h])
-    assert tier.take() is not None and tier.tokens == 0 and tier.take() is None  # take empties it
+    assert tier.take() and tier.tokens == 0 and tier.take() == []  # take empties it
     other = Tier()
     other.add(_entry([[1], [1]], [[0.0], [0.0]]), cap=0)  # cap 0: nothing kept
     assert other.chunks == [] and other.tokens == 0
@@ -55,7 +55,7 @@ def test_parts_read_the_whole_tier_and_keep_it():
     assert copy.waited and seen[1] is new  # the entries themselves, nothing copied
     assert torch.cat([p.pos for p in seen])[:, 0].tolist() == [1, 2, 5] and tier.tokens == 3
     taken = tier.take()
-    assert taken is not None and torch.equal(taken.pos, torch.cat([p.pos for p in seen])) and tier.tokens == 0
+    assert torch.equal(torch.cat([p.pos for p in taken]), torch.cat([p.pos for p in seen])) and tier.tokens == 0
 
 
 class _Copy:
@@ -83,7 +83,7 @@ def test_candidates_pick_what_the_concatenated_entries_hold():
         parts.append(TierEntry(torch.rand(n, 2, 4, generator=g), torch.rand(n, 2, 4, generator=g), p, p.float(), state))
     tier = Tier.of(tuple(parts[1:]), cap=100)
     parts[-1].copy = copy = _Copy(done=False)
-    taken = tier.take_parts()
+    taken = tier.take()
     assert copy.waited and tier.tokens == 0 and [t.pos.shape for t in taken] == [t.pos.shape for t in parts[1:]]
     cand = Candidates([parts[0], *taken])
     score = torch.rand(cand.tokens, 2, generator=g)
@@ -94,7 +94,7 @@ def test_candidates_pick_what_the_concatenated_entries_hold():
     for name, whole in (("K", "K"), ("V", "V"), ("pos", "pos")):
         assert torch.equal(getattr(got, name), torch.cat([getattr(t, whole) for t in parts])[idx, h])
     assert torch.equal(got.score, score[idx, h]) and torch.equal(got.state["acc"], acc[idx, h])
-    assert Tier.of(tuple(parts[1:]), cap=4).take_parts()[0].tokens == 4  # over its cap: its best, merged
+    assert [t.tokens for t in Tier.of(tuple(parts[1:]), cap=4).take()] == [4]  # over its cap: its best, merged
 
 
 def test_tier_merges_a_chunk_only_once_its_copy_has_landed():
@@ -121,7 +121,7 @@ def test_tier_merges_a_chunk_only_once_its_copy_has_landed():
     last = _entry([[11], [12]], [[1.0], [1.0]])
     last.copy = copy4 = _Copy(done=False)
     tier.add(last, cap=2)
-    got = tier.take("cpu")
+    (got,) = tier.take("cpu")  # over its cap: merged, its best
     assert copy4.waited and got.tokens == 2 and tier.chunks == [] and tier.tokens == 0
     assert sorted(got.pos[:, 0].tolist()) == [2, 11] and sorted(got.pos[:, 1].tolist()) == [10, 12]
 
@@ -219,7 +219,7 @@ def test_tier_on_a_gpu_copies_without_waiting_and_reads_only_landed_copies():
     assert pending.K.device.type == "cpu" and pending.K.is_pinned()
     tier.add(b, cap=n)  # waits for a's copy; b's own copy landed or not, it is kept apart until then
     assert tier.chunks[0].copy is None and tier.tokens == 2 * n
-    got = tier.take(dev)
+    (got,) = tier.take(dev)  # over its cap: merged, its best
     torch.cuda.synchronize()
     assert got.K.device.type == "cuda" and got.tokens == n
 

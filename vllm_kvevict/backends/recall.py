@@ -326,13 +326,20 @@ class Recall:
     def _with_tier(self, kv_cache, plan, r: int, start: int, end: int, parts: list[TierEntry]):
         """Row ``r``'s window slots ``[start, end)`` and the tier's tokens (``parts``, on the cache's
         device) after them: ``(slots, K, V, positions)`` (``[n, H, ...]``, the window's first)."""
+        slots, w = self._window(kv_cache, plan, r, start, end)
+        K = torch.cat([w.K, *(p.K.to(w.K.dtype) for p in parts)])
+        V = torch.cat([w.V, *(p.V.to(w.V.dtype) for p in parts)])
+        return slots, K, V, torch.cat([w.pos, *(p.pos for p in parts)])
+
+    def _window(self, kv_cache, plan, r: int, start: int, end: int) -> tuple[torch.Tensor, TierEntry]:
+        """Row ``r``'s window slots ``[start, end)`` and what they hold as an entry (K, V,
+        positions, per-slot state; no score: -inf)."""
         bs = kv_cache.shape[2]
         slots = plan.slots(((r, start, end),), bs)
-        K_w, V_w = self.layout.gather(kv_cache, slots // bs, slots % bs)  # [n, H, d]
-        K = torch.cat([K_w, *(p.K.to(K_w.dtype) for p in parts)])
-        V = torch.cat([V_w, *(p.V.to(V_w.dtype) for p in parts)])
-        pos = torch.cat([self.slots.positions(kv_cache)[slots].long(), *(p.pos for p in parts)])
-        return slots, K, V, pos
+        K, V = self.layout.gather(kv_cache, slots // bs, slots % bs)  # [n, H, d]
+        pos = self.slots.positions(kv_cache)[slots].long()
+        state = {k: t[slots] for k, t in self.slots.state.items()}
+        return slots, TierEntry(K, V, pos, torch.full_like(pos, float("-inf"), dtype=torch.float32), state)
 
     def at_prompt_end(self, kv_cache, plan, rows: set[int]) -> dict[int, torch.Tensor]:
         """Each of ``rows`` whose prompt completes in this step, its window re-selected
@@ -513,17 +520,12 @@ class Recall:
         tier by recall's score, nothing written yet: ``(slots, the winners' entry, how many from the
         tier, the losers' entry)``; None when the tier is empty."""
         cfg = plan.states[r].settings.config
-        parts = tier_of.take_parts(kv_cache.device)
+        parts = tier_of.take(kv_cache.device)
         if not parts:
             return None
-        bs = kv_cache.shape[2]
-        slots = plan.slots(((r, start, end),), bs)
-        K_w, V_w = self.layout.gather(kv_cache, slots // bs, slots % bs)  # [n, H, d]
-        pos_w = self.slots.positions(kv_cache)[slots].long()
-        state_w = {k: t[slots] for k, t in self.slots.state.items()}
-        none = torch.full_like(pos_w, float("-inf"), dtype=torch.float32)  # the window's scores are recall's
-        cand = Candidates([TierEntry(K_w, V_w, pos_w, none, state_w), *parts])
-        q_pos = torch.arange(q_end - Qw.shape[1], q_end, device=K_w.device)
+        slots, window = self._window(kv_cache, plan, r, start, end)
+        cand = Candidates([window, *parts])
+        q_pos = torch.arange(q_end - Qw.shape[1], q_end, device=cand.K.device)
         hd = self.heads
         scores = recall_scores(
             Qw.float(), q_pos, cand.K.float(), cand.pos, hd.G, hd.scale, hd.softcap, cfg.recall.kernel, hd.sinks

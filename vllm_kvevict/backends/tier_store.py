@@ -53,8 +53,8 @@ class TierEntry:
 class Tier:
     """One request's tier in one layer (kept in its :class:`~vllm_kvevict.request.LayerState`): the
     entries its compactions dropped, in order, each never written once added (on a GPU the newest
-    may still be in flight to host memory). They are merged when taken whole (:meth:`take`)
-    and when the tier exceeds its ``cap`` (its best kept); until then a :meth:`snapshot` shares
+    may still be in flight to host memory). They are merged only when the tier exceeds its ``cap``
+    (its best kept) and read as they are (:meth:`parts`, :meth:`take`); until then a :meth:`snapshot` shares
     them with the tier it was taken of, and a tier started on a snapshot (:meth:`of`) extends it
     without copying it (copy-on-extend)."""
 
@@ -90,18 +90,12 @@ class Tier:
             merged, pending = merge_entries(self.chunks, cap), []
         self.chunks = [c for c in (merged, *pending) if c is not None and c.tokens]
 
-    def take(self, device: torch.device | str | None = None) -> TierEntry | None:
-        """The whole tier (on ``device``: copied back from pinned memory asynchronously); the tier
-        is empty afterwards."""
-        chunks, self.chunks = self.chunks, []
-        e = merge_entries(chunks, self.cap)
-        return e if e is None or device is None else on_device(e, device)
-
     def parts(self, device: torch.device | str | None = None) -> list[TierEntry]:
         """The whole tier as its entries (copies in flight waited for; merged only over ``cap``,
-        which :meth:`add` allows no longer than a copy is in flight), on ``device``; the tier
-        keeps them. What reads every token (recall's scoring and attention) concatenates them with
-        the window itself, once, rather than merging a cached window's snapshot first."""
+        which :meth:`add` allows no longer than a copy is in flight), on ``device`` (copied back
+        from pinned memory asynchronously); the tier keeps them. What reads every token (recall's
+        scoring and attention) concatenates them with the window itself, once, rather than
+        merging a cached window's snapshot first."""
         if self.tokens > self.cap:
             merged = merge_entries(self.chunks, self.cap)
             self.chunks = [] if merged is None else [merged]
@@ -111,7 +105,7 @@ class Tier:
                 c.copy = None
         return [c if device is None else on_device(c, device) for c in self.chunks if c.tokens]
 
-    def take_parts(self, device: torch.device | str | None = None) -> list[TierEntry]:
+    def take(self, device: torch.device | str | None = None) -> list[TierEntry]:
         """:meth:`parts`, the tier empty afterwards."""
         out = self.parts(device)
         self.chunks = []
