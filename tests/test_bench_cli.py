@@ -115,6 +115,8 @@ def test_names_shared_with_vllm_bench_serve():
             ["prefix", "--base-url", "http://a", "--stock-base-url", "http://b", "--recall-window", "16"],
             "--recall-window",
         ),
+        (["prefix", "--recall-window", "0"], "recall.window is between 1 and 128"),
+        (["prefix", "--recall-window", "129"], "recall.window is between 1 and 128"),
     ],
 )
 def test_base_url_misuse_is_an_error(argv, message, capsys):

@@ -471,6 +471,20 @@ STARTED_ONLY = {
 }
 
 
+def _recall_window(text: str) -> int:
+    """``--recall-window``: an integer ``recall.window`` accepts (refused here, not by a server that
+    fails to start)."""
+    from vllm_kvevict.config import MAX_RECALL_WINDOW
+
+    try:
+        n = int(text)
+    except ValueError:
+        raise argparse.ArgumentTypeError(f"{text!r}: not an integer") from None
+    if not 1 <= n <= MAX_RECALL_WINDOW:
+        raise argparse.ArgumentTypeError(f"{n}: recall.window is between 1 and {MAX_RECALL_WINDOW}")
+    return n
+
+
 def _check(args) -> str | None:
     """What is wrong with a command line that argparse cannot see, or None."""
     base = getattr(args, "base_url", None)
@@ -727,7 +741,7 @@ def build_parser() -> argparse.ArgumentParser:
     )
     g.add_argument(
         "--recall-window",
-        type=int,
+        type=_recall_window,
         default=None,
         help="the recall server's recall.window, the prompt's last queries that score the recall (default: the configuration's)",
     )
